@@ -1,0 +1,114 @@
+"""One typed, frozen configuration object, read once from ``HOPLITE_*`` variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from .errors import ConfigError
+
+_PREFIX = "HOPLITE_"
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True)
+class Config:
+    """Runtime settings. Every field can be set by ``HOPLITE_<NAME>`` (upper case).
+
+    Defaults suit one machine or a small cluster; see README "Configuration".
+    """
+
+    #: Shared cluster secret; every control and data connection proves it knows it.
+    token: str | None = field(default=None, repr=False)
+    #: Transport scheme for data connections ("tcp"; "ucx" when installed).
+    transport: str = "tcp"
+    #: Interface a node's data server binds to. Loopback unless you run across hosts.
+    node_host: str = "127.0.0.1"
+    #: Bytes per pipelined chunk.
+    chunk_size: int = 4 * MiB
+    #: Objects this size or smaller travel inline through the directory.
+    inline_threshold: int = 64 * KiB
+    #: How many receivers one node serves one object to at a time (the paper uses 1).
+    max_receivers_per_sender: int = 1
+    #: Default deadline, in seconds, of every blocking call that is given none.
+    timeout_s: float = 300.0
+    #: Deadline for connecting (and authenticating) to the directory or a peer.
+    connect_timeout_s: float = 10.0
+    #: A transfer that moves no byte for this long counts as failed.
+    stall_timeout_s: float = 10.0
+    #: How often a node renews its lease with the directory.
+    heartbeat_interval_s: float = 1.0
+    #: A node whose lease is not renewed for this long is declared dead.
+    node_lease_s: float = 5.0
+    #: Log level name for the "hoplite_gpu" logger (DEBUG, INFO, WARNING, ...).
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 4 * KiB:
+            raise ConfigError(f"chunk_size must be at least 4096 bytes; got {self.chunk_size}")
+        if self.inline_threshold < 0:
+            raise ConfigError(f"inline_threshold must be >= 0; got {self.inline_threshold}")
+        if self.max_receivers_per_sender < 1:
+            raise ConfigError(
+                f"max_receivers_per_sender must be >= 1; got {self.max_receivers_per_sender}"
+            )
+        for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
+                     "heartbeat_interval_s", "node_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
+        if self.node_lease_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"node_lease_s ({self.node_lease_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or every node would expire between beats"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """Build a Config from ``HOPLITE_*`` variables, then apply keyword overrides.
+
+        Unknown ``HOPLITE_*`` names and unknown keywords are refused, so a typo
+        never silently falls back to a default.
+        """
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, object] = {}
+        for key, raw in environ.items():
+            if not key.startswith(_PREFIX):
+                continue
+            name = key[len(_PREFIX):].lower()
+            if name not in known:
+                raise ConfigError(
+                    f"unknown setting {key}; known: "
+                    + ", ".join(_PREFIX + n.upper() for n in sorted(known))
+                )
+            values[name] = _parse(known[name], raw, key)
+        for name, value in overrides.items():
+            if name not in known:
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+    def replace(self, **changes: object) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(f: dataclasses.Field, raw: str, key: str) -> object:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("int"):
+            return int(raw, 0)
+        if kind.startswith("float"):
+            return float(raw)
+        if kind.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={raw!r} is not a valid {kind}") from exc
+    return raw

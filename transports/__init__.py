@@ -1,0 +1,41 @@
+"""Transports, chosen by URI scheme. ``get_backend("tcp")`` -> the TCP backend."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Backend, Listener, Stream, split_address
+
+# scheme -> "module:attribute", imported on first use so optional ones (ucx)
+# cost nothing when unused.
+_KNOWN = {
+    "tcp": "hoplite_gpu.transports.tcp:TCPBackend",
+}
+_loaded: dict[str, Backend] = {}
+
+
+def register_backend(scheme: str, backend: Backend) -> None:
+    _loaded[scheme] = backend
+
+
+def get_backend(scheme: str) -> Backend:
+    from hoplite_gpu.errors import ConfigError
+
+    if scheme in _loaded:
+        return _loaded[scheme]
+    if scheme not in _KNOWN:
+        known = ", ".join(sorted(set(_KNOWN) | set(_loaded)))
+        raise ConfigError(f"unknown transport {scheme!r}; known transports: {known}")
+    module, _, attr = _KNOWN[scheme].partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise ConfigError(
+            f"transport {scheme!r} is not usable here: {exc}. "
+            f"Install its extra (pip install 'hoplite-gpu[{scheme}]')."
+        ) from exc
+    _loaded[scheme] = backend = cls()
+    return backend
+
+
+__all__ = ["Backend", "Listener", "Stream", "get_backend", "register_backend", "split_address"]

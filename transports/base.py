@@ -1,0 +1,85 @@
+"""The transport interface: a byte stream with exact-size receives, and a listener.
+
+Everything above this layer speaks in buffers; everything below it (sockets,
+UCX endpoints) stays here, and its errors are converted at this boundary into
+`TransportClosed`, `ConnectionRefused` or `Timeout`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Stream(abc.ABC):
+    """A reliable, ordered, bidirectional byte stream between two processes."""
+
+    #: Human-readable peer address, for error messages.
+    peer: str = "?"
+
+    @abc.abstractmethod
+    async def send(self, *buffers: Buffer) -> None:
+        """Send every byte of each buffer, in order. Raises TransportClosed."""
+
+    @abc.abstractmethod
+    async def recv_into(self, buffer: memoryview) -> None:
+        """Fill `buffer` exactly, writing straight into it. Raises TransportClosed
+        if the stream ends first (the buffer is then partly written)."""
+
+    async def recv_exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        if n:
+            await self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the stream; idempotent. Pending sends/receives raise TransportClosed."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+
+Handler = Callable[[Stream], Awaitable[None]]
+
+
+class Listener(abc.ABC):
+    """Accepts streams and hands each to a handler task it owns."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The URI peers connect to, e.g. ``tcp://127.0.0.1:40123``."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop accepting, close open streams and wait for their handlers."""
+
+
+class Backend(abc.ABC):
+    """One transport family, selected by URI scheme through the registry."""
+
+    scheme: str
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
+
+    @abc.abstractmethod
+    async def connect(self, address: str, timeout: float) -> Stream:
+        """Connect to ``address`` (``scheme://host:port`` or ``host:port``)."""
+
+
+def split_address(address: str, default_scheme: str = "tcp") -> tuple[str, str, int]:
+    """``"tcp://h:1"`` -> ("tcp", "h", 1); a bare ``"h:1"`` gets the default scheme."""
+    from hoplite_gpu.errors import InvalidArgument
+
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = default_scheme, address
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise InvalidArgument(f"expected an address like 'host:port' or 'tcp://host:port'; got {address!r}")
+    return scheme, host.strip("[]"), int(port)

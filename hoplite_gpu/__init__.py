@@ -1,0 +1,44 @@
+"""hoplite-gpu: dynamic, pipelined, fault-tolerant collectives for task-based systems."""
+
+from .api import (
+    delete,
+    delete_async,
+    get,
+    get_async,
+    init,
+    node_id,
+    object_info,
+    object_info_async,
+    put,
+    put_async,
+    runtime,
+    shutdown,
+)
+from .config import Config
+from .errors import (
+    AuthenticationFailed,
+    ConfigError,
+    DirectoryUnavailable,
+    HopliteError,
+    InvalidArgument,
+    NotInitialized,
+    ObjectExists,
+    ObjectNotFound,
+    PeerLost,
+    ReduceFailed,
+    RuntimeClosed,
+    Timeout,
+    TransportClosed,
+    UnsupportedValue,
+)
+from .ids import ObjectID
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationFailed", "Config", "ConfigError", "DirectoryUnavailable", "HopliteError",
+    "InvalidArgument", "NotInitialized", "ObjectExists", "ObjectID", "ObjectNotFound", "PeerLost",
+    "ReduceFailed", "RuntimeClosed", "Timeout", "TransportClosed", "UnsupportedValue", "delete",
+    "delete_async", "get", "get_async", "init", "node_id", "object_info", "object_info_async", "put",
+    "put_async", "runtime", "shutdown",
+]

@@ -1,0 +1,74 @@
+"""Mutual challenge-response on every connection: both sides prove they know the
+cluster token with an HMAC over fresh nonces; the token itself never travels."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+
+from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClosed
+from .protocol import recv_msg, send_msg
+from .transports import Stream
+
+PROTOCOL_VERSION = 1
+_NONCE = 32
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def _mac(token: str, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token.encode(), role + a + b, hashlib.sha256).digest()
+
+
+async def server_handshake(stream: Stream, token: str, timeout: float) -> None:
+    """Run on the accepting side. Raises AuthenticationFailed after telling the peer why."""
+    try:
+        async with asyncio.timeout(timeout):
+            s_nonce = os.urandom(_NONCE)
+            await send_msg(stream, {"hello": "hoplite-gpu", "version": PROTOCOL_VERSION, "nonce": s_nonce})
+            msg = await recv_msg(stream)
+            c_nonce, mac = msg.get("nonce"), msg.get("mac")
+            if not isinstance(c_nonce, bytes) or not isinstance(mac, bytes):
+                raise ProtocolError(f"bad handshake from {stream.peer}")
+            if not hmac.compare_digest(mac, _mac(token, b"client", s_nonce, c_nonce)):
+                await send_msg(stream, {"ok": False, "error": "wrong cluster token"})
+                raise AuthenticationFailed(f"peer {stream.peer} presented a wrong cluster token")
+            await send_msg(stream, {"ok": True, "mac": _mac(token, b"server", c_nonce, s_nonce)})
+    except TimeoutError as exc:
+        raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
+
+
+async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
+    """Run on the connecting side. Raises AuthenticationFailed on a token mismatch."""
+    try:
+        async with asyncio.timeout(timeout):
+            hello = await recv_msg(stream)
+            if hello.get("hello") != "hoplite-gpu":
+                raise ProtocolError(f"{stream.peer} is not a hoplite-gpu endpoint")
+            if hello.get("version") != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"{stream.peer} speaks protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
+                )
+            s_nonce, c_nonce = hello["nonce"], os.urandom(_NONCE)
+            await send_msg(stream, {"nonce": c_nonce, "mac": _mac(token, b"client", s_nonce, c_nonce)})
+            try:
+                verdict = await recv_msg(stream)
+            except TransportClosed as exc:
+                raise AuthenticationFailed(f"{stream.peer} closed the connection during authentication") from exc
+            if not verdict.get("ok"):
+                raise AuthenticationFailed(
+                    f"{stream.peer} refused us: {verdict.get('error', 'no reason given')}. "
+                    "Check that this process uses the same cluster token (HOPLITE_TOKEN) as the directory."
+                )
+            mac = verdict.get("mac")
+            if not isinstance(mac, bytes) or not hmac.compare_digest(
+                mac, _mac(token, b"server", c_nonce, s_nonce)
+            ):
+                raise AuthenticationFailed(f"{stream.peer} could not prove it knows the cluster token")
+    except TimeoutError as exc:
+        raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc

@@ -1,0 +1,141 @@
+"""The ``hoplite-gpu`` command line: directory, demo, info."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import platform
+import signal
+import sys
+
+from .config import Config
+from .errors import HopliteError
+
+
+def _directory(args: argparse.Namespace) -> int:
+    from .auth import new_token
+    from .directory.server import DirectoryServer
+
+    config = Config.from_env()
+    token = args.token or config.token
+    if not token:
+        token = new_token()
+        print(f"no --token or HOPLITE_TOKEN given; generated token: {token}", flush=True)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+    async def serve() -> None:
+        server = DirectoryServer(token, host=args.host, port=args.port, transport=config.transport,
+                                 handshake_timeout=config.connect_timeout_s,
+                                 max_receivers_per_sender=config.max_receivers_per_sender)
+        address = await server.start()
+        print(f"hoplite-gpu directory listening on {address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.close()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(num_workers=args.workers, size=_parse_size(args.size), repeats=args.repeats,
+                    chunk_size=_parse_size(args.chunk_size) if args.chunk_size else None)
+
+
+def _info(args: argparse.Namespace) -> int:
+    import numpy
+
+    from . import __version__
+    from .transports import _KNOWN, get_backend
+
+    print(f"hoplite-gpu {__version__} on Python {platform.python_version()}, NumPy {numpy.__version__}")
+    config = Config.from_env()
+    print(f"config: {config}")
+    for scheme in sorted(_KNOWN):
+        try:
+            get_backend(scheme)
+            print(f"transport {scheme}: usable")
+        except HopliteError as exc:
+            print(f"transport {scheme}: not usable ({exc})")
+    try:
+        import cupy  # noqa: F401
+        print("cupy: installed")
+    except ImportError:
+        print("cupy: not installed (device arrays need pip install 'hoplite-gpu[gpu]')")
+    print(_gpu_summary())
+    return 0
+
+
+def _gpu_summary() -> str:
+    try:
+        import pynvml
+    except ImportError:
+        return "GPUs: unknown (nvidia-ml-py is not installed: pip install 'hoplite-gpu[gpu]')"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return f"GPUs: none usable (no NVIDIA driver found: {exc}); the CPU path (NumPy + TCP) works"
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        lines = [f"GPUs: {n}, driver {pynvml.nvmlSystemGetDriverVersion()}"]
+        for i in range(n):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            lines.append(f"  [{i}] {pynvml.nvmlDeviceGetName(h)}  {mem.total / 2**30:.1f} GiB")
+        return "\n".join(lines)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in "kmg" else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise SystemExit(f"not a size: {text!r} (examples: 4096, 64KiB, 256MiB, 1GiB)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hoplite-gpu", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("directory", help="run the directory service (the control plane)")
+    d.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    d.add_argument("--port", type=int, default=7777, help="port (0 picks a free one; default 7777)")
+    d.add_argument("--token", default=None, help="cluster token (default: $HOPLITE_TOKEN, else generated)")
+    d.add_argument("--log-level", default="WARNING")
+    d.set_defaults(func=_directory)
+
+    m = sub.add_parser("demo", help="broadcast a large array across a local cluster and show the tree")
+    m.add_argument("--workers", type=int, default=8, help="worker processes (1 sender + N-1 receivers)")
+    m.add_argument("--size", default="256MiB", help="array size (default 256MiB)")
+    m.add_argument("--repeats", type=int, default=1, help="broadcasts to time (median reported)")
+    m.add_argument("--chunk-size", default=None, help="pipeline chunk size (default from config)")
+    m.set_defaults(func=_demo)
+
+    i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
+    i.set_defaults(func=_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HopliteError as exc:
+        print(f"hoplite-gpu: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""LocalCluster: a directory process plus N worker processes on this machine,
+for the demo, the tests and benchmarks. Workers run picklable functions sent
+to them, inside an initialised hoplite-gpu runtime."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .auth import new_token
+from .errors import HopliteError, Timeout
+
+_ADDRESS = re.compile(r"listening on (\S+)")
+
+
+class WorkerError(HopliteError):
+    """A function sent to a worker raised; the message carries its traceback."""
+
+
+def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> None:
+    import hoplite_gpu as hg
+
+    hg.init(address, token=token, **settings)
+    conn.send(("ready", hg.node_id()))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            break
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # report everything, the worker lives on
+            conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    hg.shutdown()
+
+
+class LocalCluster:
+    """``with LocalCluster(8) as c: c.map(fn, [args0, args1, ...])``."""
+
+    def __init__(self, num_workers: int = 8, *, token: str | None = None,
+                 start_timeout: float = 60.0, directory_args: Sequence[str] = (),
+                 **settings: Any) -> None:
+        self.num_workers = num_workers
+        self.token = token or new_token()
+        self.settings = settings
+        self.start_timeout = start_timeout
+        self.directory_args = list(directory_args)
+        self.address = ""
+        self.node_ids: list[str] = []
+        self._directory: subprocess.Popen | None = None
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+
+    # ------------------------------------------------------------ set-up ---
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._start_directory()
+        ctx = mp.get_context("spawn")
+        for _ in range(self.num_workers):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(child, self.address, self.token, self.settings),
+                               daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self.node_ids = [self._recv(i, self.start_timeout) for i in range(self.num_workers)]
+
+    def _start_directory(self) -> None:
+        env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", "0",
+               *self.directory_args]
+        self._directory = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + self.start_timeout
+        assert self._directory.stdout is not None
+        while time.monotonic() < deadline:
+            line = self._directory.stdout.readline()
+            if not line:
+                raise HopliteError(f"the directory exited with code {self._directory.wait()} before listening")
+            match = _ADDRESS.search(line)
+            if match:
+                self.address = match.group(1)
+                return
+        raise Timeout(f"the directory did not start within {self.start_timeout:g}s")
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._directory is not None:
+            self._directory.terminate()
+            try:
+                self._directory.wait(10)
+            except subprocess.TimeoutExpired:
+                self._directory.kill()
+                self._directory.wait(5)
+            if self._directory.stdout:
+                self._directory.stdout.close()
+            self._directory = None
+
+    # ------------------------------------------------------------- work ---
+    def submit(self, worker: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Start `fn(*args, **kwargs)` on a worker; collect it with `result`."""
+        self._conns[worker].send((fn, args, kwargs))
+
+    def result(self, worker: int, timeout: float = 300.0) -> Any:
+        return self._recv(worker, timeout)
+
+    def _recv(self, worker: int, timeout: float) -> Any:
+        conn = self._conns[worker]
+        if not conn.poll(timeout):
+            raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
+        try:
+            status, value = conn.recv()
+        except EOFError:
+            raise WorkerError(f"worker {worker} died (exit code {self._procs[worker].exitcode})") from None
+        if status == "err":
+            raise WorkerError(f"worker {worker} raised {value}")
+        return value
+
+    def run(self, worker: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+            **kwargs: Any) -> Any:
+        self.submit(worker, fn, *args, **kwargs)
+        return self.result(worker, timeout)
+
+    def map(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]], *,
+            workers: Sequence[int] | None = None, timeout: float = 300.0) -> list[Any]:
+        """Run ``fn(*args[i])`` on ``workers[i]`` (default: worker i), all at once."""
+        workers = list(range(len(args))) if workers is None else list(workers)
+        for w, a in zip(workers, args, strict=True):
+            self.submit(w, fn, *a)
+        deadline = time.monotonic() + timeout
+        return [self._recv(w, max(0.0, deadline - time.monotonic())) for w in workers]
+
+    def kill(self, worker: int) -> None:
+        self._procs[worker].kill()
+        self._procs[worker].join(5)
+
+    def pid(self, worker: int) -> int | None:
+        return self._procs[worker].pid

@@ -1,0 +1,135 @@
+"""A node's connection to the directory: requests with ids, one-way notices,
+and pushed commands (drop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from hoplite_gpu.auth import client_handshake
+from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
+from hoplite_gpu.protocol import recv_msg, send_msg
+from hoplite_gpu.transports import Stream, get_backend, split_address
+
+from .wire import raise_for_error
+
+log = logging.getLogger("hoplite_gpu.client")
+
+
+class DirectoryClient:
+    def __init__(self, stream: Stream, on_push: Callable[[dict[str, Any]], None]) -> None:
+        self._stream = stream
+        self._on_push = on_push
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._lost: BaseException | None = None
+        self._closing = False
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._write_loop())]
+
+    @classmethod
+    async def connect(cls, address: str, *, token: str, node: str, data_address: str,
+                      timeout: float, on_push: Callable[[dict[str, Any]], None]) -> DirectoryClient:
+        scheme, _, _ = split_address(address)
+        try:
+            stream = await get_backend(scheme).connect(address, timeout)
+        except TransportError as exc:
+            raise DirectoryUnavailable(
+                f"cannot reach the directory at {address}: {exc}. "
+                "Is `hoplite-gpu directory` running there?") from exc
+        try:
+            await client_handshake(stream, token, timeout)
+            await send_msg(stream, {"op": "register", "node": node, "address": data_address})
+            async with asyncio.timeout(timeout):
+                raise_for_error(await recv_msg(stream))
+        except TimeoutError as exc:
+            await stream.close()
+            raise Timeout(f"the directory at {address} did not accept us within {timeout:g}s") from exc
+        except BaseException:
+            await stream.close()
+            raise
+        return cls(stream, on_push)
+
+    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send a request and wait for its reply; errors in the reply are raised."""
+        rid = next(self._ids)
+        fut = self.start(msg, rid)
+        try:
+            async with asyncio.timeout(timeout):
+                body = await fut
+        except TimeoutError:
+            raise Timeout(f"the directory did not answer {msg.get('op')!r} within {timeout:g}s") from None
+        finally:
+            self._pending.pop(rid, None)
+        return raise_for_error(body)
+
+    def start(self, msg: dict[str, Any], rid: int | None = None) -> asyncio.Future:
+        """Send a request now; return the future of its reply body (unchecked)."""
+        if self._lost is not None:
+            raise DirectoryUnavailable(f"lost the directory connection: {self._lost}")
+        rid = next(self._ids) if rid is None else rid
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self._outbox.put_nowait({**msg, "rid": rid})
+        return fut
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def post(self, msg: dict[str, Any]) -> None:
+        """Send a one-way notice; dropped silently once the directory is gone."""
+        if self._lost is None:
+            self._outbox.put_nowait(msg)
+
+    async def _write_loop(self) -> None:
+        while (msg := await self._outbox.get()) is not None:
+            try:
+                await send_msg(self._stream, msg)
+            except HopliteError as exc:
+                self._fail(exc)
+                return
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await recv_msg(self._stream)
+                rid = msg.pop("rid", None)
+                if rid is not None:
+                    fut = self._pending.pop(rid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                else:
+                    self._on_push(msg)
+        except HopliteError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._lost is None:
+            self._lost = exc
+            if not self._closing:
+                log.warning("lost the directory connection: %s", exc)
+        err = DirectoryUnavailable(f"lost the directory connection: {exc}")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        with contextlib.suppress(Exception):
+            self._on_push({"op": "directory_lost", "reason": str(exc)})
+
+    async def close(self) -> None:
+        self._closing = True
+        self._outbox.put_nowait(None)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await asyncio.shield(self._tasks[1])
+        await self._stream.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._lost is None:
+            self._lost = DirectoryUnavailable("the client was closed")

@@ -1,0 +1,118 @@
+"""The asyncio directory service: a thin driver around the pure `state.Directory`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from hoplite_gpu.auth import server_handshake
+from hoplite_gpu.errors import HopliteError, ProtocolError
+from hoplite_gpu.protocol import field, recv_msg, send_msg
+from hoplite_gpu.transports import Stream, get_backend
+
+from . import state
+from .wire import to_event
+
+log = logging.getLogger("hoplite_gpu.directory")
+
+
+class _Peer:
+    """One registered node: its stream and an outbox drained by one writer task,
+    so the state machine never waits on a slow node."""
+
+    def __init__(self, node: str, stream: Stream) -> None:
+        self.node = node
+        self.stream = stream
+        self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def write_loop(self) -> None:
+        while (msg := await self.outbox.get()) is not None:
+            await send_msg(self.stream, msg)
+
+
+class DirectoryServer:
+    """Serve the directory on ``transport://host:port``; `address` is set by `start`."""
+
+    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0,
+                 transport: str = "tcp", handshake_timeout: float = 10.0,
+                 max_receivers_per_sender: int = 1) -> None:
+        self.token = token
+        self.host, self.port, self.transport = host, port, transport
+        self.handshake_timeout = handshake_timeout
+        self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender)
+        self.peers: dict[str, _Peer] = {}
+        self.address = ""
+        self._listener = None
+
+    async def start(self) -> str:
+        backend = get_backend(self.transport)
+        self._listener = await backend.listen(self.host, self.port, self._serve)
+        self.address = self._listener.address
+        log.info("directory listening on %s", self.address)
+        return self.address
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+
+    def apply(self, event: state.Event) -> None:
+        for cmd in self.state.handle(event):
+            peer = self.peers.get(cmd.node)
+            if peer is None:
+                continue  # the node left; the state machine has forgotten it too
+            if isinstance(cmd, state.Reply):
+                peer.outbox.put_nowait({"rid": cmd.request, **cmd.body})
+            else:
+                peer.outbox.put_nowait({"op": "drop", "oid": cmd.oid, "reason": cmd.reason})
+
+    async def _serve(self, stream: Stream) -> None:
+        try:
+            await server_handshake(stream, self.token, self.handshake_timeout)
+            hello = await recv_msg(stream)
+            if hello.get("op") != "register":
+                raise ProtocolError(f"expected 'register' from {stream.peer}, got {hello.get('op')!r}")
+            node, address = field(hello, "node", str), field(hello, "address", str)
+        except HopliteError as exc:
+            log.warning("refused connection from %s: %s", stream.peer, exc)
+            return
+        if node in self.peers:
+            await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})
+            return
+        peer = self.peers[node] = _Peer(node, stream)
+        writer = asyncio.get_running_loop().create_task(peer.write_loop())
+        peer.outbox.put_nowait({"ok": True, "node": node})
+        self.apply(state.NodeJoined(node, address))
+        try:
+            await self._read_loop(peer)
+        except HopliteError as exc:
+            log.info("node %s disconnected: %s", node, exc)
+        finally:
+            del self.peers[node]
+            self.apply(state.NodeLost(node))
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, HopliteError):
+                await writer
+
+    async def _read_loop(self, peer: _Peer) -> None:
+        while True:
+            msg = await recv_msg(peer.stream)
+            op = msg.get("op")
+            if op == "ping":
+                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "ok": True})
+                continue
+            if op == "nodes":
+                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
+                continue
+            try:
+                event = to_event(peer.node, msg)
+            except ProtocolError as exc:
+                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
+                continue
+            if event is None:
+                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "error": "ProtocolError",
+                                        "message": f"unknown op {op!r}"})
+                continue
+            self.apply(event)

@@ -1,0 +1,49 @@
+"""How control messages map to the state machine's events, and errors to exceptions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hoplite_gpu import errors
+from hoplite_gpu.protocol import field
+
+from . import state
+
+
+def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
+    """Translate one message from `node`; None for ops the server answers itself."""
+    op = field(msg, "op", str)
+    if op == "put":
+        inline = msg.get("inline")
+        return state.Put(node, field(msg, "rid", int), field(msg, "oid", bytes),
+                         field(msg, "size", int), field(msg, "layout", dict),
+                         inline if isinstance(inline, bytes) else None)
+    if op == "locate":
+        return state.Locate(node, field(msg, "rid", int), field(msg, "oid", bytes))
+    if op == "cancel":
+        return state.CancelLocate(node, field(msg, "request", int))
+    if op == "progress":
+        return state.Progress(node, field(msg, "oid", bytes), field(msg, "nbytes", int))
+    if op == "complete":
+        return state.Completed(node, field(msg, "oid", bytes))
+    if op == "failed":
+        return state.TransferFailed(node, field(msg, "oid", bytes), field(msg, "sender", str),
+                                    field(msg, "have", int))
+    if op == "dropped":
+        return state.Dropped(node, field(msg, "oid", bytes))
+    if op == "delete":
+        return state.Delete(node, field(msg, "rid", int), field(msg, "oid", bytes))
+    if op == "query":
+        return state.Query(node, field(msg, "rid", int), field(msg, "oid", bytes))
+    return None
+
+
+def raise_for_error(body: dict[str, Any]) -> dict[str, Any]:
+    """Turn an ``{"error": Kind, "message": ...}`` body into the matching HopliteError."""
+    kind = body.get("error")
+    if kind is None:
+        return body
+    cls = getattr(errors, str(kind), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.HopliteError)):
+        cls = errors.HopliteError
+    raise cls(body.get("message", str(kind)))

@@ -1,0 +1,254 @@
+"""A node: the chunk store, the data server and the pull engine of one process,
+tied to the directory. Every method runs on the node's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from hoplite_gpu.config import Config
+from hoplite_gpu.directory.client import DirectoryClient
+from hoplite_gpu.directory.wire import raise_for_error
+from hoplite_gpu.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    PeerLost,
+    RuntimeClosed,
+    Timeout,
+    TransportError,
+)
+from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.values import Layout, from_buffer, to_buffer
+
+from .store import ChunkStore, StoredObject
+from .transfer import DataServer, PeerPool, fetch_range
+
+log = logging.getLogger("hoplite_gpu.node")
+
+#: How often a pulling node tells the directory how far it got.
+_PROGRESS_EVERY_S = 0.1
+
+
+class Node:
+    def __init__(self, config: Config, token: str, directory_address: str) -> None:
+        self.config = config
+        self.token = token
+        self.directory_address = directory_address
+        self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.store = ChunkStore()
+        self.server = DataServer(self.store, token, config)
+        self.pool = PeerPool(token, config)
+        self.client: DirectoryClient | None = None
+        self._pulls: dict[ObjectID, asyncio.Task] = {}
+        #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
+        self._pull_errors: dict[ObjectID, BaseException] = {}
+        self._closed: BaseException | None = None
+        #: oid -> list of senders this node pulled from (diagnostics, demo).
+        self.sources: dict[ObjectID, list[str]] = {}
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.client = await DirectoryClient.connect(
+            self.directory_address, token=self.token, node=self.node_id,
+            data_address=self.server.address, timeout=self.config.connect_timeout_s,
+            on_push=self._on_push)
+
+    async def close(self) -> None:
+        if self._closed is not None:
+            return
+        self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
+        for task in list(self._pulls.values()):
+            task.cancel()
+        await asyncio.gather(*self._pulls.values(), return_exceptions=True)
+        self.store.close(self._closed)
+        if self.client is not None:
+            await self.client.close()
+        await self.pool.close()
+        await self.server.close()
+
+    def _check_open(self) -> DirectoryClient:
+        if self._closed is not None:
+            raise self._closed
+        assert self.client is not None
+        return self.client
+
+    # ---------------------------------------------------------------- put ---
+    async def put(self, value: Any, oid: ObjectID) -> ObjectID:
+        client = self._check_open()
+        buf, layout = to_buffer(value)
+        existing = self.store.get(oid)
+        if existing is not None:
+            if existing.layout != layout:
+                raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
+            return oid
+        inline = layout.nbytes <= self.config.inline_threshold
+        data = np.frombuffer(bytearray(buf), dtype=np.uint8) if inline else None
+        obj = self.store.create(oid, layout, data)
+        if inline:
+            obj.advance(obj.size)
+        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
+               "inline": bytes(buf) if inline else None}
+        try:
+            await client.request(msg, self.config.timeout_s)
+        except BaseException:
+            self.store.remove(oid)
+            raise
+        if not inline:
+            await self._fill(obj, buf)
+            client.post({"op": "complete", "oid": oid.binary})
+        return oid
+
+    async def _fill(self, obj: StoredObject, src: memoryview) -> None:
+        """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""
+        dst, chunk = obj.buffer, self.config.chunk_size
+        srcarr = np.frombuffer(src, dtype=np.uint8)
+        for start in range(0, obj.size, chunk):
+            stop = min(start + chunk, obj.size)
+            dst[start:stop] = srcarr[start:stop]
+            obj.advance(stop)
+            await asyncio.sleep(0)
+
+    # ---------------------------------------------------------------- get ---
+    async def get(self, oid: ObjectID, timeout: float) -> Any:
+        obj = await self.fetch(oid, timeout)
+        return from_buffer(obj.buffer, obj.layout)
+
+    async def fetch(self, oid: ObjectID, timeout: float) -> StoredObject:
+        """Make `oid` complete in the local store (pulling it if needed) and return it."""
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        obj = self.store.get(oid)
+        if obj is not None and obj.complete:
+            return obj
+        if oid not in self._pulls:
+            task = asyncio.get_running_loop().create_task(self._pull(oid, deadline))
+            self._pulls[oid] = task
+            task.add_done_callback(lambda t, oid=oid: self._pull_done(oid, t))
+        task = self._pulls[oid]
+        try:
+            # A little later than the pull's own deadline, so its more precise error wins.
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 0.25):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and not (me is not None and me.cancelling()):
+                raise self._pull_errors.get(oid) or self._closed or ObjectNotFound(
+                    f"the pull of object {oid.hex()} was abandoned") from None
+            raise
+
+    def _pull_done(self, oid: ObjectID, task: asyncio.Task) -> None:
+        if self._pulls.get(oid) is task:
+            del self._pulls[oid]
+            asyncio.get_running_loop().call_soon(self._pull_errors.pop, oid, None)
+        if not task.cancelled():
+            task.exception()  # mark retrieved; the awaiting get re-raises it
+
+    async def _pull(self, oid: ObjectID, deadline: float) -> StoredObject:
+        client = self._check_open()
+        while True:
+            reply = await self._locate(client, oid, deadline)
+            layout = Layout.from_wire(reply["layout"])
+            if "inline" in reply:
+                return self._store_inline(oid, layout, reply["inline"])
+            obj = self.store.get(oid)
+            if reply.get("local"):
+                if obj is None:  # zero-byte object, or we were told we hold it
+                    obj = self.store.create(oid, layout)
+                obj.advance(obj.size)
+                return obj
+            if obj is None or obj.error is not None:
+                obj = self.store.create(oid, layout)
+            sender, address = reply["sender"], reply["address"]
+            self.sources.setdefault(oid, []).append(sender)
+            try:
+                await self._fetch_from(client, obj, address)
+            except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
+                log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
+                client.post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            except BaseException:
+                self.store.remove(oid)
+                client.post({"op": "dropped", "oid": oid.binary})
+                raise
+            client.post({"op": "complete", "oid": oid.binary})
+            return obj
+
+    async def _locate(self, client: DirectoryClient, oid: ObjectID, deadline: float) -> dict:
+        rid = client.next_id()
+        fut = client.start({"op": "locate", "oid": oid.binary}, rid)
+        remaining = deadline - time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                body = await fut
+        except TimeoutError:
+            client.post({"op": "cancel", "request": rid})
+            if self.store.get(oid) is not None:
+                self.store.remove(oid)
+                client.post({"op": "dropped", "oid": oid.binary})
+            raise Timeout(
+                f"object {oid.hex()} was not available within {max(remaining, 0):.3g}s: "
+                "nobody has put it yet, or every copy is busy") from None
+        return raise_for_error(body)
+
+    async def _fetch_from(self, client: DirectoryClient, obj: StoredObject, address: str) -> None:
+        last = [time.monotonic()]
+
+        def progress(pos: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= _PROGRESS_EVERY_S:
+                last[0] = now
+                client.post({"op": "progress", "oid": obj.oid.binary, "nbytes": pos})
+
+        await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
+
+    def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
+        obj = self.store.get(oid)
+        if obj is None or obj.error is not None:
+            obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
+        obj.advance(obj.size)
+        return obj
+
+    # ------------------------------------------------------------- delete ---
+    async def delete(self, oid: ObjectID) -> None:
+        client = self._check_open()
+        await client.request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
+        self.store.remove(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
+
+    async def query(self, oid: ObjectID) -> dict:
+        client = self._check_open()
+        return await client.request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
+
+    async def nodes(self) -> dict[str, str]:
+        client = self._check_open()
+        return (await client.request({"op": "nodes"}, self.config.timeout_s))["nodes"]
+
+    # ------------------------------------------------------------- pushes ---
+    def _on_push(self, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "drop":
+            oid = ObjectID(msg["oid"])
+            reason = ObjectNotFound(msg.get("reason", f"object {oid.hex()} was dropped"))
+            self.store.remove(oid, reason)
+            self._cancel_pull(oid, reason)
+        elif op == "directory_lost":
+            err = PeerLost(f"lost the directory: {msg.get('reason')}")
+            for oid in list(self._pulls):
+                self._cancel_pull(oid, err)
+        else:
+            log.warning("ignoring unknown push %r", op)
+
+    def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
+        task = self._pulls.get(oid)
+        if task is not None and not task.done():
+            self._pull_errors[oid] = reason
+            task.cancel(str(reason))
+

@@ -1,0 +1,145 @@
+"""The chunk store: one buffer per object with a "bytes ready" watermark.
+
+Bytes below the watermark are final and may be served to peers while the rest
+is still arriving; waiters are futures keyed by the watermark they need, woken
+by `advance` (never polled). All methods run on the node's event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hoplite_gpu.errors import ObjectNotFound, Timeout
+from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.values import Layout
+
+
+@dataclass(eq=False)
+class StoredObject:
+    oid: ObjectID
+    layout: Layout
+    buffer: np.ndarray                      # 1-D uint8, layout.nbytes long
+    ready: int = 0
+    error: BaseException | None = None
+    _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= self.size and self.error is None
+
+    def advance(self, ready: int) -> None:
+        """Bytes [0, ready) are now final; wake everyone waiting for at most that."""
+        if ready <= self.ready:
+            return
+        self.ready = min(ready, self.size)
+        keep = []
+        for need, fut in self._waiters:
+            if need <= self.ready:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((need, fut))
+        self._waiters = keep
+
+    def fail(self, exc: BaseException) -> None:
+        """The object will never fill: every waiter gets `exc`."""
+        self.error = exc
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiters = []
+
+    def reset(self, ready: int = 0) -> None:
+        """Roll the watermark back (a partial result is being rebuilt)."""
+        self.ready = min(ready, self.ready)
+        self.error = None
+
+    async def wait_ready(self, need: int, timeout: float) -> None:
+        need = min(need, self.size)
+        if self.error is not None:
+            raise self.error
+        if self.ready >= need:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((need, fut))
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except TimeoutError:
+            raise Timeout(
+                f"object {self.oid.hex()}: waited {timeout:g}s for {need} bytes, "
+                f"only {self.ready} of {self.size} arrived"
+            ) from None
+        finally:
+            if not fut.done():
+                fut.cancel()
+            self._waiters = [w for w in self._waiters if w[1] is not fut]
+
+
+class ChunkStore:
+    """Objects this node holds, complete or partial."""
+
+    def __init__(self) -> None:
+        self._objects: dict[ObjectID, StoredObject] = {}
+        self._appear: dict[ObjectID, list[asyncio.Future]] = {}
+
+    def __contains__(self, oid: ObjectID) -> bool:
+        return oid in self._objects
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def get(self, oid: ObjectID) -> StoredObject | None:
+        return self._objects.get(oid)
+
+    def create(self, oid: ObjectID, layout: Layout, buffer: np.ndarray | None = None) -> StoredObject:
+        if buffer is None:
+            buffer = np.empty(layout.nbytes, dtype=np.uint8)
+        obj = StoredObject(oid, layout, buffer)
+        self._objects[oid] = obj
+        for fut in self._appear.pop(oid, []):
+            if not fut.done():
+                fut.set_result(None)
+        return obj
+
+    def remove(self, oid: ObjectID, reason: BaseException | None = None) -> StoredObject | None:
+        obj = self._objects.pop(oid, None)
+        if obj is not None and not obj.complete:
+            obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
+        return obj
+
+    async def wait_for(self, oid: ObjectID, timeout: float) -> StoredObject:
+        """Wait for `oid` to be created here (a peer may ask before our own reply arrives)."""
+        obj = self._objects.get(oid)
+        if obj is not None:
+            return obj
+        fut = asyncio.get_running_loop().create_future()
+        self._appear.setdefault(oid, []).append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except TimeoutError:
+            raise ObjectNotFound(f"object {oid.hex()} is not held by this node") from None
+        finally:
+            waiters = self._appear.get(oid)
+            if waiters and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._appear[oid]
+        return self._objects[oid]
+
+    def close(self, reason: BaseException) -> None:
+        for oid in list(self._objects):
+            self.remove(oid, reason)
+        for futs in self._appear.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(reason)
+        self._appear.clear()

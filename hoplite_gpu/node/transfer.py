@@ -1,0 +1,180 @@
+"""The data plane: a server that streams byte ranges of complete *and partial*
+objects as their bytes become ready, and the client side that pulls a range
+straight into the destination buffer.
+
+Wire: after the handshake the puller sends ``{"op": "pull", "oid", "offset",
+"end"}``; the server answers with frames (see `protocol.FRAME`): data frames
+in order until ``end``, or one error frame. A connection serves one pull at a
+time and goes back to the pool afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from hoplite_gpu.auth import client_handshake, server_handshake
+from hoplite_gpu.config import Config
+from hoplite_gpu.directory.wire import raise_for_error
+from hoplite_gpu.errors import HopliteError, ProtocolError, Timeout
+from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.protocol import (
+    FRAME,
+    FRAME_DATA,
+    field,
+    recv_error_body,
+    recv_frame_header,
+    recv_msg,
+    send_error_frame,
+    send_msg,
+)
+from hoplite_gpu.transports import Stream, get_backend, split_address
+
+from .store import ChunkStore, StoredObject
+
+log = logging.getLogger("hoplite_gpu.transfer")
+
+
+class DataServer:
+    """Serves this node's objects to peers, chunk by chunk, as bytes become ready."""
+
+    def __init__(self, store: ChunkStore, token: str, config: Config) -> None:
+        self.store = store
+        self.token = token
+        self.config = config
+        self._listener = None
+        self.address = ""
+        #: (peer, oid) of pulls being served now, for tests and diagnostics.
+        self.active: set[tuple[str, ObjectID]] = set()
+
+    async def start(self) -> str:
+        backend = get_backend(self.config.transport)
+        self._listener = await backend.listen(self.config.node_host, 0, self._serve)
+        self.address = self._listener.address
+        return self.address
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+
+    async def _serve(self, stream: Stream) -> None:
+        try:
+            await server_handshake(stream, self.token, self.config.connect_timeout_s)
+            while True:
+                req = await recv_msg(stream)
+                if req.get("op") != "pull":
+                    raise ProtocolError(f"expected 'pull', got {req.get('op')!r}")
+                await self._serve_pull(stream, req)
+        except HopliteError as exc:
+            log.debug("data connection from %s ended: %s", stream.peer, exc)
+
+    async def _serve_pull(self, stream: Stream, req: dict) -> None:
+        oid = ObjectID(field(req, "oid", bytes))
+        offset, end = field(req, "offset", int), field(req, "end", int)
+        try:
+            obj = await self.store.wait_for(oid, self.config.connect_timeout_s)
+        except HopliteError as exc:
+            await send_error_frame(stream, type(exc).__name__, str(exc))
+            return
+        if not 0 <= offset <= end <= obj.size:
+            await send_error_frame(stream, "ProtocolError",
+                                   f"range [{offset}, {end}) outside object of {obj.size} bytes")
+            return
+        key = (stream.peer, oid)
+        self.active.add(key)
+        try:
+            await self._stream_range(stream, obj, offset, end)
+        finally:
+            self.active.discard(key)
+
+    async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
+        chunk = self.config.chunk_size
+        view = memoryview(obj.buffer)
+        while pos < end:
+            try:
+                await obj.wait_ready(min(pos + chunk, end), self.config.timeout_s)
+            except HopliteError as exc:
+                await send_error_frame(stream, type(exc).__name__, str(exc))
+                return
+            # Send everything that is ready, in chunk-sized frames.
+            upto = min(obj.ready, end)
+            while pos < upto:
+                n = min(chunk, upto - pos)
+                await stream.send(FRAME.pack(FRAME_DATA, n), view[pos:pos + n])
+                pos += n
+
+
+class PeerPool:
+    """Authenticated data connections to peers, reused across pulls."""
+
+    def __init__(self, token: str, config: Config) -> None:
+        self.token = token
+        self.config = config
+        self._idle: dict[str, list[Stream]] = {}
+
+    async def acquire(self, address: str) -> Stream:
+        idle = self._idle.get(address)
+        while idle:
+            stream = idle.pop()
+            if not stream.closed:
+                return stream
+        scheme, _, _ = split_address(address)
+        timeout = self.config.connect_timeout_s
+        stream = await get_backend(scheme).connect(address, timeout)
+        try:
+            await client_handshake(stream, self.token, timeout)
+        except BaseException:
+            await stream.close()
+            raise
+        return stream
+
+    def release(self, address: str, stream: Stream) -> None:
+        if not stream.closed:
+            self._idle.setdefault(address, []).append(stream)
+
+    async def close(self) -> None:
+        for streams in self._idle.values():
+            for stream in streams:
+                await stream.close()
+        self._idle.clear()
+
+
+async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
+                      config: Config, on_progress: Callable[[int], None]) -> None:
+    """Pull bytes [obj.ready, end) of `obj` from the peer at `address` into its buffer.
+
+    Every frame must start within the stall timeout, or the peer counts as
+    failed. On any error the connection is closed, never reused.
+    """
+    stream = await pool.acquire(address)
+    ok = False
+    try:
+        pos = obj.ready
+        await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end})
+        view = memoryview(obj.buffer)
+        stall = config.stall_timeout_s
+        while pos < end:
+            try:
+                async with asyncio.timeout(stall):
+                    kind, n = await recv_frame_header(stream)
+                    if kind != FRAME_DATA:
+                        raise_for_error(await recv_error_body(stream, n))
+                        raise ProtocolError(f"{address} sent an error frame without an error")
+                    if n == 0 or n > end - pos:
+                        raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
+                    await stream.recv_into(view[pos:pos + n])
+            except TimeoutError:
+                raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)") from None
+            pos += n
+            obj.advance(pos)
+            on_progress(pos)
+        ok = True
+    finally:
+        if ok:
+            pool.release(address, stream)
+        else:
+            with contextlib.suppress(Exception):
+                await stream.close()

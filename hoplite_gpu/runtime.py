@@ -1,0 +1,130 @@
+"""The process-wide runtime: a node whose asyncio loop runs on a background
+thread, so the blocking API works from any thread and the async API from any
+other event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .auth import new_token
+from .config import Config
+from .directory.server import DirectoryServer
+from .errors import ConfigError, HopliteError, RuntimeClosed, Timeout
+from .node.node import Node
+
+T = TypeVar("T")
+log = logging.getLogger("hoplite_gpu")
+
+#: Extra seconds a blocking call waits beyond the operation's own deadline, so
+#: the operation's own (more precise) Timeout error wins the race.
+_GRACE_S = 5.0
+
+
+class Runtime:
+    """One node (and, in local mode, the embedded directory) on a private loop thread."""
+
+    def __init__(self, config: Config, address: str | None) -> None:
+        if address is None:
+            token = config.token or new_token()
+        elif not config.token:
+            raise ConfigError(
+                f"connecting to the directory at {address} needs the cluster token: "
+                "pass init(address, token=...) or set HOPLITE_TOKEN")
+        else:
+            token = config.token
+        self.config = config.replace(token=token)
+        self.token = token
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="hoplite-gpu-loop", daemon=True)
+        self._thread.start()
+        self.directory: DirectoryServer | None = None
+        self.node: Node | None = None
+        try:
+            self.call(self._start(address), config.connect_timeout_s + 30)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _start(self, address: str | None) -> None:
+        if address is None:
+            self.directory = DirectoryServer(
+                self.token, host="127.0.0.1", port=0, transport=self.config.transport,
+                handshake_timeout=self.config.connect_timeout_s,
+                max_receivers_per_sender=self.config.max_receivers_per_sender)
+            address = await self.directory.start()
+        self.node = Node(self.config, self.token, address)
+        await self.node.start()
+
+    @property
+    def address(self) -> str:
+        assert self.node is not None
+        return self.node.directory_address
+
+    @property
+    def closed(self) -> bool:
+        return not self._loop.is_running()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self.closed:
+            coro.close()
+            raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() again")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the runtime's loop and block for its result."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise HopliteError("a blocking hoplite-gpu call was made on the runtime's own loop "
+                               "thread; use the *_async variant there")
+        fut = self.submit(coro)
+        done, _ = concurrent.futures.wait([fut], timeout + _GRACE_S)
+        if not done:
+            fut.cancel()
+            raise Timeout(f"the runtime did not answer within {timeout + _GRACE_S:g}s")
+        if fut.cancelled():
+            raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call")
+        return fut.result()
+
+    async def call_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` from another event loop (e.g. a Ray async actor's)."""
+        if asyncio.get_running_loop() is self._loop:
+            return await coro
+        try:
+            return await asyncio.wrap_future(self.submit(coro))
+        except asyncio.CancelledError:
+            if self.closed:
+                raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call") from None
+            raise
+
+    def close(self) -> None:
+        if self.closed and not self._thread.is_alive():
+            return
+        if self._loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
+            try:
+                fut.result(15)
+            except Exception as exc:  # shutting down: report, never raise
+                log.warning("shutdown was not clean: %r", exc)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(15)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    async def _close(self) -> None:
+        if self.node is not None:
+            await self.node.close()
+        if self.directory is not None:
+            await self.directory.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

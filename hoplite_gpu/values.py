@@ -1,0 +1,337 @@
+"""Values to flat byte buffers plus a small Layout that lets a receiver rebuild them, and back."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.format import descr_to_dtype
+
+from .errors import InvalidArgument, ProtocolError, UnsupportedValue
+
+KINDS = ("bytes", "numpy", "torch")
+ACCEPTED = (
+    "put() takes a NumPy array, a CPU torch tensor, bytes or any DLPack/buffer-protocol object"
+)
+_WIRE_KEYS = frozenset({"kind", "dtype", "shape", "nbytes"})
+_MAX_NDIM = 64  # numpy's own limit
+_MAX_DTYPE_CHARS = 1 << 16  # a peer must not make us literal_eval megabytes
+_TORCH_PREFIX = "torch."
+_TORCH_ITEMSIZES = (1, 2, 4, 8, 16)
+_DLPACK_CPU = 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a flat byte buffer holds: the value's kind, encoded dtype, shape and size in bytes."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def to_wire(self) -> dict:
+        """This layout as a msgpack-able dict."""
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Layout:
+        """Parse a dict made by `to_wire`; raise ProtocolError if it is malformed."""
+        if not isinstance(d, dict) or set(d) != _WIRE_KEYS:
+            raise ProtocolError(
+                f"a layout must be a dict with keys {sorted(_WIRE_KEYS)}; got {d!r:.200}"
+            )
+        layout = cls(d["kind"], d["dtype"], _wire_shape(d["shape"]), _wire_int(d["nbytes"]))
+        _check_layout(layout)
+        return layout
+
+
+def to_buffer(value: Any) -> tuple[memoryview, Layout]:
+    """Return a flat 1-D byte memoryview over `value` (zero copy when contiguous) and its Layout.
+
+    Raises UnsupportedValue for anything that is not an array or a byte buffer.
+    """
+    # numpy first: np.bytes_ is a bytes subclass but must come back as a 0-d array
+    if isinstance(value, np.ndarray | np.generic):
+        return _numpy_to_buffer(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        flat = _flat_bytes(value)
+        return flat, Layout("bytes", "uint8", (flat.nbytes,), flat.nbytes)
+    if _is_torch_tensor(value):
+        return _torch_to_buffer(value)
+    # cupy arrays also have __dlpack__, so this check must come before the DLPack one
+    if hasattr(value, "__cuda_array_interface__"):
+        raise UnsupportedValue(
+            f"got a device array ({_type_name(value)}); the GPU path is not enabled on this "
+            "node. Copy it to host memory first, e.g. cupy.asnumpy(...)"
+        )
+    if hasattr(value, "__dlpack__"):
+        return _numpy_to_buffer(_from_dlpack(value))
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise UnsupportedValue(_unsupported_message(value)) from None
+    return _buffer_protocol_to_buffer(view)
+
+
+def from_buffer(buf: Any, layout: Layout) -> object:
+    """Rebuild the value described by `layout` from `buf`, a flat buffer of layout.nbytes bytes.
+
+    "numpy" gives a read-only zero-copy view of `buf`; "bytes" and "torch" give fresh copies.
+    """
+    view = memoryview(buf)
+    if view.nbytes != layout.nbytes:
+        raise InvalidArgument(
+            f"the buffer holds {view.nbytes} bytes but the layout needs {layout.nbytes}"
+        )
+    if layout.kind == "bytes":
+        return view.tobytes()
+    if layout.kind == "numpy":
+        arr = np.ndarray(layout.shape, dtype=_wire_numpy_dtype(layout.dtype), buffer=view)
+        # the buffer belongs to the object store and may be shared with other readers
+        arr.flags.writeable = False
+        return arr
+    if layout.kind == "torch":
+        return _torch_from_buffer(view, layout)
+    raise InvalidArgument(f"layout kind must be one of {KINDS}; got {layout.kind!r}")
+
+
+def empty_buffer(nbytes: int) -> np.ndarray:
+    """Return an uninitialised uint8 array of `nbytes` bytes to receive into."""
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+# --- bytes and the buffer protocol ---
+
+
+def _flat_bytes(value: Any) -> memoryview:
+    view = memoryview(value)
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())
+    if view.ndim == 1 and view.format == "B":
+        return view
+    # memoryview.cast only accepts native single-char formats; frombuffer takes any
+    return memoryview(np.frombuffer(view, dtype=np.uint8))
+
+
+def _buffer_protocol_to_buffer(view: memoryview) -> tuple[memoryview, Layout]:
+    try:
+        arr = np.asarray(view)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.dtype.hasobject:
+        flat = _flat_bytes(view)
+        return flat, Layout("bytes", "uint8", (flat.nbytes,), flat.nbytes)
+    return _numpy_to_buffer(arr)
+
+
+# --- numpy ---
+
+
+def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout]:
+    if isinstance(value, np.ma.MaskedArray):
+        raise UnsupportedValue(
+            "got a NumPy masked array; its mask would be lost. Send arr.filled(...) "
+            "or the data and the mask as two objects"
+        )
+    arr = np.asarray(value)
+    code = _numpy_dtype_code(arr.dtype)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    if arr.dtype.itemsize == 0:
+        flat = np.empty(0, dtype=np.uint8)  # view(uint8) cannot divide by a zero itemsize
+    else:
+        flat = arr.reshape(-1).view(np.uint8)
+    return memoryview(flat), Layout("numpy", code, tuple(arr.shape), arr.nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _numpy_dtype_code(dtype: np.dtype) -> str:
+    if dtype.hasobject:
+        raise UnsupportedValue(
+            f"got a NumPy array of dtype {dtype}; it holds pointers to Python objects, not "
+            "data. Convert it first, e.g. arr.astype(float) or arr.astype('U')"
+        )
+    if dtype.names is not None:
+        code = repr(dtype.descr)
+    elif dtype.type.__module__ == "ml_dtypes":
+        code = dtype.name  # their dtype.str is an anonymous void like '<V2'
+    else:
+        code = dtype.str
+    try:
+        same = _parse_numpy_dtype(code) == dtype
+    except (TypeError, ValueError, SyntaxError):
+        same = False
+    if not same:
+        raise UnsupportedValue(
+            f"got a NumPy array of dtype {dtype!r}, which cannot be described to a peer. "
+            "Convert it to a built-in or ml_dtypes dtype first"
+        )
+    return code
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_numpy_dtype(code: str) -> np.dtype:
+    if code.startswith("["):
+        # the .npy format's way to write structured dtypes, padding and titles included
+        return descr_to_dtype(ast.literal_eval(code))
+    try:
+        return np.dtype(code)
+    except TypeError:
+        pass
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"dtype {code!r} needs ml_dtypes: pip install ml_dtypes") from None
+    scalar = getattr(ml_dtypes, code, None)
+    if isinstance(scalar, type) and issubclass(scalar, np.generic):
+        return np.dtype(scalar)
+    raise TypeError(f"unknown dtype {code!r}")
+
+
+def _wire_numpy_dtype(code: str) -> np.dtype:
+    try:
+        dtype = _parse_numpy_dtype(code)
+        canonical = _numpy_dtype_code(dtype) == code
+    except (TypeError, ValueError, SyntaxError, MemoryError, RecursionError) as exc:
+        raise ProtocolError(
+            f"layout dtype {code!r:.200} is not a dtype we can rebuild: {exc}"
+        ) from exc
+    if not canonical:
+        raise ProtocolError(f"layout dtype {code!r:.200} is not in canonical form")
+    return dtype
+
+
+def _from_dlpack(value: Any) -> np.ndarray:
+    device = getattr(value, "__dlpack_device__", lambda: (_DLPACK_CPU, 0))()
+    if int(device[0]) != _DLPACK_CPU:
+        raise UnsupportedValue(
+            f"got a DLPack object ({_type_name(value)}) on device {tuple(device)}; the GPU "
+            "path is not enabled on this node. Copy it to host memory first"
+        )
+    try:
+        return np.from_dlpack(value)
+    except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedValue(
+            f"NumPy could not import {_type_name(value)} through DLPack: {exc}"
+        ) from exc
+
+
+# --- torch (imported only once a torch value or layout shows up) ---
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "numel")
+
+
+def _torch_to_buffer(tensor: Any) -> tuple[memoryview, Layout]:
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise UnsupportedValue(
+            f"got a torch tensor on device {tensor.device}; device tensors need the GPU path, "
+            "which is not built yet. Move it to host memory first: tensor.cpu()"
+        )
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise UnsupportedValue(
+            f"got a {'quantized' if tensor.is_quantized else tensor.layout} torch tensor; only "
+            "dense tensors are supported. Convert it first: tensor.to_dense() or .dequantize()"
+        )
+    # conj/neg bits are lazy flags; resolve them so the bytes hold the values the user sees
+    tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    # torch calls a one-element tensor contiguous whatever its stride, but view(uint8) needs 1
+    flat = tensor.reshape(-1).as_strided((tensor.numel(),), (1,))
+    try:
+        # reinterpret, since dtypes like bfloat16 have no numpy equivalent
+        flat = flat.view(torch.uint8).numpy()
+    except RuntimeError as exc:
+        raise UnsupportedValue(f"cannot take the bytes of a {tensor.dtype} tensor: {exc}") from exc
+    return memoryview(flat), Layout("torch", str(tensor.dtype), tuple(tensor.shape), flat.nbytes)
+
+
+def _torch_from_buffer(view: memoryview, layout: Layout) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedValue(
+            "received a torch tensor but torch is not installed here: pip install torch"
+        ) from None
+    dtype = getattr(torch, layout.dtype.removeprefix(_TORCH_PREFIX), None)
+    if not layout.dtype.startswith(_TORCH_PREFIX) or not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"layout dtype {layout.dtype!r:.200} is not a torch dtype")
+    if layout.nbytes == 0:
+        return torch.empty(layout.shape, dtype=dtype)
+    # a writable copy: torch.from_numpy warns on read-only arrays, and torch users expect to write
+    raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
+    try:
+        return raw.view(dtype).reshape(layout.shape)
+    except RuntimeError as exc:
+        raise ProtocolError(f"layout {layout} does not match its {layout.nbytes} bytes") from exc
+
+
+# --- wire checks ---
+
+
+def _wire_int(value: Any) -> int:
+    # bool is an int subclass, but True is never a valid size
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"expected a non-negative int in the layout; got {value!r:.200}")
+    return value
+
+
+def _wire_shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or len(value) > _MAX_NDIM:
+        raise ProtocolError(
+            f"layout shape must be a list of at most {_MAX_NDIM} ints; got {value!r:.200}"
+        )
+    return tuple(_wire_int(dim) for dim in value)
+
+
+def _check_layout(layout: Layout) -> None:
+    if layout.kind not in KINDS:
+        raise ProtocolError(f"layout kind must be one of {KINDS}; got {layout.kind!r:.200}")
+    if not isinstance(layout.dtype, str) or len(layout.dtype) > _MAX_DTYPE_CHARS:
+        raise ProtocolError(f"layout dtype must be a short str; got {layout.dtype!r:.200}")
+    count = math.prod(layout.shape)
+    if layout.kind == "bytes":
+        ok = layout.dtype == "uint8" and layout.shape == (layout.nbytes,)
+    elif layout.kind == "numpy":
+        ok = layout.nbytes == count * _wire_numpy_dtype(layout.dtype).itemsize
+    else:
+        ok = layout.dtype.startswith(_TORCH_PREFIX) and _torch_size_ok(count, layout.nbytes)
+    if not ok:
+        raise ProtocolError(
+            f"layout {layout!r:.300} is inconsistent: nbytes must be the item count of its shape "
+            "times its dtype's item size (and a 'bytes' layout has dtype 'uint8', shape (nbytes,))"
+        )
+
+
+def _torch_size_ok(count: int, nbytes: int) -> bool:
+    # torch is optional here, so check only what holds for every torch dtype
+    if count == 0:
+        return nbytes == 0
+    return nbytes % count == 0 and nbytes // count in _TORCH_ITEMSIZES
+
+
+# --- messages ---
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _unsupported_message(value: Any) -> str:
+    hint = "value.encode()" if isinstance(value, str) else "numpy.asarray(...)"
+    return f"{ACCEPTED}; got {_type_name(value)}. Convert it first, e.g. {hint}"

@@ -1,0 +1,37 @@
+# `make demo` and `make test` work on a fresh machine with Python 3.11+:
+# they create .venv, install what they need, and run.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	@# CPU torch lets the tests cover torch tensors; they skip if it cannot be installed.
+	$(BIN)/python -m pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will skip"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/hoplite-gpu demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check hoplite_gpu kernels transports tests benchmarks
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

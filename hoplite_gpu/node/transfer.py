@@ -105,6 +105,7 @@ class DataServer:
                 n = min(chunk, upto - pos)
                 await stream.send(FRAME.pack(FRAME_DATA, n), view[pos:pos + n])
                 pos += n
+                await asyncio.sleep(0)  # let other pulls of this node progress too
 
 
 class PeerPool:
@@ -171,6 +172,10 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
             pos += n
             obj.advance(pos)
             on_progress(pos)
+            # sock_recv_into returns without suspending while data keeps
+            # coming; yield so the tasks serving this chunk downstream can run
+            # now (pipelining) instead of after the whole object arrived.
+            await asyncio.sleep(0)
         ok = True
     finally:
         if ok:

@@ -134,6 +134,8 @@ class Node:
             # A little later than the pull's own deadline, so its more precise error wins.
             async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 0.25):
                 return await asyncio.shield(task)
+        except Timeout:
+            raise  # the pull's own, more precise deadline error
         except TimeoutError:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
         except asyncio.CancelledError:

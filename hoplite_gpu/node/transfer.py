@@ -167,6 +167,8 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                     if n == 0 or n > end - pos:
                         raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
                     await stream.recv_into(view[pos:pos + n])
+            except Timeout:
+                raise  # the peer reported its own timeout in an error frame
             except TimeoutError:
                 raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)") from None
             pos += n

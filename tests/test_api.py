@@ -1,0 +1,133 @@
+"""The public API in local mode (embedded directory), one process."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+
+
+@pytest.fixture
+def local():
+    hg.init(chunk_size=64 * 1024, timeout_s=20)
+    yield
+    hg.shutdown()
+
+
+def test_put_get_roundtrip(local):
+    a = np.random.default_rng(0).standard_normal((300, 500)).astype(np.float32)
+    oid = hg.put(a)
+    b = hg.get(oid)
+    assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+    assert hg.get(hg.put(b"tiny")) == b"tiny"
+
+
+def test_put_copies_and_get_is_read_only(local):
+    a = np.arange(1_000_000, dtype=np.int64)
+    oid = hg.put(a)
+    a[:] = -1  # the stored copy must not change
+    b = hg.get(oid)
+    assert b[10] == 10
+    with pytest.raises(ValueError):
+        b[0] = 5
+
+
+def test_named_ids_are_deterministic():
+    assert hg.ObjectID.from_name("w") == hg.ObjectID.from_name("w")
+    assert hg.ObjectID.from_name("w") != hg.ObjectID.from_name("v")
+    assert len(hg.ObjectID.random().binary) == 20
+    assert hg.ObjectID.random() != hg.ObjectID.random()
+    with pytest.raises(hg.InvalidArgument):
+        hg.ObjectID(b"short")
+
+
+def test_get_before_put_in_another_thread(local):
+    oid = hg.ObjectID.from_name("later")
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("v", hg.get(oid, timeout=10)))
+    th.start()
+    time.sleep(0.2)
+    hg.put(np.ones(200_000, dtype=np.uint8), oid)
+    th.join(10)
+    assert result["v"].sum() == 200_000
+
+
+def test_async_twins(local):
+    async def main():
+        oid = await hg.put_async(np.full(100_000, 3, dtype=np.int16))
+        v = await hg.get_async(oid, timeout=5)
+        info = await hg.object_info_async(oid)
+        await hg.delete_async(oid)
+        return v, info
+
+    v, info = asyncio.run(main())
+    assert int(v.sum()) == 300_000 and info["size"] == 200_000
+
+
+def test_bad_input_gives_clear_errors(local):
+    with pytest.raises(hg.UnsupportedValue, match="list"):
+        hg.put([1, 2, 3])
+    with pytest.raises(hg.InvalidArgument, match="ObjectID"):
+        hg.get("not-an-id")
+    with pytest.raises(hg.InvalidArgument, match="timeout"):
+        hg.get(hg.ObjectID.random(), timeout=0)
+    t0 = time.monotonic()
+    with pytest.raises(hg.Timeout, match="not available"):
+        hg.get(hg.ObjectID.random(), timeout=0.3)
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(hg.InvalidArgument, match="already"):
+        hg.init()
+
+
+def test_reput_with_other_layout_is_refused(local):
+    oid = hg.put(np.zeros(100_000, dtype=np.uint8))
+    hg.put(np.zeros(100_000, dtype=np.uint8), oid)  # same layout: accepted
+    with pytest.raises(hg.ObjectExists):
+        hg.put(np.zeros(10, dtype=np.float64), oid)
+
+
+def test_delete_then_get_times_out(local):
+    oid = hg.put(np.ones(300_000, dtype=np.uint8))
+    hg.delete(oid)
+    with pytest.raises(hg.Timeout):
+        hg.get(oid, timeout=0.3)
+
+
+def test_closed_runtime():
+    hg.init()
+    hg.shutdown()
+    hg.shutdown()  # idempotent
+    with pytest.raises(hg.NotInitialized, match="init"):
+        hg.put(b"x")
+
+
+def test_remote_init_needs_token(monkeypatch):
+    monkeypatch.delenv("HOPLITE_TOKEN", raising=False)
+    with pytest.raises(hg.ConfigError, match="token"):
+        hg.init("127.0.0.1:9")
+
+
+def test_unreachable_directory_fails_fast():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: refused
+    t0 = time.monotonic()
+    with pytest.raises(hg.DirectoryUnavailable, match="directory"):
+        hg.init(f"127.0.0.1:{port}", token="x", connect_timeout_s=2)
+    assert time.monotonic() - t0 < 10
+
+
+def test_config_rejects_unknown_env(monkeypatch):
+    monkeypatch.setenv("HOPLITE_CHUNKSIZE", "1")
+    with pytest.raises(hg.ConfigError, match="HOPLITE_CHUNK_SIZE"):
+        hg.Config.from_env()
+    monkeypatch.delenv("HOPLITE_CHUNKSIZE")
+    monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "lots")
+    with pytest.raises(hg.ConfigError, match="not a valid int"):
+        hg.Config.from_env()

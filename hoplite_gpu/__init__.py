@@ -11,6 +11,10 @@ from .api import (
     object_info_async,
     put,
     put_async,
+    reduce,
+    reduce_async,
+    reduced_inputs,
+    reduced_inputs_async,
     runtime,
     shutdown,
 )
@@ -40,5 +44,6 @@ __all__ = [
     "InvalidArgument", "NotInitialized", "ObjectExists", "ObjectID", "ObjectNotFound", "PeerLost",
     "ReduceFailed", "RuntimeClosed", "Timeout", "TransportClosed", "UnsupportedValue", "delete",
     "delete_async", "get", "get_async", "init", "node_id", "object_info", "object_info_async", "put",
-    "put_async", "runtime", "shutdown",
+    "put_async", "reduce", "reduce_async", "reduced_inputs", "reduced_inputs_async", "runtime",
+    "shutdown",
 ]

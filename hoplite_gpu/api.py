@@ -86,6 +86,39 @@ def delete(object_id: ObjectID) -> None:
     rt.call(rt.node.delete(as_object_id(object_id)), rt.config.timeout_s)
 
 
+def reduce(object_ids: list[ObjectID], op: str = "sum", *, num_objects: int | None = None,
+           object_id: ObjectID | None = None) -> ObjectID:
+    """Start reducing the first `num_objects` (default: all) inputs to become
+    ready; returns the result's id at once. The tree is built as inputs arrive."""
+    rt = runtime()
+    args = _reduce_args(object_ids, op, num_objects, object_id)
+    return rt.call(rt.node.reduce(*args), rt.config.timeout_s)
+
+
+def reduced_inputs(object_id: ObjectID, *, timeout: float | None = None) -> list[ObjectID]:
+    """Exactly which inputs went into a reduce's result (waits until they are chosen)."""
+    rt = runtime()
+    limit = _timeout(rt, timeout)
+    return rt.call(rt.node.reduced_inputs(as_object_id(object_id), limit), limit)
+
+
+def _reduce_args(object_ids, op, num_objects, object_id):
+    from .kernels import check_op
+
+    check_op(op)
+    if isinstance(object_ids, (str, bytes, ObjectID)) or not hasattr(object_ids, "__iter__"):
+        raise InvalidArgument(f"reduce takes a list of ObjectIDs; got {type(object_ids).__name__}")
+    inputs = [as_object_id(o) for o in object_ids]
+    if not inputs:
+        raise InvalidArgument("reduce needs at least one input ObjectID")
+    if len(set(inputs)) != len(inputs):
+        raise InvalidArgument("reduce inputs must be distinct ObjectIDs")
+    k = len(inputs) if num_objects is None else num_objects
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(inputs):
+        raise InvalidArgument(f"num_objects must be an int from 1 to {len(inputs)}; got {num_objects!r}")
+    return inputs, op, k, _new_id(object_id)
+
+
 def object_info(object_id: ObjectID) -> dict[str, Any]:
     """What the directory knows of an object: size, layout, holders and the pull edges."""
     rt = runtime()
@@ -110,6 +143,18 @@ async def get_async(object_id: ObjectID, *, timeout: float | None = None) -> Any
 async def delete_async(object_id: ObjectID) -> None:
     rt = runtime()
     await rt.call_async(rt.node.delete(as_object_id(object_id)))
+
+
+async def reduce_async(object_ids: list[ObjectID], op: str = "sum", *,
+                       num_objects: int | None = None,
+                       object_id: ObjectID | None = None) -> ObjectID:
+    rt = runtime()
+    return await rt.call_async(rt.node.reduce(*_reduce_args(object_ids, op, num_objects, object_id)))
+
+
+async def reduced_inputs_async(object_id: ObjectID, *, timeout: float | None = None) -> list[ObjectID]:
+    rt = runtime()
+    return await rt.call_async(rt.node.reduced_inputs(as_object_id(object_id), _timeout(rt, timeout)))
 
 
 async def object_info_async(object_id: ObjectID) -> dict[str, Any]:

@@ -25,9 +25,8 @@ def _directory(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
 
     async def serve() -> None:
-        server = DirectoryServer(token, host=args.host, port=args.port, transport=config.transport,
-                                 handshake_timeout=config.connect_timeout_s,
-                                 max_receivers_per_sender=config.max_receivers_per_sender)
+        server = DirectoryServer(token, host=args.host, port=args.port,
+                                 **config.directory_settings())
         address = await server.start()
         print(f"hoplite-gpu directory listening on {address}", flush=True)
         stop = asyncio.Event()

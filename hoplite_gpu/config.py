@@ -43,6 +43,10 @@ class Config:
     heartbeat_interval_s: float = 1.0
     #: A node whose lease is not renewed for this long is declared dead.
     node_lease_s: float = 5.0
+    #: Cost model: one-way latency of a transfer between two nodes (reduce tree shape).
+    link_latency_s: float = 1e-4
+    #: Cost model: bandwidth of one node's link, bytes per second (reduce tree shape).
+    link_bandwidth_Bps: float = 1.25e9
     #: Log level name for the "hoplite_gpu" logger (DEBUG, INFO, WARNING, ...).
     log_level: str = "WARNING"
 
@@ -56,7 +60,7 @@ class Config:
                 f"max_receivers_per_sender must be >= 1; got {self.max_receivers_per_sender}"
             )
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
-                     "heartbeat_interval_s", "node_lease_s"):
+                     "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bandwidth_Bps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.node_lease_s <= self.heartbeat_interval_s:
@@ -94,6 +98,13 @@ class Config:
 
     def replace(self, **changes: object) -> Config:
         return dataclasses.replace(self, **changes)
+
+    def directory_settings(self) -> dict[str, object]:
+        """The settings a directory schedules with."""
+        return {"transport": self.transport, "handshake_timeout": self.connect_timeout_s,
+                "max_receivers_per_sender": self.max_receivers_per_sender,
+                "latency_s": self.link_latency_s, "bandwidth_Bps": self.link_bandwidth_Bps,
+                "chunk_size": self.chunk_size}
 
 
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:

@@ -79,42 +79,57 @@ def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
             api.shutdown()
 
 
-def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: int) -> int:
-    names = cluster.node_ids
-    label = {node: ("sender" if i == 0 else f"receiver {i}") for i, node in enumerate(names)}
+def measure_broadcast(cluster: LocalCluster, size: int, repeats: int = 1, *,
+                      console: Console | None = None, tag: str = "demo") -> dict:
+    """Time a point-to-point get (worker 0 -> 1) and a broadcast from worker 0 to
+    every other worker, `repeats` times each, checking every copy's checksum.
+
+    Returns times in seconds, per-receiver (start, end) of the last broadcast,
+    the directory's view of it, and whether every copy was byte-identical.
+    """
+    n, names = cluster.num_workers, cluster.node_ids
     p2p, bcast, ok = [], [], True
     for r in range(repeats):
-        # Point to point: worker 0 -> worker 1.
-        crc, _ = cluster.run(0, make_and_put, size, f"demo-p2p-{r}")
-        t0, t1 = cluster.run(1, timed_get, f"demo-p2p-{r}", 0.0)
+        crc, _ = cluster.run(0, make_and_put, size, f"{tag}-p2p-{r}")
+        t0, t1 = cluster.run(1, timed_get, f"{tag}-p2p-{r}", 0.0)
         p2p.append(t1 - t0)
-        ok &= cluster.run(1, checksum, f"demo-p2p-{r}") == crc
-        # Broadcast: worker 0 -> every other worker at once.
-        name = f"demo-bcast-{r}"
+        ok &= cluster.run(1, checksum, f"{tag}-p2p-{r}") == crc
+        name = f"{tag}-bcast-{r}"
         crc, _ = cluster.run(0, make_and_put, size, name)
-        console.print(f"broadcast {r + 1}/{repeats}: {size / 2**20:.0f} MiB from worker 0 to {n - 1} receivers")
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console))
-        watcher.start()
+        stop, watcher = threading.Event(), None
+        if console is not None:
+            console.print(f"broadcast {r + 1}/{repeats}: {size / 2**20:.0f} MiB from worker 0 "
+                          f"to {n - 1} receivers")
+            watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console))
+            watcher.start()
         start_at = time.time() + 0.2
         try:
             results = cluster.map(timed_get, [(name, start_at)] * (n - 1), workers=range(1, n))
         finally:
             stop.set()
-            watcher.join()
+            if watcher is not None:
+                watcher.join()
         sums = cluster.map(checksum, [(name,)] * (n - 1), workers=range(1, n))
-        ok &= all(s == crc for s in sums)
+        ok &= all(x == crc for x in sums)
         begin = min(res[0] for res in results)
         bcast.append(max(res[1] for res in results) - begin)
-    info = api.object_info(ObjectID.from_name(f"demo-bcast-{repeats - 1}"))
-    _print_table(console, results, begin, size, names, label, info)
-    t_p2p, t_b = statistics.median(p2p), statistics.median(bcast)
+    info = api.object_info(ObjectID.from_name(f"{tag}-bcast-{repeats - 1}"))
+    return {"p2p_s": p2p, "broadcast_s": bcast, "receivers": results, "begin": begin,
+            "info": info, "ok": ok}
+
+
+def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: int) -> int:
+    names = cluster.node_ids
+    label = {node: ("sender" if i == 0 else f"receiver {i}") for i, node in enumerate(names)}
+    m = measure_broadcast(cluster, size, repeats, console=console)
+    _print_table(console, m["receivers"], m["begin"], size, names, label, m["info"])
+    t_p2p, t_b = statistics.median(m["p2p_s"]), statistics.median(m["broadcast_s"])
     console.print(f"point-to-point {size / 2**20:.0f} MiB: {t_p2p * 1e3:.1f} ms "
                   f"({size / t_p2p / 1e9:.2f} GB/s)")
     console.print(f"broadcast to {n - 1} receivers: {t_b * 1e3:.1f} ms  ->  "
                   f"[bold]{t_b / t_p2p:.2f} x[/bold] point-to-point (a star would be about {n - 1} x)")
-    console.print("all copies byte-identical: " + ("[green]yes" if ok else "[red]NO"))
-    return 0 if ok else 1
+    console.print("all copies byte-identical: " + ("[green]yes" if m["ok"] else "[red]NO"))
+    return 0 if m["ok"] else 1
 
 
 def _print_table(console, results, begin, size, names, label, info) -> None:

@@ -56,10 +56,8 @@ class Runtime:
 
     async def _start(self, address: str | None) -> None:
         if address is None:
-            self.directory = DirectoryServer(
-                self.token, host="127.0.0.1", port=0, transport=self.config.transport,
-                handshake_timeout=self.config.connect_timeout_s,
-                max_receivers_per_sender=self.config.max_receivers_per_sender)
+            self.directory = DirectoryServer(self.token, host="127.0.0.1", port=0,
+                                             **self.config.directory_settings())
             address = await self.directory.start()
         self.node = Node(self.config, self.token, address)
         await self.node.start()

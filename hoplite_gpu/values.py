@@ -105,6 +105,13 @@ def from_buffer(buf: Any, layout: Layout) -> object:
     raise InvalidArgument(f"layout kind must be one of {KINDS}; got {layout.kind!r}")
 
 
+def numpy_dtype(layout: Layout) -> np.dtype:
+    """The element type of a NumPy layout (for reductions over its raw bytes)."""
+    if layout.kind != "numpy":
+        raise UnsupportedValue(f"reduce works on NumPy arrays; this object is of kind {layout.kind!r}")
+    return _wire_numpy_dtype(layout.dtype)
+
+
 def empty_buffer(nbytes: int) -> np.ndarray:
     """Return an uninitialised uint8 array of `nbytes` bytes to receive into."""
     return np.empty(nbytes, dtype=np.uint8)

@@ -7,6 +7,8 @@ import contextlib
 import logging
 from typing import Any
 
+import numpy as np
+
 from hoplite_gpu.auth import server_handshake
 from hoplite_gpu.errors import HopliteError, ProtocolError
 from hoplite_gpu.protocol import field, recv_msg, send_msg
@@ -32,16 +34,35 @@ class _Peer:
             await send_msg(self.stream, msg)
 
 
+def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
+    """Small objects are reduced here, in the directory, without a data connection."""
+    from hoplite_gpu import kernels
+    from hoplite_gpu.values import Layout, numpy_dtype
+
+    try:
+        dtype = numpy_dtype(Layout.from_wire(cmd.layout))
+        acc = np.frombuffer(bytearray(cmd.inputs[0]), dtype=dtype).copy()
+        for data in cmd.inputs[1:]:
+            kernels.reduce_into(acc, np.frombuffer(data, dtype=dtype), cmd.op)
+        kernels.finalize(acc, cmd.op, len(cmd.inputs))
+    except HopliteError as exc:
+        return state.ReduceFailed("", cmd.target, f"{type(exc).__name__}: {exc}")
+    return state.InlineReduced(cmd.target, acc.tobytes())
+
+
 class DirectoryServer:
     """Serve the directory on ``transport://host:port``; `address` is set by `start`."""
 
     def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0,
                  transport: str = "tcp", handshake_timeout: float = 10.0,
-                 max_receivers_per_sender: int = 1) -> None:
+                 max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
+                 bandwidth_Bps: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
         self.handshake_timeout = handshake_timeout
-        self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender)
+        self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
+                                     latency_s=latency_s, bandwidth_Bps=bandwidth_Bps,
+                                     chunk_size=chunk_size)
         self.peers: dict[str, _Peer] = {}
         self.address = ""
         self._listener = None
@@ -60,11 +81,16 @@ class DirectoryServer:
 
     def apply(self, event: state.Event) -> None:
         for cmd in self.state.handle(event):
+            if isinstance(cmd, state.InlineReduce):
+                self.apply(_inline_reduce(cmd))
+                continue
             peer = self.peers.get(cmd.node)
             if peer is None:
                 continue  # the node left; the state machine has forgotten it too
             if isinstance(cmd, state.Reply):
                 peer.outbox.put_nowait({"rid": cmd.request, **cmd.body})
+            elif isinstance(cmd, state.StartReduceStep):
+                peer.outbox.put_nowait({"op": "reduce_step", **cmd.step})
             else:
                 peer.outbox.put_nowait({"op": "drop", "oid": cmd.oid, "reason": cmd.reason})
 

@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .reduce_plan import choose_degree, inorder_tree
+
 NodeId = str
 Key = bytes  # an ObjectID's 20 raw bytes
 
@@ -108,8 +110,47 @@ class Query:
     oid: Key
 
 
+@dataclass(frozen=True)
+class ReduceRequested:
+    """Reduce the first `num_objects` ready `inputs` with `op` into `target`."""
+
+    node: NodeId
+    request: int
+    target: Key
+    inputs: tuple[Key, ...]
+    op: str
+    num_objects: int
+
+
+@dataclass(frozen=True)
+class ReduceFailed:
+    """A reduce step (or the directory's inline reduce) could not be done."""
+
+    node: NodeId
+    target: Key
+    message: str
+
+
+@dataclass(frozen=True)
+class InlineReduced:
+    """The driver computed an inline reduce that `InlineReduce` asked for."""
+
+    target: Key
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ReducedInputs:
+    """Which inputs went into `target`? Answered once they are all chosen."""
+
+    node: NodeId
+    request: int
+    target: Key
+
+
 Event = (NodeJoined | NodeLost | Put | Progress | Completed | Locate | CancelLocate
-         | TransferFailed | Dropped | Delete | Query)
+         | TransferFailed | Dropped | Delete | Query | ReduceRequested | ReduceFailed
+         | InlineReduced | ReducedInputs)
 
 
 # --------------------------------------------------------------- commands ---
@@ -131,7 +172,28 @@ class Drop:
     reason: str
 
 
-Command = Reply | Drop
+@dataclass(frozen=True)
+class StartReduceStep:
+    """`node` folds its input and its children's streams into `step["output"]`."""
+
+    node: NodeId
+    step: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class InlineReduce:
+    """The driver should reduce these small inputs itself and report `InlineReduced`."""
+
+    target: Key
+    op: str
+    layout: dict[str, Any]
+    inputs: tuple[bytes, ...]
+
+
+Command = Reply | Drop | StartReduceStep | InlineReduce
+
+#: Layout kinds a reduce accepts (the kernels fold typed NumPy buffers).
+REDUCIBLE_KINDS = ("numpy",)
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -160,15 +222,53 @@ class Entry:
     edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
 
 
+@dataclass
+class ReduceTask:
+    target: Key
+    inputs: tuple[Key, ...]
+    op: str
+    k: int
+    size: int = -1
+    layout: dict[str, Any] | None = None
+    inline: bool = False
+    degree: int = 1
+    #: (input, node hosting it) in arrival order; the first k fill tree positions.
+    slots: list[tuple[Key, NodeId]] = field(default_factory=list)
+    inline_data: list[bytes] = field(default_factory=list)
+    backups: list[Key] = field(default_factory=list)
+    started: set[int] = field(default_factory=set)
+    failed: str | None = None
+    waiters: list[tuple[NodeId, int]] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> list[Key]:
+        return [oid for oid, _ in self.slots]
+
+
+def step_id(target: Key, position: int) -> Key:
+    """Id of the partial result at a tree position (distinct from every user id)."""
+    import hashlib
+
+    return hashlib.blake2b(target + position.to_bytes(4, "big"), digest_size=20,
+                           person=b"hoplite-step").digest()
+
+
 class Directory:
     """Pure scheduling state of the directory. Feed events to `handle`."""
 
-    def __init__(self, *, max_receivers_per_sender: int = 1) -> None:
+    def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
+                 bandwidth_Bps: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
+        self.latency_s, self.bandwidth_Bps, self.chunk_size = latency_s, bandwidth_Bps, chunk_size
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
         self.pending: dict[Key, deque[tuple[NodeId, int]]] = {}
+        self.reduces: dict[Key, ReduceTask] = {}
+        #: input -> targets of reduces waiting for it
+        self.watching: dict[Key, set[Key]] = {}
+        #: targets whose reduce failed -> why (answers later gets at once)
+        self.failed: dict[Key, str] = {}
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -207,12 +307,20 @@ class Directory:
         if entry is None:
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, ev.inline)
         complete = ev.inline is not None or ev.size == 0
-        entry.holders[ev.node] = Holder(nbytes=ev.size if complete else 0,
-                                        complete=complete, origin=True)
+        holder = entry.holders.get(ev.node)
+        if holder is None:
+            entry.holders[ev.node] = Holder(nbytes=ev.size if complete else 0,
+                                            complete=complete, origin=True)
+        else:  # a re-put by a current holder keeps its links (slots it serves, its upstream)
+            holder.origin = True
+            if complete:
+                holder.complete, holder.nbytes = True, ev.size
         out.append(Reply(ev.node, ev.request, {"ok": True}))
         waiters = self.pending.pop(ev.oid, deque())
         entry.waiting.extend(waiters)
         self._serve_waiting(ev.oid, entry, out)
+        if complete:
+            self._input_ready(ev.oid, ev.node, out)
 
     def _on_Progress(self, ev: Progress, out: list[Command]) -> None:
         holder = self._holder(ev.oid, ev.node)
@@ -227,9 +335,16 @@ class Directory:
         holder.complete, holder.nbytes = True, entry.size
         self._detach(entry, ev.node)
         self._serve_waiting(ev.oid, entry, out)
+        self._input_ready(ev.oid, ev.node, out)
+        task = self.reduces.get(ev.oid)
+        if task is not None and holder.origin:
+            self._drop_steps(task, out)
 
     def _on_Locate(self, ev: Locate, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
+        if entry is None and ev.oid in self.failed:
+            out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", self.failed[ev.oid])))
+            return
         if entry is None:
             self.pending.setdefault(ev.oid, deque()).append((ev.node, ev.request))
             return
@@ -287,6 +402,182 @@ class Directory:
         return {"size": entry.size, "layout": entry.layout, "inline": entry.inline is not None,
                 "holders": holders, "edges": [list(e) for e in entry.edges],
                 "waiting": len(entry.waiting)}
+
+    # ------------------------------------------------------------ reduce ---
+    def _on_ReduceRequested(self, ev: ReduceRequested, out: list[Command]) -> None:
+        old = self.reduces.get(ev.target)
+        if old is not None:
+            if (old.inputs, old.op, old.k) == (ev.inputs, ev.op, ev.num_objects):
+                out.append(Reply(ev.node, ev.request, {"ok": True}))  # same reduce asked twice
+            else:
+                out.append(Reply(ev.node, ev.request, error_body(
+                    "ObjectExists", f"a different reduce already produces {ev.target.hex()}")))
+            return
+        problem = _check_reduce_args(ev)
+        if problem or ev.target in self.objects:
+            out.append(Reply(ev.node, ev.request, error_body(
+                "InvalidArgument", problem or f"object {ev.target.hex()} already exists")))
+            return
+        task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
+        self.failed.pop(ev.target, None)
+        out.append(Reply(ev.node, ev.request, {"ok": True}))
+        for oid in ev.inputs:
+            self.watching.setdefault(oid, set()).add(ev.target)
+        for oid in ev.inputs:
+            holder = self._ready_holder(oid)
+            if holder is not None:
+                self._add_input(task, oid, holder, out)
+
+    def _on_ReduceFailed(self, ev: ReduceFailed, out: list[Command]) -> None:
+        task = self.reduces.get(ev.target)
+        if task is not None:
+            self._fail_reduce(task, ev.message, out)
+
+    def _on_InlineReduced(self, ev: InlineReduced, out: list[Command]) -> None:
+        task = self.reduces.get(ev.target)
+        if task is None or task.failed or ev.target in self.objects or task.layout is None:
+            return
+        entry = self.objects[ev.target] = Entry(task.size, task.layout, ev.data)
+        entry.waiting.extend(self.pending.pop(ev.target, deque()))
+        self._serve_waiting(ev.target, entry, out)
+        self._input_ready(ev.target, "", out)
+
+    def _on_ReducedInputs(self, ev: ReducedInputs, out: list[Command]) -> None:
+        task = self.reduces.get(ev.target)
+        if task is None:
+            out.append(Reply(ev.node, ev.request, error_body(
+                "ObjectNotFound", f"no reduce produces {ev.target.hex()}")))
+        elif task.failed:
+            out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
+        elif len(task.slots) >= task.k:
+            out.append(Reply(ev.node, ev.request, {"inputs": task.chosen}))
+        else:
+            task.waiters.append((ev.node, ev.request))
+
+    def _ready_holder(self, oid: Key) -> NodeId | None:
+        entry = self.objects.get(oid)
+        if entry is None:
+            return None
+        if entry.inline is not None:
+            return ""
+        complete = [n for n, h in entry.holders.items() if h.complete and n in self.nodes]
+        origins = [n for n in complete if entry.holders[n].origin]
+        return (origins or complete or [None])[0]
+
+    def _input_ready(self, oid: Key, node: NodeId, out: list[Command]) -> None:
+        for target in sorted(self.watching.get(oid, ())):
+            task = self.reduces.get(target)
+            if task is not None:
+                self._add_input(task, oid, node, out)
+
+    def _add_input(self, task: ReduceTask, oid: Key, node: NodeId, out: list[Command]) -> None:
+        if task.failed or oid in task.chosen or oid in task.backups:
+            return
+        if len(task.slots) >= task.k:
+            task.backups.append(oid)
+            return
+        entry = self.objects[oid]
+        problem = self._check_input(task, oid, entry)
+        if problem:
+            self._fail_reduce(task, problem, out)
+            return
+        task.slots.append((oid, node))
+        if task.inline:
+            task.inline_data.append(entry.inline or b"")
+        if len(task.slots) == task.k:
+            for waiter, request in task.waiters:
+                out.append(Reply(waiter, request, {"inputs": task.chosen}))
+            task.waiters.clear()
+            if task.inline:
+                out.append(InlineReduce(task.target, task.op, task.layout or {},
+                                        tuple(task.inline_data)))
+        if not task.inline:
+            self._start_ready_steps(task, out)
+
+    def _check_input(self, task: ReduceTask, oid: Key, entry: Entry) -> str | None:
+        if task.layout is None:
+            if entry.layout.get("kind") not in REDUCIBLE_KINDS:
+                return (f"input {oid.hex()} is a {entry.layout.get('kind')!r} object; reduce "
+                        "works on NumPy arrays")
+            task.size, task.layout, task.inline = entry.size, entry.layout, entry.inline is not None
+            task.degree = choose_degree(task.size, task.k, self.latency_s, self.bandwidth_Bps,
+                                        self.chunk_size)
+            return None
+        if entry.size != task.size or entry.layout != task.layout:
+            first = task.slots[0][0].hex() if task.slots else "?"
+            return (f"input {oid.hex()} has {entry.size} bytes and layout {entry.layout}, but "
+                    f"input {first} has {task.size} bytes and layout {task.layout}; every input "
+                    "of a reduce must have the same dtype and shape")
+        if task.inline != (entry.inline is not None):
+            return f"input {oid.hex()} was put with a different inline threshold than the others"
+        return None
+
+    def _start_ready_steps(self, task: ReduceTask, out: list[Command]) -> None:
+        """Start every tree position whose input and children's inputs have arrived."""
+        parent, children = inorder_tree(task.k, task.degree)
+        filled = len(task.slots)
+        for pos in range(filled):
+            if pos in task.started or any(c >= filled for c in children[pos]):
+                continue
+            is_root = parent[pos] is None
+            if children[pos] or is_root:
+                task.started.add(pos)
+                out.append(StartReduceStep(task.slots[pos][1], self._step(task, pos, is_root)))
+            if is_root:
+                self._register_result(task, task.slots[pos][1], out)
+
+    def _step(self, task: ReduceTask, pos: int, is_root: bool) -> dict[str, Any]:
+        _, children = inorder_tree(task.k, task.degree)
+        kids = []
+        for c in children[pos]:
+            source = step_id(task.target, c) if children[c] else task.slots[c][0]
+            kids.append({"oid": source, "address": self.nodes.get(task.slots[c][1], "")})
+        return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos),
+                "input": task.slots[pos][0], "children": kids, "reduce_op": task.op,
+                "count": task.k if is_root else 0, "size": task.size, "layout": task.layout}
+
+    def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
+        """The root's output is the target object: readable (pipelined) while it is reduced."""
+        entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None)
+        entry.holders[node] = Holder(origin=True)
+        entry.waiting.extend(self.pending.pop(task.target, deque()))
+        self._serve_waiting(task.target, entry, out)
+
+    def _drop_steps(self, task: ReduceTask, out: list[Command]) -> None:
+        """The result is complete: intermediate partial results can go."""
+        parent, children = inorder_tree(task.k, task.degree)
+        for pos in task.started:
+            if parent[pos] is not None and pos < len(task.slots):
+                out.append(Drop(task.slots[pos][1], step_id(task.target, pos),
+                                "the reduce finished; its partial results are freed"))
+        self._forget_watch(task)
+
+    def _forget_watch(self, task: ReduceTask) -> None:
+        for oid in task.inputs:
+            targets = self.watching.get(oid)
+            if targets is not None:
+                targets.discard(task.target)
+                if not targets:
+                    del self.watching[oid]
+
+    def _fail_reduce(self, task: ReduceTask, message: str, out: list[Command]) -> None:
+        if task.failed:
+            return
+        task.failed = self.failed[task.target] = message
+        self._forget_watch(task)
+        for node, request in task.waiters:
+            out.append(Reply(node, request, error_body("ReduceFailed", message)))
+        task.waiters.clear()
+        for node, request in self.pending.pop(task.target, deque()):
+            out.append(Reply(node, request, error_body("ReduceFailed", message)))
+        entry = self.objects.pop(task.target, None)
+        if entry is not None:
+            for node in entry.holders:
+                out.append(Drop(node, task.target, message))
+            for node, request in entry.waiting:
+                out.append(Reply(node, request, error_body("ReduceFailed", message)))
+        for pos in task.started:
+            out.append(Drop(task.slots[pos][1], step_id(task.target, pos), message))
 
     # ------------------------------------------------------------ helpers ---
     def _holder(self, oid: Key, node: NodeId) -> Holder | None:
@@ -403,6 +694,18 @@ class Directory:
         entry.holders[sender].serving.add(receiver)
         entry.edges.append((receiver, sender))
         return {**base, "sender": sender, "address": self.nodes[sender]}
+
+
+def _check_reduce_args(ev: ReduceRequested) -> str | None:
+    if not ev.inputs:
+        return "reduce needs at least one input"
+    if len(set(ev.inputs)) != len(ev.inputs):
+        return "reduce inputs must be distinct objects"
+    if ev.target in ev.inputs:
+        return "a reduce cannot write into one of its own inputs"
+    if not 1 <= ev.num_objects <= len(ev.inputs):
+        return f"num_objects must be between 1 and {len(ev.inputs)}; got {ev.num_objects}"
+    return None
 
 
 def _remove_node(queue: deque[tuple[NodeId, int]], node: NodeId) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hoplite_gpu import errors
+from hoplite_gpu.errors import ProtocolError
 from hoplite_gpu.protocol import field
 
 from . import state
@@ -35,6 +36,17 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         return state.Delete(node, field(msg, "rid", int), field(msg, "oid", bytes))
     if op == "query":
         return state.Query(node, field(msg, "rid", int), field(msg, "oid", bytes))
+    if op == "reduce":
+        inputs = field(msg, "inputs", list)
+        if not all(isinstance(i, bytes) and len(i) == 20 for i in inputs):
+            raise ProtocolError("reduce inputs must be 20-byte object ids")
+        return state.ReduceRequested(node, field(msg, "rid", int), field(msg, "target", bytes),
+                                     tuple(inputs), field(msg, "op_name", str),
+                                     field(msg, "num_objects", int))
+    if op == "reduce_failed":
+        return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
+    if op == "reduced_inputs":
+        return state.ReducedInputs(node, field(msg, "rid", int), field(msg, "target", bytes))
     return None
 
 

@@ -25,6 +25,7 @@ from hoplite_gpu.errors import (
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
+from .reducer import run_step
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range
 
@@ -50,6 +51,7 @@ class Node:
         self._closed: BaseException | None = None
         #: oid -> list of senders this node pulled from (diagnostics, demo).
         self.sources: dict[ObjectID, list[str]] = {}
+        self._steps: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         await self.server.start()
@@ -62,9 +64,10 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        for task in list(self._pulls.values()):
+        tasks = [*self._pulls.values(), *self._steps]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._pulls.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.store.close(self._closed)
         if self.client is not None:
             await self.client.close()
@@ -233,6 +236,35 @@ class Node:
         client = self._check_open()
         return (await client.request({"op": "nodes"}, self.config.timeout_s))["nodes"]
 
+    # ------------------------------------------------------------- reduce ---
+    async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
+                     target: ObjectID) -> ObjectID:
+        client = self._check_open()
+        await client.request({"op": "reduce", "target": target.binary,
+                              "inputs": [i.binary for i in inputs], "op_name": op,
+                              "num_objects": num_objects}, self.config.timeout_s)
+        return target
+
+    async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
+        client = self._check_open()
+        body = await client.request({"op": "reduced_inputs", "target": target.binary}, timeout)
+        return [ObjectID(i) for i in body["inputs"]]
+
+    async def _reduce_step(self, step: dict) -> None:
+        client = self._check_open()
+        target = step["target"]
+        try:
+            out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure must reach every waiter, not vanish here
+            log.warning("reduce step for %s failed: %r", target.hex(), exc)
+            client.post({"op": "reduce_failed", "target": target,
+                         "message": f"a reduce step on node {self.node_id} failed: "
+                                    f"{type(exc).__name__}: {exc}"})
+            return
+        client.post({"op": "complete", "oid": out.oid.binary})
+
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:
         op = msg.get("op")
@@ -241,6 +273,10 @@ class Node:
             reason = ObjectNotFound(msg.get("reason", f"object {oid.hex()} was dropped"))
             self.store.remove(oid, reason)
             self._cancel_pull(oid, reason)
+        elif op == "reduce_step":
+            task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
+            self._steps.add(task)
+            task.add_done_callback(self._steps.discard)
         elif op == "directory_lost":
             err = PeerLost(f"lost the directory: {msg.get('reason')}")
             for oid in list(self._pulls):

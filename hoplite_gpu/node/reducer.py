@@ -1,0 +1,91 @@
+"""One reduce tree position on a node: fold this node's input and the streams of
+its children's partial results, chunk by chunk, into an output object that the
+parent (or, at the root, any reader of the result) pulls while it grows."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from hoplite_gpu import kernels
+from hoplite_gpu.config import Config
+from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.values import Layout, numpy_dtype
+
+from .store import ChunkStore, StoredObject
+from .transfer import PeerPool, fetch_range
+
+
+async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, config: Config,
+                   timeout: float) -> StoredObject:
+    """Carry out one `reduce_step` command; returns the finished output object."""
+    layout = Layout.from_wire(step["layout"])
+    dtype = numpy_dtype(layout)
+    own = store.get(ObjectID(step["input"]))
+    if own is None:
+        raise LookupError(f"input {step['input'].hex()} is not held by this node")
+    out_oid = ObjectID(step["output"])
+    out = store.get(out_oid) or store.create(out_oid, layout)
+    kids, pulls = [], []
+    loop = asyncio.get_running_loop()
+    for child in step["children"]:
+        oid = ObjectID(child["oid"])
+        local = store.get(oid)
+        if local is not None:
+            kids.append(local)
+            continue
+        # A private copy: not in the store, so the directory never routes anyone to it.
+        copy = StoredObject(oid, layout, np.empty(layout.nbytes, dtype=np.uint8))
+        kids.append(copy)
+        pulls.append(loop.create_task(
+            fetch_range(pool, child["address"], copy, copy.size, config, lambda _pos: None)))
+    try:
+        await _fold(own, kids, out, step["reduce_op"], int(step["count"]), dtype, config, timeout, pulls)
+    finally:
+        for task in pulls:
+            task.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)
+    return out
+
+
+async def _fold(own: StoredObject, kids: list[StoredObject], out: StoredObject, op: str,
+                count: int, dtype: np.dtype, config: Config, timeout: float,
+                pulls: list[asyncio.Task]) -> None:
+    chunk = max(dtype.itemsize, config.chunk_size - config.chunk_size % dtype.itemsize)
+    for pos in range(out.ready, out.size, chunk):
+        end = min(pos + chunk, out.size)
+        for src in (own, *kids):
+            await _ready_or_failed(src, end, timeout, pulls)
+        acc = out.buffer[pos:end].view(dtype)
+        acc[...] = own.buffer[pos:end].view(dtype)
+        for kid in kids:
+            kernels.reduce_into(acc, kid.buffer[pos:end].view(dtype), op)
+        if count:
+            kernels.finalize(acc, op, count)
+        out.advance(end)
+        await asyncio.sleep(0)  # let the parent's pull send what is ready
+
+
+async def _ready_or_failed(src: StoredObject, end: int, timeout: float,
+                           pulls: list[asyncio.Task]) -> None:
+    """Wait for `src` to reach `end`, but fail at once if any child pull failed."""
+    if src.ready >= end:
+        return
+    waiter = asyncio.ensure_future(src.wait_ready(end, timeout))
+    try:
+        done, _ = await asyncio.wait([waiter, *pulls], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not waiter and task.exception() is not None:
+                raise task.exception()
+        if waiter in done:
+            waiter.result()
+        else:
+            await waiter
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter

@@ -80,3 +80,52 @@ def delete(name: str) -> None:
 
 def node_id() -> str:
     return hg.node_id()
+
+
+def put_float32(name: str, size: int, seed: int, delay: float = 0.0) -> None:
+    time.sleep(delay)
+    hg.put(np.random.default_rng(seed).standard_normal(size).astype(np.float32),
+           hg.ObjectID.from_name(name))
+
+
+def reduce_and_get(names: list[str], op: str, k: int, target: str, timeout: float = 60.0):
+    ids = [hg.ObjectID.from_name(n) for n in names]
+    rid = hg.reduce(ids, op, num_objects=k, object_id=hg.ObjectID.from_name(target))
+    value = np.array(hg.get(rid, timeout=timeout))
+    used = [ids.index(u) for u in hg.reduced_inputs(rid, timeout=timeout)]
+    return value, used
+
+
+def get_reduce_error(names: list[str], op: str, target: str, timeout: float = 20.0) -> str:
+    ids = [hg.ObjectID.from_name(n) for n in names]
+    rid = hg.reduce(ids, op, object_id=hg.ObjectID.from_name(target))
+    try:
+        hg.get(rid, timeout=timeout)
+    except hg.HopliteError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def allreduce_worker(name: str, rank: int, size: int, n: int, delay: float, op: str = "sum"):
+    from hoplite_gpu import collectives
+
+    time.sleep(delay)
+    value = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    out = collectives.allreduce(value, name=name, rank=rank, size=size, op=op, timeout=120)
+    return zlib.crc32(np.ascontiguousarray(out)), float(out[:1000].astype(np.float64).sum())
+
+
+def collective_worker(kind: str, name: str, rank: int, size: int):
+    from hoplite_gpu import collectives
+
+    value = np.full(100_000 + rank, rank, dtype=np.int32)
+    fn = getattr(collectives, kind)
+    if kind == "broadcast":
+        out = fn(value, name=name, rank=rank, size=size)
+        return int(out[0]), out.shape
+    out = fn(value, name=name, rank=rank, size=size)
+    if out is None:
+        return None
+    if isinstance(out, list):
+        return [(int(o[0]), o.shape) for o in out]
+    return int(out[0]), out.shape

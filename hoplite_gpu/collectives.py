@@ -1,0 +1,82 @@
+"""Collectives as thin compositions of put / get / reduce, as in the Hoplite paper.
+
+Participants need no group object: they agree on a `name` for this one
+collective call (e.g. ``f"grads-step-{step}"``), their `rank` and the `size`.
+Object ids are derived from the name, so nobody has to exchange ids. A name must
+be used for one call only (objects are immutable); `delete` frees its objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import api
+from .errors import InvalidArgument
+from .ids import ObjectID
+
+
+def input_id(name: str, rank: int) -> ObjectID:
+    return ObjectID.from_name(f"{name}/in/{rank}")
+
+
+def _check(rank: int, size: int, root: int = 0) -> None:
+    if not (isinstance(size, int) and size >= 1):
+        raise InvalidArgument(f"size must be a positive int; got {size!r}")
+    for what, r in (("rank", rank), ("root", root)):
+        if not (isinstance(r, int) and 0 <= r < size):
+            raise InvalidArgument(f"{what} must be an int in [0, {size}); got {r!r}")
+
+
+def broadcast(value: Any, *, name: str, rank: int, size: int, root: int = 0,
+              timeout: float | None = None) -> Any:
+    """Root's value on every rank (receiver-driven, pipelined)."""
+    _check(rank, size, root)
+    oid = ObjectID.from_name(f"{name}/bcast")
+    if rank == root:
+        api.put(value, oid)
+        return value
+    return api.get(oid, timeout=timeout)
+
+
+def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple[list, ObjectID]:
+    ids = [input_id(name, r) for r in range(size)]
+    k = size if num_objects is None else num_objects
+    return ids, ObjectID.from_name(f"{name}/reduce/{op}/{k}")
+
+
+def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: str = "sum",
+           num_objects: int | None = None, timeout: float | None = None) -> Any:
+    """The reduction of the first `num_objects` ready values, returned on `root` (None elsewhere)."""
+    _check(rank, size, root)
+    ids, target = _reduce_ids(name, size, op, num_objects)
+    api.reduce(ids, op, num_objects=num_objects, object_id=target)  # idempotent across ranks
+    api.put(value, ids[rank])
+    return api.get(target, timeout=timeout) if rank == root else None
+
+
+def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
+              num_objects: int | None = None, timeout: float | None = None) -> Any:
+    """Reduce, then broadcast the result while it is still being reduced."""
+    _check(rank, size)
+    ids, target = _reduce_ids(name, size, op, num_objects)
+    api.reduce(ids, op, num_objects=num_objects, object_id=target)
+    api.put(value, ids[rank])
+    return api.get(target, timeout=timeout)
+
+
+def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
+           timeout: float | None = None) -> list[Any] | None:
+    """Every rank's value, in rank order, on `root` (None elsewhere)."""
+    _check(rank, size, root)
+    api.put(value, input_id(name, rank))
+    if rank != root:
+        return None
+    return [api.get(input_id(name, r), timeout=timeout) for r in range(size)]
+
+
+def allgather(value: Any, *, name: str, rank: int, size: int,
+              timeout: float | None = None) -> list[Any]:
+    """Every rank's value, in rank order, on every rank."""
+    _check(rank, size)
+    api.put(value, input_id(name, rank))
+    return [api.get(input_id(name, r), timeout=timeout) for r in range(size)]

@@ -1,0 +1,78 @@
+"""Multi-process reduce, subset reduce, allreduce and the collectives."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import cluster_tasks as t
+from hoplite_gpu.cluster import LocalCluster
+
+N = 6
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(N, chunk_size=1 << 20) as c:
+        yield c
+
+
+def oracle(names_seeds, n, op="sum"):
+    arrays = [np.random.default_rng(seed).standard_normal(n).astype(np.float32).astype(np.float64)
+              for seed in names_seeds]
+    stack = np.stack(arrays)
+    return {"sum": stack.sum(0), "prod": stack.prod(0), "min": stack.min(0),
+            "max": stack.max(0), "avg": stack.mean(0)}[op]
+
+
+@pytest.mark.parametrize("n", [1000, 300_000, 3_000_000], ids=["inline", "one-chunk", "pipelined"])
+@pytest.mark.parametrize("op", ["sum", "min", "max", "avg", "prod"])
+def test_reduce_staggered_subset(cluster, n, op):
+    """Workers 1-5 put at staggered times, input 0 never comes (a straggler):
+    the first four ready inputs are reduced, whatever their order."""
+    names = [f"r-{op}-{n}-{w}" for w in range(N)]
+    target = f"r-{op}-{n}-out"
+    cluster.submit(0, t.reduce_and_get, names, op, 4, target)
+    delays = {3: 0.0, 5: 0.05, 1: 0.1, 4: 0.15, 2: 0.2}
+    for w, delay in delays.items():
+        cluster.submit(w, t.put_float32, names[w], n, w, delay)
+    for w in delays:
+        cluster.result(w)
+    value, used = cluster.result(0)
+    assert len(used) == 4 and len(set(used)) == 4
+    expected = oracle(used, n, op)
+    tol = 1e-4 if op != "prod" else 1e-3
+    np.testing.assert_allclose(value.astype(np.float64), expected, rtol=tol, atol=tol)
+
+
+def test_allreduce_six_64mib_arrays(cluster):
+    n = (64 << 20) // 4
+    got = cluster.map(t.allreduce_worker, [("ar64", r, N, n, 0.1 * r) for r in range(N)], timeout=240)
+    crcs = {g[0] for g in got}
+    assert len(crcs) == 1, "ranks disagree on the allreduce result"
+    expected = oracle(range(N), 1000).sum()
+    assert got[0][1] == pytest.approx(expected, rel=1e-4, abs=1e-3)
+
+
+def test_mismatched_inputs_fail_every_waiter(cluster):
+    cluster.run(1, t.put_float32, "bad-a", 5000, 1)
+    cluster.run(2, t.put_float32, "bad-b", 6000, 2)
+    msg = cluster.run(0, t.get_reduce_error, ["bad-a", "bad-b"], "sum", "bad-out")
+    assert msg.startswith("ReduceFailed") and "same dtype and shape" in msg
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "gather", "allgather"])
+def test_collectives(cluster, kind):
+    got = cluster.map(t.collective_worker, [(kind, f"coll-{kind}", r, N) for r in range(N)])
+    if kind == "broadcast":
+        assert all(g == (0, (100_000,)) for g in got)
+    elif kind == "gather":
+        assert got[0] == [(r, (100_000 + r,)) for r in range(N)] and got[1:] == [None] * (N - 1)
+    else:
+        assert all(g == [(r, (100_000 + r,)) for r in range(N)] for g in got)
+
+
+def test_crc_is_stable():
+    assert zlib.crc32(b"x") == zlib.crc32(bytearray(b"x"))

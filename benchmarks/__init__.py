@@ -1,0 +1,1 @@
+"""Benchmarks for hoplite-gpu. Entry point: ``python -m benchmarks``."""

@@ -1,0 +1,89 @@
+"""``python -m benchmarks [broadcast] ...``: run benchmarks, print a table, save JSON.
+
+Results go to ``benchmarks/results/<name>-<date>.json`` with the command line,
+the machine (CPU count, platform) and every measured time, so a rerun can be
+compared side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "processor": platform.processor()}
+
+
+def broadcast(args: argparse.Namespace, console: Console) -> dict:
+    """Broadcast to N-1 receivers over loopback vs one point-to-point transfer."""
+    import hoplite_gpu as hg
+    from hoplite_gpu.cluster import LocalCluster
+    from hoplite_gpu.demo import measure_broadcast
+
+    rows = []
+    for size_mib in args.sizes:
+        with LocalCluster(args.workers) as cluster:
+            hg.init(cluster.address, token=cluster.token)
+            try:
+                m = measure_broadcast(cluster, size_mib << 20, args.repeats, tag=f"b{size_mib}")
+            finally:
+                hg.shutdown()
+        p2p, bc = statistics.median(m["p2p_s"]), statistics.median(m["broadcast_s"])
+        rows.append({"size_bytes": size_mib << 20, "workers": args.workers,
+                     "receivers": args.workers - 1, "repeats": args.repeats,
+                     "p2p_s": m["p2p_s"], "broadcast_s": m["broadcast_s"],
+                     "p2p_median_s": p2p, "broadcast_median_s": bc,
+                     "ratio_broadcast_to_p2p": bc / p2p, "byte_identical": m["ok"],
+                     "edges": m["info"]["edges"]})
+        console.print(f"{size_mib} MiB: p2p {p2p * 1e3:.1f} ms, broadcast {bc * 1e3:.1f} ms, "
+                      f"ratio {bc / p2p:.2f}")
+    table = Table(title=f"broadcast to {args.workers - 1} receivers vs point-to-point (loopback)")
+    for col in ("size", "p2p median (ms)", "broadcast median (ms)", "ratio", "star bound", "ok"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['size_bytes'] >> 20} MiB", f"{r['p2p_median_s'] * 1e3:.1f}",
+                      f"{r['broadcast_median_s'] * 1e3:.1f}", f"{r['ratio_broadcast_to_p2p']:.2f}",
+                      f"{r['receivers']}", "yes" if r["byte_identical"] else "NO")
+    console.print(table)
+    return {"benchmark": "broadcast-loopback", "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = p.add_subparsers(dest="name")
+    b = sub.add_parser("broadcast", help="loopback broadcast vs point-to-point")
+    b.add_argument("--workers", type=int, default=8)
+    b.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--no-save", action="store_true")
+    args = p.parse_args(argv)
+    if args.name is None:
+        args = p.parse_args(["broadcast", *(argv or sys.argv[1:])])
+    console = Console()
+    result = broadcast(args, console)
+    result.update(command=" ".join(["python -m benchmarks", *sys.argv[1:]]),
+                  date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                  machine=_machine())
+    if not args.no_save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"{result['benchmark']}-{dt.date.today().isoformat()}.json"
+        out.write_text(json.dumps(result, indent=2))
+        console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
+    return 0 if all(r["byte_identical"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -61,19 +61,41 @@ def broadcast(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "broadcast-loopback", "rows": rows}
 
 
+def reduce(args: argparse.Namespace, console: Console) -> dict:
+    from . import reduce as bench
+
+    res = bench.run(args.workers, args.size << 20, args.repeats, args.gap, console)
+    med = res["median_s"]
+    table = Table(title=f"reduce of {args.workers} x {args.size} MiB on loopback (medians)")
+    for col in ("measure", "ms"):
+        table.add_column(col, justify="right")
+    for k, v in med.items():
+        table.add_row(k, f"{v * 1e3:.1f}")
+    table.add_row("reduce / p2p", f"{res['ratio_reduce_to_p2p']:.2f} x")
+    table.add_row("dynamic / all-at-once (after last put)", f"{res['ratio_dynamic_to_all_at_once']:.2f} x")
+    console.print(table)
+    return {"benchmark": "reduce-loopback", "rows": [res]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    sub = p.add_subparsers(dest="name")
+    sub = p.add_subparsers(dest="name", required=True)
     b = sub.add_parser("broadcast", help="loopback broadcast vs point-to-point")
     b.add_argument("--workers", type=int, default=8)
     b.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--no-save", action="store_true")
+    b.set_defaults(func=broadcast)
+    r = sub.add_parser("reduce", help="loopback reduce vs point-to-point; dynamic vs all-at-once")
+    r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--size", type=int, default=64, help="MiB per input")
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--gap", type=float, default=0.3, help="seconds between input arrivals")
+    r.add_argument("--no-save", action="store_true")
+    r.set_defaults(func=reduce)
     args = p.parse_args(argv)
-    if args.name is None:
-        args = p.parse_args(["broadcast", *(argv or sys.argv[1:])])
     console = Console()
-    result = broadcast(args, console)
+    result = args.func(args, console)
     result.update(command=" ".join(["python -m benchmarks", *sys.argv[1:]]),
                   date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                   machine=_machine())
@@ -82,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / f"{result['benchmark']}-{dt.date.today().isoformat()}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
-    return 0 if all(r["byte_identical"] for r in result["rows"]) else 1
+    return 0 if all(r.get("byte_identical", True) for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
                 raise ProtocolError(
                     f"{stream.peer} speaks protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
                 )
-            s_nonce, c_nonce = hello["nonce"], os.urandom(_NONCE)
+            s_nonce, c_nonce = hello.get("nonce"), os.urandom(_NONCE)
+            if not isinstance(s_nonce, bytes) or len(s_nonce) < 16:
+                raise ProtocolError(f"{stream.peer} sent a malformed handshake (no usable nonce)")
             await send_msg(stream, {"nonce": c_nonce, "mac": _mac(token, b"client", s_nonce, c_nonce)})
             try:
                 verdict = await recv_msg(stream)

@@ -23,7 +23,7 @@ class Config:
 
     #: Shared cluster secret; every control and data connection proves it knows it.
     token: str | None = field(default=None, repr=False)
-    #: Transport scheme for data connections ("tcp"; "ucx" when installed).
+    #: Transport scheme for data connections (see `hoplite-gpu info` for the usable ones).
     transport: str = "tcp"
     #: Interface a node's data server binds to. Loopback unless you run across hosts.
     node_host: str = "127.0.0.1"
@@ -53,8 +53,10 @@ class Config:
     def __post_init__(self) -> None:
         if self.chunk_size < 4 * KiB:
             raise ConfigError(f"chunk_size must be at least 4096 bytes; got {self.chunk_size}")
-        if self.inline_threshold < 0:
-            raise ConfigError(f"inline_threshold must be >= 0; got {self.inline_threshold}")
+        if not 0 <= self.inline_threshold <= 16 * MiB:
+            raise ConfigError(
+                f"inline_threshold must be between 0 and 16 MiB (inline objects travel in "
+                f"control messages); got {self.inline_threshold}")
         if self.max_receivers_per_sender < 1:
             raise ConfigError(
                 f"max_receivers_per_sender must be >= 1; got {self.max_receivers_per_sender}"

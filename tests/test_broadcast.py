@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import zlib
 
+import cluster_tasks as t
 import numpy as np
 import pytest
 
-import cluster_tasks as t
 import hoplite_gpu as hg
 from hoplite_gpu.cluster import LocalCluster
 from hoplite_gpu.runtime import Runtime

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import zlib
 
+import cluster_tasks as t
 import numpy as np
 import pytest
 
-import cluster_tasks as t
 from hoplite_gpu.cluster import LocalCluster
 
 N = 6

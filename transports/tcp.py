@@ -18,6 +18,7 @@ from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
 from .base import Backend, Buffer, Handler, Listener, Stream, split_address
 
 _SOCKBUF = 4 * 1024 * 1024
+_CLOSED = "hoplite: stream closed"
 
 
 def _tune(sock: socket.socket) -> None:
@@ -35,6 +36,8 @@ class TCPStream(Stream):
         self._sock = sock
         self._closed = False
         self.peer = peer
+        #: Tasks inside send/recv_into, woken by close() (the loop would not wake them).
+        self._busy: set[asyncio.Task] = set()
 
     @property
     def closed(self) -> bool:
@@ -48,13 +51,24 @@ class TCPStream(Stream):
         if self._closed:
             raise self._lost(None, "send")
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        self._busy.add(task)
         try:
             for buf in buffers:
-                if len(buf):
-                    await loop.sock_sendall(self._sock, buf)
+                # sock_sendall counts progress in bytes against len(), which is in
+                # items for a typed view: always send a flat byte view.
+                view = memoryview(buf)
+                if view.format != "B" or view.ndim != 1:
+                    view = view.cast("B")
+                if len(view):
+                    await loop.sock_sendall(self._sock, view)
         except (OSError, ValueError) as exc:  # ValueError: socket closed under us
             await self.close()
             raise self._lost(exc, "send") from exc
+        except asyncio.CancelledError as exc:
+            raise self._woken(task, exc, "send") from None
+        finally:
+            self._busy.discard(task)
 
     async def recv_into(self, buffer: memoryview) -> None:
         if self._closed:
@@ -62,6 +76,8 @@ class TCPStream(Stream):
         loop = asyncio.get_running_loop()
         view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         got, want = 0, len(view)
+        task = asyncio.current_task()
+        self._busy.add(task)
         try:
             while got < want:
                 n = await loop.sock_recv_into(self._sock, view[got:])
@@ -76,13 +92,36 @@ class TCPStream(Stream):
         except (OSError, ValueError) as exc:
             await self.close()
             raise self._lost(exc, "receive") from exc
+        except asyncio.CancelledError as exc:
+            raise self._woken(task, exc, "receive") from None
+        finally:
+            self._busy.discard(task)
+
+    def _woken(self, task: asyncio.Task | None, exc: asyncio.CancelledError,
+               what: str) -> BaseException:
+        """A cancel sent by close() becomes TransportClosed; any other stays a cancel."""
+        if exc.args == (_CLOSED,) and task is not None:
+            task.uncancel()
+            return self._lost(None, what)
+        return exc
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(OSError, ValueError):
+                # Unregister before closing, so no stale selector entry outlives
+                # the fd number, which the next socket may reuse.
+                fd = self._sock.fileno()
+                loop.remove_reader(fd)
+                loop.remove_writer(fd)
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
+            me = asyncio.current_task()
+            for task in list(self._busy):
+                if task is not me:
+                    task.cancel(_CLOSED)
 
 
 class TCPListener(Listener):

@@ -78,6 +78,12 @@ class DirectoryClient:
         self._outbox.put_nowait({**msg, "rid": rid})
         return fut
 
+    def forget(self, rid: int) -> None:
+        """Stop waiting for the reply to request `rid` (its caller gave up)."""
+        fut = self._pending.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
     def next_id(self) -> int:
         return next(self._ids)
 

@@ -45,7 +45,7 @@ def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
         for data in cmd.inputs[1:]:
             kernels.reduce_into(acc, np.frombuffer(data, dtype=dtype), cmd.op)
         kernels.finalize(acc, cmd.op, len(cmd.inputs))
-    except HopliteError as exc:
+    except Exception as exc:  # whatever went wrong, every waiter must hear of it
         return state.ReduceFailed("", cmd.target, f"{type(exc).__name__}: {exc}")
     return state.InlineReduced(cmd.target, acc.tobytes())
 

@@ -325,7 +325,12 @@ class Directory:
     def _on_Progress(self, ev: Progress, out: list[Command]) -> None:
         holder = self._holder(ev.oid, ev.node)
         if holder is not None and not holder.complete:
-            holder.nbytes = max(holder.nbytes, min(ev.nbytes, self.objects[ev.oid].size))
+            entry = self.objects[ev.oid]
+            before = holder.nbytes
+            holder.nbytes = max(holder.nbytes, min(ev.nbytes, entry.size))
+            if holder.nbytes > before and entry.waiting:
+                # it may now be ahead of a waiting receiver that refused it before
+                self._serve_waiting(ev.oid, entry, out)
 
     def _on_Completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
@@ -663,16 +668,24 @@ class Directory:
         return choice
 
     def _serve_waiting(self, oid: Key, entry: Entry, out: list[Command]) -> None:
-        """Hand senders to waiting receivers, oldest first, while any sender is free."""
-        still: deque[tuple[NodeId, int]] = deque()
-        while entry.waiting:
-            node, request = entry.waiting.popleft()
-            body = self._assign(oid, entry, node)
-            if body is None:
-                still.append((node, request))
-            else:
-                out.append(Reply(node, request, body))
-        entry.waiting = still
+        """Hand senders to waiting receivers, oldest first, while any sender is free.
+
+        Each assignment creates a new partial holder that an earlier waiter may
+        pull from, so passes repeat until one assigns nobody.
+        """
+        progress = True
+        while progress and entry.waiting:
+            progress = False
+            still: deque[tuple[NodeId, int]] = deque()
+            while entry.waiting:
+                node, request = entry.waiting.popleft()
+                body = self._assign(oid, entry, node)
+                if body is None:
+                    still.append((node, request))
+                else:
+                    out.append(Reply(node, request, body))
+                    progress = True
+            entry.waiting = still
 
     def _assign(self, oid: Key, entry: Entry, receiver: NodeId) -> dict[str, Any] | None:
         base = {"size": entry.size, "layout": entry.layout}
@@ -685,6 +698,8 @@ class Directory:
         if entry.size == 0:
             entry.holders[receiver] = Holder(complete=True)
             return {**base, "local": True}
+        if mine is not None and mine.upstream is not None:
+            self._detach(entry, receiver)  # asked again while pulling: free the old slot
         sender = self._pick_sender(entry, receiver)
         if sender is None:
             return None

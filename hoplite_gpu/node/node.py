@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from hoplite_gpu.errors import (
     TransportError,
 )
 from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
 from .reducer import run_step
@@ -57,8 +59,8 @@ class Node:
         await self.server.start()
         self.client = await DirectoryClient.connect(
             self.directory_address, token=self.token, node=self.node_id,
-            data_address=self.server.address, timeout=self.config.connect_timeout_s,
-            on_push=self._on_push)
+            data_address=advertised(self.server.address, self.directory_address),
+            timeout=self.config.connect_timeout_s, on_push=self._on_push)
 
     async def close(self) -> None:
         if self._closed is not None:
@@ -100,6 +102,7 @@ class Node:
             await client.request(msg, self.config.timeout_s)
         except BaseException:
             self.store.remove(oid)
+            client.post({"op": "dropped", "oid": oid.binary})  # in case the put did register
             raise
         if not inline:
             await self._fill(obj, buf)
@@ -164,10 +167,14 @@ class Node:
                 return self._store_inline(oid, layout, reply["inline"])
             obj = self.store.get(oid)
             if reply.get("local"):
-                if obj is None:  # zero-byte object, or we were told we hold it
-                    obj = self.store.create(oid, layout)
-                obj.advance(obj.size)
-                return obj
+                if layout.nbytes == 0:
+                    obj = obj or self.store.create(oid, layout)
+                    return obj
+                if obj is not None and obj.complete:
+                    return obj
+                # The directory thinks we hold it but we do not: correct it, ask again.
+                client.post({"op": "dropped", "oid": oid.binary})
+                continue
             if obj is None or obj.error is not None:
                 obj = self.store.create(oid, layout)
             sender, address = reply["sender"], reply["address"]
@@ -195,6 +202,7 @@ class Node:
             async with asyncio.timeout(max(0.0, remaining)):
                 body = await fut
         except TimeoutError:
+            client.forget(rid)
             client.post({"op": "cancel", "request": rid})
             if self.store.get(oid) is not None:
                 self.store.remove(oid)
@@ -290,3 +298,17 @@ class Node:
             self._pull_errors[oid] = reason
             task.cancel(str(reason))
 
+
+
+def advertised(address: str, directory_address: str) -> str:
+    """A wildcard bind (0.0.0.0, ::) is not an address peers can dial: advertise
+    the local IP this host uses to reach the directory instead."""
+    scheme, host, port = split_address(address)
+    if host not in ("0.0.0.0", "::", ""):
+        return address
+    _, dhost, dport = split_address(directory_address)
+    family = socket.AF_INET6 if ":" in dhost else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((dhost, dport))  # UDP connect sends nothing; it only picks a route
+        local = probe.getsockname()[0]
+    return f"{scheme}://[{local}]:{port}" if ":" in local else f"{scheme}://{local}:{port}"

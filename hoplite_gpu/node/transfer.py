@@ -18,7 +18,7 @@ from collections.abc import Callable
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.wire import raise_for_error
-from hoplite_gpu.errors import HopliteError, ProtocolError, Timeout
+from hoplite_gpu.errors import HopliteError, ObjectNotFound, PeerLost, ProtocolError, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
@@ -75,7 +75,8 @@ class DataServer:
         oid = ObjectID(field(req, "oid", bytes))
         offset, end = field(req, "offset", int), field(req, "end", int)
         try:
-            obj = await self.store.wait_for(oid, self.config.connect_timeout_s)
+            # A reduce parent may ask before our own step has created its output.
+            obj = await self.store.wait_for(oid, self.config.timeout_s)
         except HopliteError as exc:
             await send_error_frame(stream, type(exc).__name__, str(exc))
             return
@@ -162,8 +163,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                 async with asyncio.timeout(stall):
                     kind, n = await recv_frame_header(stream)
                     if kind != FRAME_DATA:
-                        raise_for_error(await recv_error_body(stream, n))
-                        raise ProtocolError(f"{address} sent an error frame without an error")
+                        _raise_peer_error(address, await recv_error_body(stream, n))
                     if n == 0 or n > end - pos:
                         raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
                     await stream.recv_into(view[pos:pos + n])
@@ -185,3 +185,15 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         else:
             with contextlib.suppress(Exception):
                 await stream.close()
+
+
+def _raise_peer_error(address: str, body: dict) -> None:
+    """An error frame: the object is gone there (ObjectNotFound), or the peer
+    cannot serve it for another reason, which for us means that peer is lost."""
+    try:
+        raise_for_error(body)
+    except ObjectNotFound:
+        raise
+    except HopliteError as exc:
+        raise PeerLost(f"{address} could not serve: {type(exc).__name__}: {exc}") from exc
+    raise ProtocolError(f"{address} sent an error frame without an error")

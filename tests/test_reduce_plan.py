@@ -1,0 +1,168 @@
+"""Reduce tree shapes, the cost model, and the state machine's reduce decisions."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hoplite_gpu.directory import state as s
+from hoplite_gpu.directory.reduce_plan import (
+    choose_degree,
+    inorder_tree,
+    reduce_time,
+    tree_depth,
+    tree_root,
+)
+
+MiB = 1 << 20
+
+
+def inorder(children, root):
+    out = []
+
+    def walk(p):
+        kids = children[p]
+        if kids:
+            walk(kids[0])
+        out.append(p)
+        for c in kids[1:]:
+            walk(c)
+
+    walk(root)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 200), d=st.integers(1, 8))
+def test_inorder_traversal_is_arrival_order(k, d):
+    parent, children = inorder_tree(k, d)
+    root = tree_root(k, d)
+    assert inorder(children, root) == list(range(k))
+    assert all(len(c) <= d for c in children)
+    assert sum(p is None for p in parent) == 1
+
+
+def test_chain_leaf_is_first_arrival_and_root_last():
+    parent, children = inorder_tree(5, 1)
+    assert parent == (1, 2, 3, 4, None)
+    assert tree_depth(5, 1) == 4
+
+
+def test_binary_tree_is_balanced():
+    assert tree_depth(7, 2) == 2 and tree_root(7, 2) == 3
+    assert tree_depth(15, 2) == 3
+
+
+@pytest.mark.parametrize("size,expected", [(64 * MiB, 1), (256 * MiB, 1)])
+def test_large_objects_use_a_chain(size, expected):
+    assert choose_degree(size, 8, 1e-4, 1.25e8, 4 * MiB) == expected
+
+
+def test_small_objects_use_a_tree():
+    assert choose_degree(256 * 1024, 8, 1e-4, 1.25e8, 4 * MiB) > 1
+    assert choose_degree(1024, 16, 1e-3, 1.25e9, 4 * MiB) > 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(size=st.integers(1, 1 << 30), k=st.integers(3, 40),
+       lat=st.floats(1e-6, 1e-2), bw=st.floats(1e7, 1e11))
+def test_chosen_degree_minimises_the_model(size, k, lat, bw):
+    d = choose_degree(size, k, lat, bw, 4 * MiB)
+    best = min(reduce_time(size, k, e, lat, bw, 4 * MiB) for e in range(1, min(8, k - 1) + 1))
+    assert reduce_time(size, k, d, lat, bw, 4 * MiB) == pytest.approx(best)
+
+
+# --------------------------------------------------------- state machine ---
+def oid(i: int) -> bytes:
+    return i.to_bytes(20, "big")
+
+
+LAYOUT = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 22], "nbytes": 16 * MiB}
+
+
+def directory(n_nodes=9, **kw):
+    d = s.Directory(**kw)
+    for i in range(n_nodes):
+        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}"))
+    return d
+
+
+def put_complete(d, node, key, size=16 * MiB, layout=LAYOUT):
+    out = d.handle(s.Put(node, 1, key, size, layout))
+    out += d.handle(s.Completed(node, key))
+    return out
+
+
+def steps(cmds):
+    return [c for c in cmds if isinstance(c, s.StartReduceStep)]
+
+
+def test_chain_steps_follow_arrival_order():
+    d = directory(bandwidth_Bps=1.25e8)
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(4)), "sum", 4))
+    arrival = [2, 0, 3, 1]
+    started = []
+    for i in arrival:
+        started += steps(put_complete(d, f"n{i + 1}", oid(i)))
+    # chain: position p reduces position p-1's stream; the last arrival is the root
+    assert [c.node for c in started] == ["n1", "n4", "n2"]
+    root = started[-1].step
+    assert root["output"] == target and root["count"] == 4
+    assert [c["oid"] for c in started[0].step["children"]] == [oid(2)]  # leaf's own input
+    assert d.objects[target].holders["n2"].origin
+    assert d.reduces[target].chosen == [oid(i) for i in arrival]
+
+
+def test_subset_reduce_keeps_backups_and_answers_reduced_inputs():
+    d = directory()
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(5)), "sum", 3))
+    waiting = d.handle(s.ReducedInputs("n0", 2, target))
+    assert waiting == []
+    out = []
+    for i in [4, 1, 2, 0, 3]:
+        out += put_complete(d, f"n{i + 1}", oid(i))
+    replies = [c for c in out if isinstance(c, s.Reply) and c.request == 2]
+    assert replies and replies[0].body["inputs"] == [oid(4), oid(1), oid(2)]
+    assert d.reduces[target].backups == [oid(0), oid(3)]
+
+
+def test_mismatched_input_fails_the_reduce_for_every_waiter():
+    d = directory()
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
+    d.handle(s.Locate("n5", 7, target))
+    put_complete(d, "n1", oid(0))
+    other = {**LAYOUT, "shape": [3], "nbytes": 12}
+    out = put_complete(d, "n2", oid(1), size=12, layout=other)
+    errors = [c for c in out if isinstance(c, s.Reply) and "error" in c.body]
+    assert errors and all(c.body["error"] == "ReduceFailed" for c in errors)
+    assert oid(1).hex() in errors[0].body["message"]
+    late = d.handle(s.Locate("n6", 8, target))
+    assert late[0].body["error"] == "ReduceFailed"
+
+
+def test_inline_inputs_are_reduced_by_the_directory():
+    d = directory()
+    target = oid(100)
+    small = {"kind": "numpy", "dtype": "<i4", "shape": [2], "nbytes": 8}
+    d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
+    d.handle(s.Put("n1", 1, oid(0), 8, small, inline=b"\x01\x00\x00\x00\x02\x00\x00\x00"))
+    out = d.handle(s.Put("n2", 1, oid(1), 8, small, inline=b"\x03\x00\x00\x00\x04\x00\x00\x00"))
+    cmd = [c for c in out if isinstance(c, s.InlineReduce)]
+    assert len(cmd) == 1 and len(cmd[0].inputs) == 2
+    d.handle(s.InlineReduced(target, b"\x04\x00\x00\x00\x06\x00\x00\x00"))
+    reply = d.handle(s.Locate("n3", 9, target))
+    assert reply[0].body["inline"] == b"\x04\x00\x00\x00\x06\x00\x00\x00"
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ((), "at least one"), ((oid(1), oid(1)), "distinct"), ((oid(1), oid(2)), "num_objects"),
+])
+def test_bad_reduce_requests_are_refused(bad, msg):
+    d = directory()
+    k = 3 if msg == "num_objects" else max(1, len(bad))
+    out = d.handle(s.ReduceRequested("n0", 1, oid(100), bad, "sum", k))
+    assert out[0].body["error"] == "InvalidArgument" and msg in out[0].body["message"]

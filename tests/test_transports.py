@@ -1,0 +1,168 @@
+"""The transport conformance suite (transport_checks.py) run against every usable backend,
+plus the scheme registry and address parsing, which belong to no backend."""
+
+import asyncio
+
+import pytest
+import transport_checks as tc
+
+from hoplite_gpu.errors import ConfigError, InvalidArgument
+from hoplite_gpu.transports import Backend, get_backend, split_address
+
+by_scheme = pytest.mark.parametrize("scheme", tc.scheme_params())
+
+def run(check, *args) -> None:
+    asyncio.run(check(*args))
+
+
+@by_scheme
+@pytest.mark.parametrize(
+    "size", [0, 1, 4095, 4 * tc.MiB + 3, 64 * tc.MiB], ids=["0", "1", "4095", "4MiB+3", "64MiB"]
+)
+def test_round_trip(scheme, size):
+    run(tc.check_round_trip, scheme, size)
+
+
+@by_scheme
+def test_full_duplex(scheme):
+    run(tc.check_full_duplex, scheme)
+
+
+@by_scheme
+def test_typed_buffers(scheme):
+    run(tc.check_typed_buffers, scheme)
+
+
+@by_scheme
+def test_recv_into_multidim(scheme):
+    run(tc.check_recv_into_multidim, scheme)
+
+
+@by_scheme
+def test_send_gathers(scheme):
+    run(tc.check_send_gathers, scheme)
+
+
+@by_scheme
+def test_many_streams(scheme):
+    run(tc.check_many_streams, scheme, 20)
+
+
+@pytest.mark.slow
+@by_scheme
+def test_bulk_256mib(scheme):
+    run(tc.check_bulk_transfer, scheme, 256 * tc.MiB)
+
+
+@by_scheme
+def test_peer_closes_early(scheme):
+    run(tc.check_peer_closes_early, scheme)
+
+
+@by_scheme
+def test_close_semantics(scheme):
+    run(tc.check_close_semantics, scheme)
+
+
+@by_scheme
+def test_send_to_closed_peer(scheme):
+    run(tc.check_send_to_closed_peer, scheme)
+
+
+@by_scheme
+def test_close_wakes_pending_recv(scheme):
+    run(tc.check_close_wakes_pending_recv, scheme)
+
+
+@by_scheme
+def test_close_wakes_pending_send(scheme):
+    run(tc.check_close_wakes_pending_send, scheme)
+
+
+@by_scheme
+def test_close_while_pending_spares_other_streams(scheme):
+    run(tc.check_close_while_pending_spares_other_streams, scheme)
+
+
+@by_scheme
+def test_connect_refused(scheme):
+    run(tc.check_connect_refused, scheme)
+
+
+@by_scheme
+def test_bad_address(scheme):
+    run(tc.check_bad_address, scheme)
+
+
+@by_scheme
+def test_unresolvable_host(scheme):
+    run(tc.check_unresolvable_host, scheme)
+
+
+@by_scheme
+def test_listen_conflict(scheme):
+    run(tc.check_listen_conflict, scheme)
+
+
+@by_scheme
+def test_listener_address(scheme):
+    run(tc.check_listener_address, scheme)
+
+
+@by_scheme
+def test_listen_ipv6(scheme):
+    run(tc.check_listen_ipv6, scheme)
+
+
+@by_scheme
+def test_listener_close(scheme):
+    run(tc.check_listener_close, scheme)
+
+
+@by_scheme
+def test_listener_survives_handler_error(scheme):
+    run(tc.check_listener_survives_handler_error, scheme)
+
+
+# -- registry and addresses ---------------------------------------------------------------------
+
+
+def test_unknown_scheme_lists_known_ones():
+    with pytest.raises(ConfigError) as info:
+        get_backend("nope")
+    message = str(info.value)
+    assert "'nope'" in message
+    assert "tcp" in message
+
+
+def test_get_backend_is_cached_and_typed():
+    backend = get_backend("tcp")
+    assert isinstance(backend, Backend)
+    assert backend.scheme == "tcp"
+    assert get_backend("tcp") is backend
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("tcp://127.0.0.1:5", ("tcp", "127.0.0.1", 5)),
+        ("127.0.0.1:5", ("tcp", "127.0.0.1", 5)),
+        ("[::1]:5", ("tcp", "::1", 5)),
+        ("tcp://[::1]:5", ("tcp", "::1", 5)),
+        ("ucx://node-3:40123", ("ucx", "node-3", 40123)),
+        ("localhost:0", ("tcp", "localhost", 0)),
+    ],
+)
+def test_split_address(address, expected):
+    assert split_address(address) == expected
+
+
+def test_split_address_default_scheme():
+    assert split_address("h:1", default_scheme="ucx") == ("ucx", "h", 1)
+
+
+@pytest.mark.parametrize("bad", ["foo", "", ":5", "host:", "host:port", "tcp://", "tcp://host"])
+def test_split_address_rejects(bad):
+    with pytest.raises(InvalidArgument) as info:
+        split_address(bad)
+    assert repr(bad) in str(info.value)

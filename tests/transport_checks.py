@@ -1,0 +1,512 @@
+"""A conformance suite for `hoplite_gpu.transports` backends.
+
+Every ``check_*`` coroutine takes a scheme name and exercises the backend that
+`get_backend` returns for it, through the public `Backend`/`Listener`/`Stream`
+interface only. A new backend is covered by adding its scheme to the
+parametrisation in test_transports.py; nothing here knows about sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from hoplite_gpu.errors import (
+    ConfigError,
+    ConnectionRefused,
+    InvalidArgument,
+    TransportClosed,
+    TransportError,
+)
+from hoplite_gpu.transports import Listener, Stream, get_backend
+
+#: Schemes a conformance run may cover; each is skipped where its backend is unusable.
+CANDIDATE_SCHEMES = ("tcp", "ucx")
+#: Loopback host every backend is expected to listen on.
+HOST = "127.0.0.1"
+CONNECT_TIMEOUT = 5.0
+MiB = 1024 * 1024
+_LEN = struct.Struct(">Q")
+
+Check = Callable[..., Awaitable[None]]
+
+
+def scheme_params(known_bugs: dict[str, pytest.MarkDecorator] | None = None) -> list:
+    """pytest params for every candidate scheme. Unusable backends skip with the reason;
+    `known_bugs` maps a scheme to the xfail mark of a bug its backend has today."""
+    params = []
+    for scheme in CANDIDATE_SCHEMES:
+        try:
+            get_backend(scheme)
+        except ConfigError as exc:
+            params.append(pytest.param(scheme, marks=pytest.mark.skip(reason=str(exc))))
+        else:
+            bug = (known_bugs or {}).get(scheme)
+            params.append(pytest.param(scheme, marks=[bug] if bug else []))
+    return params
+
+
+def deadline(seconds: float) -> Callable[[Check], Check]:
+    """Bound a check with asyncio.timeout, so a hung transport fails instead of stalling."""
+
+    def wrap(check: Check) -> Check:
+        @functools.wraps(check)
+        async def bounded(*args, **kwargs) -> None:
+            async with asyncio.timeout(seconds):
+                await check(*args, **kwargs)
+
+        return bounded
+
+    return wrap
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+# -- fixtures as async context managers ---------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serving(scheme: str, handler: Callable[[Stream], Awaitable[None]]) -> AsyncIterator[Listener]:
+    listener = await get_backend(scheme).listen(HOST, 0, handler)
+    try:
+        yield listener
+    finally:
+        await listener.close()
+
+
+@contextlib.asynccontextmanager
+async def connected_pair(scheme: str) -> AsyncIterator[tuple[Stream, Stream]]:
+    """(client, server) ends of one stream; the server end stays open until the block exits."""
+    accepted: asyncio.Queue[Stream] = asyncio.Queue()
+    release = asyncio.Event()
+
+    async def hold(stream: Stream) -> None:
+        await accepted.put(stream)
+        await release.wait()
+
+    async with serving(scheme, hold) as listener:
+        client = await get_backend(scheme).connect(listener.address, CONNECT_TIMEOUT)
+        try:
+            server = await accepted.get()
+            yield client, server
+        finally:
+            release.set()
+            await client.close()
+
+
+async def recv_sized(stream: Stream) -> np.ndarray:
+    """Receive one length-prefixed message into a freshly allocated array."""
+    (n,) = _LEN.unpack(await stream.recv_exactly(_LEN.size))
+    out = np.empty(n, dtype=np.uint8)
+    await stream.recv_into(memoryview(out))
+    return out
+
+
+async def send_sized(stream: Stream, data: np.ndarray) -> None:
+    await stream.send(_LEN.pack(data.nbytes), memoryview(data))
+
+
+async def echo_forever(stream: Stream) -> None:
+    """Handler: echo length-prefixed messages until the peer goes away."""
+    with contextlib.suppress(TransportClosed):
+        while True:
+            await send_sized(stream, await recv_sized(stream))
+
+
+# -- data path ----------------------------------------------------------------------------------
+
+
+async def _recv_in_place(stream: Stream, expected: np.ndarray) -> None:
+    """recv_into a slice of a larger array with guard bytes around it, then check the
+    destination array itself holds the data and nothing beyond the slice was touched."""
+    n, guard = expected.nbytes, 16
+    dest = np.full(n + 2 * guard, 0xA5, dtype=np.uint8)
+    window = dest[guard : guard + n]
+    await stream.recv_into(memoryview(window))
+    # Read back through the parent array, not the view handed to recv_into.
+    np.testing.assert_array_equal(dest[guard : guard + n], expected)
+    assert (dest[:guard] == 0xA5).all() and (dest[guard + n :] == 0xA5).all(), "recv_into overran"
+
+
+@deadline(60)
+async def check_round_trip(scheme: str, size: int) -> None:
+    """client -> server -> client, each side receiving in place into a preallocated array."""
+    data = random_bytes(size, seed=size)
+    async with connected_pair(scheme) as (client, server):
+
+        async def server_side() -> None:
+            got = np.empty(size, dtype=np.uint8)
+            await server.recv_into(memoryview(got))
+            np.testing.assert_array_equal(got, data)
+            await server.send(memoryview(got))
+
+        async def client_side() -> None:
+            await client.send(memoryview(data))
+            await _recv_in_place(client, data)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(server_side())
+            tg.create_task(client_side())
+
+
+@deadline(30)
+async def check_full_duplex(scheme: str, size: int = 4 * MiB + 3) -> None:
+    """Both ends send at once, larger than any socket buffer: neither may deadlock."""
+    a, b = random_bytes(size, seed=1), random_bytes(size, seed=2)
+    async with connected_pair(scheme) as (client, server):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(client.send(memoryview(a)))
+            tg.create_task(server.send(memoryview(b)))
+            tg.create_task(_recv_in_place(server, a))
+            tg.create_task(_recv_in_place(client, b))
+
+
+@deadline(3)
+async def check_typed_buffers(scheme: str) -> None:
+    """Multi-byte, multi-dimensional buffers go out and come in by bytes, not by items."""
+    src = np.random.default_rng(3).standard_normal((257, 129))
+    dst = np.zeros_like(src)
+    async with connected_pair(scheme) as (client, server):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(client.send(memoryview(src)))
+            tg.create_task(server.recv_into(memoryview(dst)))
+    np.testing.assert_array_equal(dst, src)
+
+
+@deadline(10)
+async def check_recv_into_multidim(scheme: str) -> None:
+    """recv_into accepts a C-contiguous non-byte view (sender uses a plain byte view)."""
+    src = np.random.default_rng(4).standard_normal((64, 33))
+    dst = np.zeros_like(src)
+    async with connected_pair(scheme) as (client, server):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(client.send(memoryview(src).cast("B")))
+            tg.create_task(server.recv_into(memoryview(dst)))
+    np.testing.assert_array_equal(dst, src)
+
+
+@deadline(10)
+async def check_send_gathers(scheme: str) -> None:
+    """send(*buffers) puts the buffers on the wire back to back, in order."""
+    parts = [b"", b"a", bytearray(b"bc"), memoryview(random_bytes(70_000, seed=5)), b"\xff"]
+    joined = b"".join(bytes(p) for p in parts)
+    async with connected_pair(scheme) as (client, server):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(client.send(*parts))
+            got = tg.create_task(server.recv_exactly(len(joined)))
+    assert got.result() == joined
+    assert await _empty_recv_exactly(scheme) == b""
+
+
+async def _empty_recv_exactly(scheme: str) -> bytes:
+    async with connected_pair(scheme) as (client, _):
+        return await client.recv_exactly(0)
+
+
+@deadline(30)
+async def check_many_streams(scheme: str, count: int = 20) -> None:
+    """Many clients at once on one listener, each echoing its own data several times."""
+    async with serving(scheme, echo_forever) as listener:
+
+        async def one_client(i: int) -> None:
+            stream = await get_backend(scheme).connect(listener.address, CONNECT_TIMEOUT)
+            try:
+                for round_ in range(3):
+                    data = random_bytes(64 * 1024 + 97 * i + round_, seed=1000 * i + round_)
+                    await send_sized(stream, data)
+                    np.testing.assert_array_equal(await recv_sized(stream), data)
+            finally:
+                await stream.close()
+
+        async with asyncio.TaskGroup() as tg:
+            for i in range(count):
+                tg.create_task(one_client(i))
+
+
+@deadline(120)
+async def check_bulk_transfer(scheme: str, total: int, chunk: int = 4 * MiB) -> None:
+    """Move `total` bytes in `chunk`-sized sends into one preallocated destination."""
+    data = random_bytes(total, seed=7)
+    dest = np.zeros(total, dtype=np.uint8)
+    view = memoryview(dest)
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:
+            for off in range(0, total, chunk):
+                await client.send(memoryview(data[off : off + chunk]))
+
+        async def receiver() -> None:
+            for off in range(0, total, chunk):
+                await server.recv_into(view[off : off + chunk])
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(sender())
+            tg.create_task(receiver())
+    np.testing.assert_array_equal(dest, data)
+
+
+# -- closing ------------------------------------------------------------------------------------
+
+
+@deadline(10)
+async def check_peer_closes_early(scheme: str) -> None:
+    """recv_into of 1000 bytes when the peer sends 100 and closes: TransportClosed saying 100."""
+    async with connected_pair(scheme) as (client, server):
+        await server.send(bytes(range(100)))
+        await server.close()
+        dest = bytearray(1000)
+        with pytest.raises(TransportClosed) as info:
+            await client.recv_into(memoryview(dest))
+        assert "100" in str(info.value), f"message should say how many bytes arrived: {info.value}"
+        assert dest[:100] == bytes(range(100)), "the bytes that did arrive are in the buffer"
+        with pytest.raises(TransportClosed):
+            await client.recv_into(memoryview(bytearray(1)))
+        with pytest.raises(TransportClosed):
+            await client.recv_exactly(1)
+
+
+@deadline(10)
+async def check_close_semantics(scheme: str) -> None:
+    """`closed` flips on close; close is idempotent; send/recv after close raise TransportClosed."""
+    async with connected_pair(scheme) as (client, server):
+        assert not client.closed and not server.closed
+        await client.close()
+        assert client.closed
+        await client.close()
+        assert client.closed
+        with pytest.raises(TransportClosed):
+            await client.send(b"x")
+        with pytest.raises(TransportClosed):
+            await client.recv_into(memoryview(bytearray(4)))
+        # The peer sees the end of the stream, not a hang.
+        with pytest.raises(TransportClosed):
+            await server.recv_exactly(4)
+
+
+@deadline(20)
+async def check_send_to_closed_peer(scheme: str) -> None:
+    """Sending to a peer that has gone away eventually raises TransportClosed, never OSError."""
+    block = memoryview(random_bytes(4 * MiB, seed=8))
+    async with connected_pair(scheme) as (client, server):
+        await server.close()
+        with pytest.raises(TransportClosed):
+            for _ in range(64):  # more than any send buffer could absorb
+                await client.send(block)
+        assert client.closed
+
+
+@deadline(10)
+async def check_close_wakes_pending_recv(scheme: str) -> None:
+    """close() while another task waits in recv_into: that receive raises TransportClosed."""
+    async with connected_pair(scheme) as (client, _server):
+        pending = asyncio.ensure_future(client.recv_into(memoryview(bytearray(10))))
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        await client.close()
+        try:
+            async with asyncio.timeout(1):
+                with pytest.raises(TransportClosed):
+                    await pending
+        finally:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+
+@deadline(10)
+async def check_close_wakes_pending_send(scheme: str) -> None:
+    """close() while another task is blocked sending (peer not reading): it raises TransportClosed."""
+    block = memoryview(random_bytes(64 * MiB, seed=9))
+    async with connected_pair(scheme) as (client, _server):
+        pending = asyncio.ensure_future(client.send(block))
+        await asyncio.sleep(0.2)
+        assert not pending.done(), "64 MiB unread should not fit in the send buffers"
+        await client.close()
+        try:
+            async with asyncio.timeout(1):
+                with pytest.raises(TransportClosed):
+                    await pending
+        finally:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+
+@deadline(10)
+async def check_close_while_pending_spares_other_streams(scheme: str) -> None:
+    """Closing a stream under a parked receive must not disturb streams opened afterwards
+    (a backend that leaves the closed handle registered with the event loop would)."""
+    async with connected_pair(scheme) as (client, _server):
+        pending = asyncio.ensure_future(client.recv_into(memoryview(bytearray(10))))
+        await asyncio.sleep(0.05)
+        await client.close()
+        try:
+            async with asyncio.timeout(1.5):
+                async with serving(scheme, echo_forever) as listener:
+                    stream = await get_backend(scheme).connect(listener.address, CONNECT_TIMEOUT)
+                    try:
+                        data = random_bytes(1000, seed=12)
+                        await send_sized(stream, data)
+                        np.testing.assert_array_equal(await recv_sized(stream), data)
+                    finally:
+                        await stream.close()
+        finally:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+
+# -- connecting and listening -------------------------------------------------------------------
+
+
+async def _dead_address(scheme: str) -> str:
+    """An address that had a listener a moment ago and has none now."""
+
+    async def unused(stream: Stream) -> None:
+        raise AssertionError("nobody should connect")
+
+    async with serving(scheme, unused) as listener:
+        return listener.address
+
+
+@deadline(10)
+async def check_connect_refused(scheme: str) -> None:
+    backend = get_backend(scheme)
+    address = await _dead_address(scheme)
+    with pytest.raises(ConnectionRefused) as info:
+        await backend.connect(address, CONNECT_TIMEOUT)
+    assert isinstance(info.value, TransportError)
+    assert not isinstance(info.value, OSError)
+
+
+@deadline(10)
+async def check_bad_address(scheme: str) -> None:
+    backend = get_backend(scheme)
+    for bad in ("nohost", f"{scheme}://nohost", "host:port", ""):
+        with pytest.raises(InvalidArgument):
+            await backend.connect(bad, CONNECT_TIMEOUT)
+
+
+@deadline(10)
+async def check_unresolvable_host(scheme: str) -> None:
+    with pytest.raises(TransportError):
+        await get_backend(scheme).connect(f"{scheme}://no-such-host.invalid:1", CONNECT_TIMEOUT)
+
+
+@deadline(10)
+async def check_listen_conflict(scheme: str) -> None:
+    """Listening where something already listens is a TransportError, not an OSError."""
+    backend = get_backend(scheme)
+
+    async def unused(stream: Stream) -> None:
+        raise AssertionError("nobody should connect")
+
+    async with serving(scheme, unused) as listener:
+        port = int(listener.address.rsplit(":", 1)[1])
+        with pytest.raises(TransportError):
+            second = await backend.listen(HOST, port, unused)
+            await second.close()
+
+
+@deadline(10)
+async def check_listener_address(scheme: str) -> None:
+    async with connected_pair(scheme) as (client, server):
+        assert client.peer and server.peer
+    async with serving(scheme, echo_forever) as listener:
+        assert listener.address.startswith(f"{scheme}://{HOST}:")
+        assert int(listener.address.rsplit(":", 1)[1]) > 0
+
+
+@deadline(10)
+async def check_listen_ipv6(scheme: str) -> None:
+    backend = get_backend(scheme)
+    listener = await backend.listen("::1", 0, echo_forever)
+    try:
+        assert listener.address.startswith(f"{scheme}://[::1]:")
+        stream = await backend.connect(listener.address, CONNECT_TIMEOUT)
+        try:
+            data = random_bytes(1000, seed=11)
+            await send_sized(stream, data)
+            np.testing.assert_array_equal(await recv_sized(stream), data)
+        finally:
+            await stream.close()
+    finally:
+        await listener.close()
+
+
+@deadline(15)
+async def check_listener_close(scheme: str, count: int = 3) -> None:
+    """Listener.close closes open streams, finishes handler tasks and stops accepting."""
+    backend = get_backend(scheme)
+    started, finished = asyncio.Semaphore(0), []
+    server_streams: list[Stream] = []
+
+    async def block_reading(stream: Stream) -> None:
+        server_streams.append(stream)
+        started.release()
+        try:
+            await stream.recv_exactly(1)
+        finally:
+            finished.append(stream)
+
+    listener = await backend.listen(HOST, 0, block_reading)
+    address, clients = listener.address, []
+    try:
+        for _ in range(count):
+            clients.append(await backend.connect(address, CONNECT_TIMEOUT))
+        for _ in range(count):
+            await started.acquire()
+        t0 = time.monotonic()
+        await listener.close()
+        assert time.monotonic() - t0 < 5, "Listener.close should not wait for peers"
+        assert len(finished) == count, "every handler has returned when close() returns"
+        assert all(s.closed for s in server_streams)
+        for client in clients:
+            with pytest.raises(TransportClosed):
+                await client.recv_exactly(1)
+        with pytest.raises(ConnectionRefused):
+            extra = await backend.connect(address, CONNECT_TIMEOUT)
+            await extra.close()
+        await listener.close()  # idempotent
+    finally:
+        for client in clients:
+            await client.close()
+        await listener.close()
+
+
+@deadline(10)
+async def check_listener_survives_handler_error(scheme: str) -> None:
+    """A handler that raises costs its own stream only; the listener keeps serving."""
+    calls = 0
+
+    async def flaky(stream: Stream) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("handler bug")
+        await echo_forever(stream)
+
+    backend = get_backend(scheme)
+    async with serving(scheme, flaky) as listener:
+        first = await backend.connect(listener.address, CONNECT_TIMEOUT)
+        try:
+            with pytest.raises(TransportClosed):
+                await first.recv_exactly(1)
+        finally:
+            await first.close()
+        second = await backend.connect(listener.address, CONNECT_TIMEOUT)
+        try:
+            await send_sized(second, random_bytes(10))
+            np.testing.assert_array_equal(await recv_sized(second), random_bytes(10))
+        finally:
+            await second.close()
+

@@ -38,6 +38,10 @@ def timed_get(name: str, start_at: float) -> tuple[float, float]:
     return t0, time.time()
 
 
+def delete(name: str) -> None:
+    api.delete(ObjectID.from_name(name))
+
+
 def checksum(name: str) -> int:
     """crc32 of a local copy; run after the timing so it does not steal CPU from it."""
     return zlib.crc32(api.get(ObjectID.from_name(name), timeout=600))
@@ -80,42 +84,60 @@ def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
 
 
 def measure_broadcast(cluster: LocalCluster, size: int, repeats: int = 1, *,
-                      console: Console | None = None, tag: str = "demo") -> dict:
+                      console: Console | None = None, tag: str = "demo",
+                      warmup: bool = True) -> dict:
     """Time a point-to-point get (worker 0 -> 1) and a broadcast from worker 0 to
     every other worker, `repeats` times each, checking every copy's checksum.
 
+    Each round deletes its objects, and an untimed warm-up round runs first:
+    otherwise every round would also time the kernel handing each process fresh
+    pages, which on a virtual machine can cost more than the transfer itself.
     Returns times in seconds, per-receiver (start, end) of the last broadcast,
     the directory's view of it, and whether every copy was byte-identical.
     """
-    n, names = cluster.num_workers, cluster.node_ids
     p2p, bcast, ok = [], [], True
-    for r in range(repeats):
-        crc, _ = cluster.run(0, make_and_put, size, f"{tag}-p2p-{r}")
-        t0, t1 = cluster.run(1, timed_get, f"{tag}-p2p-{r}", 0.0)
-        p2p.append(t1 - t0)
-        ok &= cluster.run(1, checksum, f"{tag}-p2p-{r}") == crc
+    for r in range(-1 if warmup else 0, repeats):
+        label = "warm-up" if r < 0 else f"{r + 1}/{repeats}"
+        t_p2p, ok_p2p = _p2p_round(cluster, size, f"{tag}-p2p-{r}")
         name = f"{tag}-bcast-{r}"
-        crc, _ = cluster.run(0, make_and_put, size, name)
-        stop, watcher = threading.Event(), None
-        if console is not None:
-            console.print(f"broadcast {r + 1}/{repeats}: {size / 2**20:.0f} MiB from worker 0 "
-                          f"to {n - 1} receivers")
-            watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console))
-            watcher.start()
-        start_at = time.time() + 0.2
-        try:
-            results = cluster.map(timed_get, [(name, start_at)] * (n - 1), workers=range(1, n))
-        finally:
-            stop.set()
-            if watcher is not None:
-                watcher.join()
-        sums = cluster.map(checksum, [(name,)] * (n - 1), workers=range(1, n))
-        ok &= all(x == crc for x in sums)
-        begin = min(res[0] for res in results)
-        bcast.append(max(res[1] for res in results) - begin)
-    info = api.object_info(ObjectID.from_name(f"{tag}-bcast-{repeats - 1}"))
-    return {"p2p_s": p2p, "broadcast_s": bcast, "receivers": results, "begin": begin,
-            "info": info, "ok": ok}
+        results, t_b, ok_b, info = _broadcast_round(cluster, size, name, console, label)
+        ok &= ok_p2p and ok_b
+        if r >= 0:
+            p2p.append(t_p2p)
+            bcast.append(t_b)
+    return {"p2p_s": p2p, "broadcast_s": bcast, "receivers": results,
+            "begin": min(res[0] for res in results), "info": info, "ok": ok}
+
+
+def _p2p_round(cluster: LocalCluster, size: int, name: str) -> tuple[float, bool]:
+    crc, _ = cluster.run(0, make_and_put, size, name)
+    t0, t1 = cluster.run(1, timed_get, name, 0.0)
+    ok = cluster.run(1, checksum, name) == crc
+    cluster.run(0, delete, name)
+    return t1 - t0, ok
+
+
+def _broadcast_round(cluster: LocalCluster, size: int, name: str, console: Console | None,
+                     label: str) -> tuple[list, float, bool, dict]:
+    n, names = cluster.num_workers, cluster.node_ids
+    crc, _ = cluster.run(0, make_and_put, size, name)
+    stop, watcher = threading.Event(), None
+    if console is not None:
+        console.print(f"broadcast {label}: {size / 2**20:.0f} MiB from worker 0 to {n - 1} receivers")
+        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console))
+        watcher.start()
+    start_at = time.time() + 0.2
+    try:
+        results = cluster.map(timed_get, [(name, start_at)] * (n - 1), workers=range(1, n))
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    sums = cluster.map(checksum, [(name,)] * (n - 1), workers=range(1, n))
+    info = api.object_info(ObjectID.from_name(name))
+    cluster.run(0, delete, name)
+    begin = min(res[0] for res in results)
+    return results, max(res[1] for res in results) - begin, all(x == crc for x in sums), info
 
 
 def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: int) -> int:

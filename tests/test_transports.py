@@ -100,6 +100,11 @@ def test_unresolvable_host(scheme):
 
 
 @by_scheme
+def test_listen_unresolvable_host(scheme):
+    run(tc.check_listen_unresolvable_host, scheme)
+
+
+@by_scheme
 def test_listen_conflict(scheme):
     run(tc.check_listen_conflict, scheme)
 

@@ -403,6 +403,18 @@ async def check_unresolvable_host(scheme: str) -> None:
 
 
 @deadline(10)
+async def check_listen_unresolvable_host(scheme: str) -> None:
+    """A listen address that does not resolve is a hoplite error, not a raw socket.gaierror."""
+
+    async def unused(stream: Stream) -> None:
+        raise AssertionError("nobody should connect")
+
+    with pytest.raises(TransportError):
+        listener = await get_backend(scheme).listen("no-such-host.invalid", 0, unused)
+        await listener.close()
+
+
+@deadline(10)
 async def check_listen_conflict(scheme: str) -> None:
     """Listening where something already listens is a TransportError, not an OSError."""
     backend = get_backend(scheme)

@@ -178,7 +178,12 @@ class TCPBackend(Backend):
     scheme = "tcp"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_PASSIVE)
+        except OSError as exc:
+            raise ConnectionRefused(f"cannot listen on {host}:{port}: {exc}") from exc
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

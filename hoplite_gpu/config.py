@@ -43,6 +43,8 @@ class Config:
     heartbeat_interval_s: float = 1.0
     #: A node whose lease is not renewed for this long is declared dead.
     node_lease_s: float = 5.0
+    #: Bytes of freed object buffers a node keeps for reuse (0 turns reuse off).
+    pool_bytes: int = 1 << 30
     #: Cost model: one-way latency of a transfer between two nodes (reduce tree shape).
     link_latency_s: float = 1e-4
     #: Cost model: bandwidth of one node's link, bytes per second (reduce tree shape).
@@ -53,6 +55,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.chunk_size < 4 * KiB:
             raise ConfigError(f"chunk_size must be at least 4096 bytes; got {self.chunk_size}")
+        if self.pool_bytes < 0:
+            raise ConfigError(f"pool_bytes must be >= 0; got {self.pool_bytes}")
         if not 0 <= self.inline_threshold <= 16 * MiB:
             raise ConfigError(
                 f"inline_threshold must be between 0 and 16 MiB (inline objects travel in "

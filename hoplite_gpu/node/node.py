@@ -43,7 +43,7 @@ class Node:
         self.token = token
         self.directory_address = directory_address
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.store = ChunkStore()
+        self.store = ChunkStore(config.pool_bytes)
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None

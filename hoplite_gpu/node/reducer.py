@@ -38,7 +38,7 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
             kids.append(local)
             continue
         # A private copy: not in the store, so the directory never routes anyone to it.
-        copy = StoredObject(oid, layout, np.empty(layout.nbytes, dtype=np.uint8))
+        copy = StoredObject(oid, layout, store.pool.acquire(layout.nbytes))
         kids.append(copy)
         pulls.append(loop.create_task(
             fetch_range(pool, child["address"], copy, copy.size, config, lambda _pos: None)))
@@ -48,6 +48,9 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
         for task in pulls:
             task.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)
+        for kid in kids:
+            if store.get(kid.oid) is not kid:  # a private copy: its buffer can go back
+                store.recycle(kid)
     return out
 
 

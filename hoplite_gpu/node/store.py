@@ -16,6 +16,8 @@ from hoplite_gpu.errors import ObjectNotFound, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout
 
+from .pool import BufferPool
+
 
 @dataclass(eq=False)
 class StoredObject:
@@ -83,12 +85,23 @@ class StoredObject:
             self._waiters = [w for w in self._waiters if w[1] is not fut]
 
 
+_RELEASED = np.empty(0, dtype=np.uint8)
+
+
 class ChunkStore:
     """Objects this node holds, complete or partial."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool_bytes: int = 0) -> None:
         self._objects: dict[ObjectID, StoredObject] = {}
         self._appear: dict[ObjectID, list[asyncio.Future]] = {}
+        self.pool = BufferPool(pool_bytes)
+
+    def recycle(self, obj: StoredObject) -> None:
+        """Give `obj`'s buffer back to the pool (kept only if nobody else holds it).
+        The object is left with an empty buffer, so a late reader fails loudly
+        instead of seeing another object's bytes."""
+        buffer, obj.buffer = obj.buffer, _RELEASED
+        self.pool.release(buffer)
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
@@ -101,7 +114,7 @@ class ChunkStore:
 
     def create(self, oid: ObjectID, layout: Layout, buffer: np.ndarray | None = None) -> StoredObject:
         if buffer is None:
-            buffer = np.empty(layout.nbytes, dtype=np.uint8)
+            buffer = self.pool.acquire(layout.nbytes)
         obj = StoredObject(oid, layout, buffer)
         self._objects[oid] = obj
         for fut in self._appear.pop(oid, []):
@@ -111,8 +124,10 @@ class ChunkStore:
 
     def remove(self, oid: ObjectID, reason: BaseException | None = None) -> StoredObject | None:
         obj = self._objects.pop(oid, None)
-        if obj is not None and not obj.complete:
-            obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
+        if obj is not None:
+            if not obj.complete:
+                obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
+            self.recycle(obj)
         return obj
 
     async def wait_for(self, oid: ObjectID, timeout: float) -> StoredObject:

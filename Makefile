@@ -31,7 +31,7 @@ lint: setup
 	$(BIN)/ruff check hoplite_gpu kernels transports tests benchmarks
 
 bench: setup
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks broadcast
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

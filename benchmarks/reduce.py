@@ -22,18 +22,25 @@ def run(workers: int, size: int, repeats: int, gap_s: float, console) -> dict:
     rows: dict[str, list[float]] = {"p2p_s": [], "reduce_s": [], "dynamic_after_last_s": [],
                                     "all_at_once_after_last_s": []}
     with LocalCluster(workers) as c:
-        for r in range(repeats):
+        for r in range(-1, repeats):  # round -1 warms up the nodes' buffer pools, untimed
+            sample = {}
             c.run(0, tasks.put_at, f"p2p{r}", size, 0, 0.0)
             t0, t1 = c.run(1, tasks.get_at, f"p2p{r}")
-            rows["p2p_s"].append(t1 - t0)
+            sample["p2p_s"] = t1 - t0
             names = [f"in{r}-{w}" for w in range(workers)]
             c.map(tasks.put_at, [(names[w], size, w, 0.0) for w in range(workers)])
             t0, t1 = c.run(0, tasks.reduce_get, names, f"out{r}")
-            rows["reduce_s"].append(t1 - t0)
-            rows["dynamic_after_last_s"].append(staggered(c, size, gap_s, f"dyn{r}", True))
-            rows["all_at_once_after_last_s"].append(staggered(c, size, gap_s, f"aao{r}", False))
-            console.print(f"repeat {r + 1}/{repeats}: " + ", ".join(
-                f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()))
+            sample["reduce_s"] = t1 - t0
+            sample["dynamic_after_last_s"] = staggered(c, size, gap_s, f"dyn{r}", True)
+            sample["all_at_once_after_last_s"] = staggered(c, size, gap_s, f"aao{r}", False)
+            c.run(0, tasks.delete_all, [f"p2p{r}", *names, f"out{r}"]
+                  + [f"{t}{r}-{w}" for t in ("dyn", "aao") for w in range(workers)]
+                  + [f"dyn{r}-out", f"aao{r}-out"])
+            label = "warm-up" if r < 0 else f"repeat {r + 1}/{repeats}"
+            console.print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sample.items()))
+            if r >= 0:
+                for k, v in sample.items():
+                    rows[k].append(v)
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {"workers": workers, "size_bytes": size, "repeats": repeats, "gap_s": gap_s,
             "samples": rows, "median_s": med,

@@ -60,3 +60,8 @@ def put_then_reduce(own: str, names: list[str], target: str, nbytes: int, put_at
             put_end = time.time()
     hg.get(out, timeout=600)
     return put_end, time.time()
+
+
+def delete_all(names: list[str]) -> None:
+    for name in names:
+        hg.delete(hg.ObjectID.from_name(name))

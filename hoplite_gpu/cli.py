@@ -47,6 +47,18 @@ def _demo(args: argparse.Namespace) -> int:
                     chunk_size=_parse_size(args.chunk_size) if args.chunk_size else None)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+
+    print("measuring gets between two local worker processes ...", flush=True)
+    res = calibrate(large=_parse_size(args.size), repeats=args.repeats)
+    print(f"small get {res['small_get_s'] * 1e3:.2f} ms, large get {res['large_get_s'] * 1e3:.1f} ms")
+    print("cost-model settings for this machine (export them, or pass them to init):")
+    print(f"HOPLITE_LINK_LATENCY_S={res['link_latency_s']:.3g}")
+    print(f"HOPLITE_LINK_BYTES_PER_S={res['link_bytes_per_s']:.3g}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import numpy
 
@@ -119,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--repeats", type=int, default=1, help="broadcasts to time (median reported)")
     m.add_argument("--chunk-size", default=None, help="pipeline chunk size (default from config)")
     m.set_defaults(func=_demo)
+
+    c = sub.add_parser("calibrate", help="measure latency and bandwidth for the reduce cost model")
+    c.add_argument("--size", default="64MiB", help="large transfer size (default 64MiB)")
+    c.add_argument("--repeats", type=int, default=5)
+    c.set_defaults(func=_calibrate)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
     i.set_defaults(func=_info)

@@ -48,7 +48,7 @@ class Config:
     #: Cost model: one-way latency of a transfer between two nodes (reduce tree shape).
     link_latency_s: float = 1e-4
     #: Cost model: bandwidth of one node's link, bytes per second (reduce tree shape).
-    link_bandwidth_Bps: float = 1.25e9
+    link_bytes_per_s: float = 1.25e9
     #: Log level name for the "hoplite_gpu" logger (DEBUG, INFO, WARNING, ...).
     log_level: str = "WARNING"
 
@@ -66,7 +66,7 @@ class Config:
                 f"max_receivers_per_sender must be >= 1; got {self.max_receivers_per_sender}"
             )
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
-                     "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bandwidth_Bps"):
+                     "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.node_lease_s <= self.heartbeat_interval_s:
@@ -109,7 +109,7 @@ class Config:
         """The settings a directory schedules with."""
         return {"transport": self.transport, "handshake_timeout": self.connect_timeout_s,
                 "max_receivers_per_sender": self.max_receivers_per_sender,
-                "latency_s": self.link_latency_s, "bandwidth_Bps": self.link_bandwidth_Bps,
+                "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
                 "chunk_size": self.chunk_size}
 
 

@@ -99,7 +99,7 @@ def steps(cmds):
 
 
 def test_chain_steps_follow_arrival_order():
-    d = directory(bandwidth_Bps=1.25e8)
+    d = directory(bytes_per_s=1.25e8)
     target = oid(100)
     d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(4)), "sum", 4))
     arrival = [2, 0, 3, 1]

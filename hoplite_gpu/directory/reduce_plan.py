@@ -63,7 +63,7 @@ def tree_depth(k: int, d: int) -> int:
     return best
 
 
-def reduce_time(size: int, k: int, d: int, latency_s: float, bandwidth_Bps: float,
+def reduce_time(size: int, k: int, d: int, latency_s: float, bytes_per_s: float,
                 chunk: int) -> float:
     """Modelled time of a pipelined reduce of k inputs of `size` bytes on a d-ary tree.
 
@@ -72,13 +72,13 @@ def reduce_time(size: int, k: int, d: int, latency_s: float, bandwidth_Bps: floa
     (at the parent's share of the link) before the pipeline is full.
     """
     c = min(chunk, size) if size else 1
-    return d * size / bandwidth_Bps + tree_depth(k, d) * (latency_s + d * c / bandwidth_Bps)
+    return d * size / bytes_per_s + tree_depth(k, d) * (latency_s + d * c / bytes_per_s)
 
 
-def choose_degree(size: int, k: int, latency_s: float, bandwidth_Bps: float, chunk: int,
+def choose_degree(size: int, k: int, latency_s: float, bytes_per_s: float, chunk: int,
                   max_degree: int = 8) -> int:
     """The degree with the lowest modelled time (ties go to the smaller degree)."""
     if k <= 2:
         return 1
     candidates = range(1, min(max_degree, k - 1) + 1)
-    return min(candidates, key=lambda d: (reduce_time(size, k, d, latency_s, bandwidth_Bps, chunk), d))
+    return min(candidates, key=lambda d: (reduce_time(size, k, d, latency_s, bytes_per_s, chunk), d))

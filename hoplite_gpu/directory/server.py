@@ -56,12 +56,12 @@ class DirectoryServer:
     def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0,
                  transport: str = "tcp", handshake_timeout: float = 10.0,
                  max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
-                 bandwidth_Bps: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
+                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
         self.handshake_timeout = handshake_timeout
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
-                                     latency_s=latency_s, bandwidth_Bps=bandwidth_Bps,
+                                     latency_s=latency_s, bytes_per_s=bytes_per_s,
                                      chunk_size=chunk_size)
         self.peers: dict[str, _Peer] = {}
         self.address = ""

@@ -257,9 +257,9 @@ class Directory:
     """Pure scheduling state of the directory. Feed events to `handle`."""
 
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
-                 bandwidth_Bps: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
+                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
-        self.latency_s, self.bandwidth_Bps, self.chunk_size = latency_s, bandwidth_Bps, chunk_size
+        self.latency_s, self.bytes_per_s, self.chunk_size = latency_s, bytes_per_s, chunk_size
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
@@ -505,7 +505,7 @@ class Directory:
                 return (f"input {oid.hex()} is a {entry.layout.get('kind')!r} object; reduce "
                         "works on NumPy arrays")
             task.size, task.layout, task.inline = entry.size, entry.layout, entry.inline is not None
-            task.degree = choose_degree(task.size, task.k, self.latency_s, self.bandwidth_Bps,
+            task.degree = choose_degree(task.size, task.k, self.latency_s, self.bytes_per_s,
                                         self.chunk_size)
             return None
         if entry.size != task.size or entry.layout != task.layout:

@@ -110,7 +110,8 @@ class Config:
         return {"transport": self.transport, "handshake_timeout": self.connect_timeout_s,
                 "max_receivers_per_sender": self.max_receivers_per_sender,
                 "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
-                "chunk_size": self.chunk_size}
+                "chunk_size": self.chunk_size, "lease_s": self.node_lease_s,
+                "heartbeat_interval_s": self.heartbeat_interval_s}
 
 
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:

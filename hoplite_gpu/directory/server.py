@@ -56,13 +56,16 @@ class DirectoryServer:
     def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0,
                  transport: str = "tcp", handshake_timeout: float = 10.0,
                  max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
-                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
+                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
+                 lease_s: float = 5.0, heartbeat_interval_s: float = 1.0) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
         self.handshake_timeout = handshake_timeout
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency_s, bytes_per_s=bytes_per_s,
-                                     chunk_size=chunk_size)
+                                     chunk_size=chunk_size, lease_s=lease_s)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}
         self.address = ""
         self._listener = None
@@ -71,10 +74,21 @@ class DirectoryServer:
         backend = get_backend(self.transport)
         self._listener = await backend.listen(self.host, self.port, self._serve)
         self.address = self._listener.address
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
         log.info("directory listening on %s", self.address)
         return self.address
 
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s / 2)
+            self.apply(state.Tick(loop.time()))
+
     async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -87,6 +101,11 @@ class DirectoryServer:
             peer = self.peers.get(cmd.node)
             if peer is None:
                 continue  # the node left; the state machine has forgotten it too
+            if isinstance(cmd, state.Disconnect):
+                log.warning("node %s declared dead: %s", cmd.node, cmd.reason)
+                peer.outbox.put_nowait(None)  # the writer stops; then close the stream
+                asyncio.get_running_loop().create_task(peer.stream.close())
+                continue
             if isinstance(cmd, state.Reply):
                 peer.outbox.put_nowait({"rid": cmd.request, **cmd.body})
             elif isinstance(cmd, state.StartReduceStep):
@@ -110,14 +129,15 @@ class DirectoryServer:
         peer = self.peers[node] = _Peer(node, stream)
         writer = asyncio.get_running_loop().create_task(peer.write_loop())
         peer.outbox.put_nowait({"ok": True, "node": node})
-        self.apply(state.NodeJoined(node, address))
+        self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
             await self._read_loop(peer)
         except HopliteError as exc:
             log.info("node %s disconnected: %s", node, exc)
         finally:
             del self.peers[node]
-            self.apply(state.NodeLost(node))
+            if node in self.state.nodes:
+                self.apply(state.NodeLost(node))
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, HopliteError):
                 await writer
@@ -127,7 +147,9 @@ class DirectoryServer:
             msg = await recv_msg(peer.stream)
             op = msg.get("op")
             if op == "ping":
-                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "ok": True})
+                self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
+                if "rid" in msg:
+                    peer.outbox.put_nowait({"rid": msg["rid"], "ok": True})
                 continue
             if op == "nodes":
                 peer.outbox.put_nowait({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})

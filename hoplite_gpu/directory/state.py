@@ -29,6 +29,22 @@ Key = bytes  # an ObjectID's 20 raw bytes
 class NodeJoined:
     node: NodeId
     address: str
+    now: float = 0.0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """`node` renewed its lease at time `now` (the driver's clock, in seconds)."""
+
+    node: NodeId
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: nodes whose lease ran out by `now` are declared dead."""
+
+    now: float
 
 
 @dataclass(frozen=True)
@@ -148,7 +164,7 @@ class ReducedInputs:
     target: Key
 
 
-Event = (NodeJoined | NodeLost | Put | Progress | Completed | Locate | CancelLocate
+Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
          | TransferFailed | Dropped | Delete | Query | ReduceRequested | ReduceFailed
          | InlineReduced | ReducedInputs)
 
@@ -190,7 +206,15 @@ class InlineReduce:
     inputs: tuple[bytes, ...]
 
 
-Command = Reply | Drop | StartReduceStep | InlineReduce
+@dataclass(frozen=True)
+class Disconnect:
+    """Close `node`'s control connection: its lease expired and it counts as dead."""
+
+    node: NodeId
+    reason: str
+
+
+Command = Reply | Drop | StartReduceStep | InlineReduce | Disconnect
 
 #: Layout kinds a reduce accepts (the kernels fold typed NumPy buffers).
 REDUCIBLE_KINDS = ("numpy",)
@@ -257,8 +281,12 @@ class Directory:
     """Pure scheduling state of the directory. Feed events to `handle`."""
 
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
-                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20) -> None:
+                 bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
+                 lease_s: float = 5.0) -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
+        self.lease_s = lease_s
+        #: node -> when its lease was last renewed
+        self.last_seen: dict[NodeId, float] = {}
         self.latency_s, self.bytes_per_s, self.chunk_size = latency_s, bytes_per_s, chunk_size
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
@@ -281,9 +309,22 @@ class Directory:
     # -------------------------------------------------------------- nodes ---
     def _on_NodeJoined(self, ev: NodeJoined, out: list[Command]) -> None:
         self.nodes[ev.node] = ev.address
+        self.last_seen[ev.node] = ev.now
+
+    def _on_Heartbeat(self, ev: Heartbeat, out: list[Command]) -> None:
+        if ev.node in self.nodes:
+            self.last_seen[ev.node] = max(ev.now, self.last_seen.get(ev.node, ev.now))
+
+    def _on_Tick(self, ev: Tick, out: list[Command]) -> None:
+        for node, seen in sorted(self.last_seen.items()):
+            if ev.now - seen > self.lease_s:
+                out.append(Disconnect(node, f"no heartbeat for {ev.now - seen:.1f}s "
+                                            f"(lease {self.lease_s:g}s)"))
+                self._on_NodeLost(NodeLost(node), out)
 
     def _on_NodeLost(self, ev: NodeLost, out: list[Command]) -> None:
         self.nodes.pop(ev.node, None)
+        self.last_seen.pop(ev.node, None)
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
         for key in list(self.objects):

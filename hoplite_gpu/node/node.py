@@ -54,6 +54,7 @@ class Node:
         #: oid -> list of senders this node pulled from (diagnostics, demo).
         self.sources: dict[ObjectID, list[str]] = {}
         self._steps: set[asyncio.Task] = set()
+        self._heartbeat: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -61,12 +62,22 @@ class Node:
             self.directory_address, token=self.token, node=self.node_id,
             data_address=advertised(self.server.address, self.directory_address),
             timeout=self.config.connect_timeout_s, on_push=self._on_push)
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        """Renew this node's lease; a node that stops beating is declared dead."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            if self.client is not None:
+                self.client.post({"op": "ping"})
 
     async def close(self) -> None:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self._pulls.values(), *self._steps]
+        if self._heartbeat is not None:
+            tasks.append(self._heartbeat)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

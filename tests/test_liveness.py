@@ -1,0 +1,73 @@
+"""Leases in the state machine, and failover of real processes that die or stall."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import cluster_tasks as t
+from hoplite_gpu.cluster import LocalCluster
+from hoplite_gpu.directory import state as s
+
+
+def test_lease_expiry_declares_a_node_dead_and_drops_its_holdings():
+    d = s.Directory(lease_s=5.0)
+    d.handle(s.NodeJoined("a", "tcp://a:1", now=0.0))
+    d.handle(s.NodeJoined("b", "tcp://b:1", now=0.0))
+    d.handle(s.Put("a", 1, b"k" * 20, 1 << 20, {"kind": "bytes"}))
+    d.handle(s.Completed("a", b"k" * 20))
+    d.handle(s.Heartbeat("a", 4.0))
+    assert d.handle(s.Tick(4.5)) == []
+    out = d.handle(s.Tick(5.5))  # b last seen at 0.0: expired; a renewed at 4.0: alive
+    assert [c for c in out if isinstance(c, s.Disconnect)] == [s.Disconnect("b", out[0].reason)]
+    assert "b" not in d.nodes and "a" in d.nodes
+    out = d.handle(s.Tick(9.5))
+    assert any(isinstance(c, s.Disconnect) and c.node == "a" for c in out)
+    assert b"k" * 20 not in d.objects  # its only holder died: the object is lost
+
+
+def test_heartbeat_from_an_unknown_node_is_ignored():
+    d = s.Directory(lease_s=1.0)
+    d.handle(s.Heartbeat("ghost", 1.0))
+    assert d.handle(s.Tick(10.0)) == []
+
+
+@pytest.fixture
+def fast_cluster():
+    with LocalCluster(5, chunk_size=1 << 20, stall_timeout_s=1.0, heartbeat_interval_s=0.2,
+                      node_lease_s=1.5) as c:
+        yield c
+
+
+def test_stopped_sender_is_replaced_within_the_stall_timeout(fast_cluster):
+    """SIGSTOP the node that others pull from: they move to another sender."""
+    c = fast_cluster
+    size = 96 << 20
+    crc = c.run(0, t.put_pattern, "stall", size)
+    assert c.run(1, t.get_summary, "stall")[0] == crc  # a second complete copy, on node 1
+    c.submit(2, t.get_summary, "stall", 30.0)
+    c.submit(3, t.get_summary, "stall", 30.0)
+    time.sleep(0.05)
+    os.kill(c.pid(0), signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        results = [c.result(w, 30.0) for w in (2, 3)]
+    finally:
+        os.kill(c.pid(0), signal.SIGCONT)
+    assert all(r[0] == crc for r in results)
+    assert time.monotonic() - t0 < 1.0 + 1.0 + 2.0  # stall timeout + 1 s, plus the transfer
+
+
+def test_killed_relay_mid_broadcast_others_finish(fast_cluster):
+    c = fast_cluster
+    size = 128 << 20
+    crc = c.run(0, t.put_pattern, "kill", size)
+    for w in (1, 2, 3, 4):
+        c.submit(w, t.get_summary, "kill", 60.0)
+    time.sleep(0.08)
+    c.kill(2)
+    survivors = [c.result(w, 60.0) for w in (1, 3, 4)]
+    assert all(r[0] == crc for r in survivors)

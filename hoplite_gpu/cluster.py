@@ -87,7 +87,9 @@ class LocalCluster:
         self.node_ids = [self._recv(i, self.start_timeout) for i in range(self.num_workers)]
 
     def _start_directory(self) -> None:
-        env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
+               # the directory schedules with the same settings as the workers
+               **{f"HOPLITE_{k.upper()}": str(v) for k, v in self.settings.items()}}
         cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", "0",
                *self.directory_args]
         self._directory = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)

@@ -71,3 +71,26 @@ def test_killed_relay_mid_broadcast_others_finish(fast_cluster):
     c.kill(2)
     survivors = [c.result(w, 60.0) for w in (1, 3, 4)]
     assert all(r[0] == crc for r in survivors)
+
+
+def test_reduce_survives_a_stalled_participant(fast_cluster):
+    """Input 2's node stops (SIGSTOP) before the reduce runs: the tree is rebuilt
+    without it, the backup input takes its place, and the result matches the
+    oracle over exactly the inputs reported."""
+    import numpy as np
+
+    c = fast_cluster
+    n = (16 << 20) // 4
+    names = [f"ft-{w}" for w in range(1, 5)]
+    for w in range(1, 5):
+        c.run(w, t.put_float32, names[w - 1], n, w)
+    os.kill(c.pid(2), signal.SIGSTOP)
+    try:
+        value, used = c.run(0, t.reduce_and_get, names, "sum", 3, "ft-out", 30.0, timeout=40)
+    finally:
+        os.kill(c.pid(2), signal.SIGCONT)
+    seeds = [int(names[i].split("-")[1]) for i in used]
+    assert 2 not in seeds and len(seeds) == 3
+    expected = sum(np.random.default_rng(s).standard_normal(n).astype(np.float32).astype(np.float64)
+                   for s in seeds)
+    np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-4)

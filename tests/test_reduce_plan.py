@@ -124,9 +124,44 @@ def test_subset_reduce_keeps_backups_and_answers_reduced_inputs():
     out = []
     for i in [4, 1, 2, 0, 3]:
         out += put_complete(d, f"n{i + 1}", oid(i))
+    assert not [c for c in out if isinstance(c, s.Reply) and c.request == 2]  # not done yet
+    assert d.reduces[target].backups == [oid(0), oid(3)]
+    root = next(n for n, h in d.objects[target].holders.items() if h.origin)
+    out = d.handle(s.Completed(root, target))
     replies = [c for c in out if isinstance(c, s.Reply) and c.request == 2]
     assert replies and replies[0].body["inputs"] == [oid(4), oid(1), oid(2)]
-    assert d.reduces[target].backups == [oid(0), oid(3)]
+
+
+def test_lost_participant_restarts_the_reduce_with_a_backup():
+    d = directory(bytes_per_s=1.25e8)
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(4)), "sum", 3))
+    for i in range(4):  # inputs 0,1,2 chosen (chain), input 3 is a backup
+        put_complete(d, f"n{i + 1}", oid(i))
+    d.handle(s.Locate("n8", 5, target))  # a reader pulling the result from the root
+    assert d.reduces[target].chosen == [oid(0), oid(1), oid(2)]
+    out = d.handle(s.NodeLost("n2"))  # holds input 1 (the chain's middle)
+    task = d.reduces[target]
+    assert task.chosen == [oid(0), oid(2), oid(3)] and task.restarts == 1
+    drops = [c for c in out if isinstance(c, s.Drop)]
+    assert any(c.oid == target and c.node == "n8" and c.retry for c in drops)
+    new_steps = steps(out)
+    assert new_steps and new_steps[-1].step["output"] == target
+    assert d.objects[target].holders[new_steps[-1].node].origin
+
+
+def test_step_lost_restarts_and_too_many_restarts_fail():
+    d = directory()
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
+    put_complete(d, "n1", oid(0))
+    put_complete(d, "n2", oid(1))
+    for _ in range(2 * 2 + 5):
+        d.handle(s.StepLost("n2", target, "child stalled"))
+    assert d.reduces[target].failed is None
+    out = d.handle(s.StepLost("n2", target, "child stalled"))
+    assert d.reduces[target].failed and "gave up" in d.reduces[target].failed
+    assert not [c for c in out if isinstance(c, s.StartReduceStep)]
 
 
 def test_mismatched_input_fails_the_reduce_for_every_waiter():

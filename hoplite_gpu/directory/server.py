@@ -111,7 +111,8 @@ class DirectoryServer:
             elif isinstance(cmd, state.StartReduceStep):
                 peer.outbox.put_nowait({"op": "reduce_step", **cmd.step})
             else:
-                peer.outbox.put_nowait({"op": "drop", "oid": cmd.oid, "reason": cmd.reason})
+                peer.outbox.put_nowait({"op": "drop", "oid": cmd.oid, "reason": cmd.reason,
+                                        "retry": cmd.retry})
 
     async def _serve(self, stream: Stream) -> None:
         try:

@@ -148,6 +148,15 @@ class ReduceFailed:
 
 
 @dataclass(frozen=True)
+class StepLost:
+    """A reduce step on `node` lost a child's stream (the child died or stalled)."""
+
+    node: NodeId
+    target: Key
+    message: str
+
+
+@dataclass(frozen=True)
 class InlineReduced:
     """The driver computed an inline reduce that `InlineReduce` asked for."""
 
@@ -166,7 +175,7 @@ class ReducedInputs:
 
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
          | TransferFailed | Dropped | Delete | Query | ReduceRequested | ReduceFailed
-         | InlineReduced | ReducedInputs)
+         | StepLost | InlineReduced | ReducedInputs)
 
 
 # --------------------------------------------------------------- commands ---
@@ -181,11 +190,13 @@ class Reply:
 
 @dataclass(frozen=True)
 class Drop:
-    """Tell `node` to forget `oid`; `reason` goes into the error its waiters see."""
+    """Tell `node` to forget `oid`; `reason` goes into the error its waiters see.
+    With `retry`, the object will come back (a reduce restarts): waiters ask again."""
 
     node: NodeId
     oid: Key
     reason: str
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +273,8 @@ class ReduceTask:
     backups: list[Key] = field(default_factory=list)
     started: set[int] = field(default_factory=set)
     failed: str | None = None
+    done: bool = False
+    restarts: int = 0
     waiters: list[tuple[NodeId, int]] = field(default_factory=list)
 
     @property
@@ -323,6 +336,12 @@ class Directory:
                 self._on_NodeLost(NodeLost(node), out)
 
     def _on_NodeLost(self, ev: NodeLost, out: list[Command]) -> None:
+        hit = self._reduces_hit_by(ev.node)
+        self._forget_node(ev, out)
+        for task in hit:
+            self._restart_reduce(task, f"node {ev.node} was lost", out)
+
+    def _forget_node(self, ev: NodeLost, out: list[Command]) -> None:
         self.nodes.pop(ev.node, None)
         self.last_seen.pop(ev.node, None)
         for queue in self.pending.values():
@@ -383,7 +402,8 @@ class Directory:
         self._serve_waiting(ev.oid, entry, out)
         self._input_ready(ev.oid, ev.node, out)
         task = self.reduces.get(ev.oid)
-        if task is not None and holder.origin:
+        if task is not None and holder.origin and not task.done:
+            self._finish_reduce(task, out)
             self._drop_steps(task, out)
 
     def _on_Locate(self, ev: Locate, out: list[Command]) -> None:
@@ -484,6 +504,7 @@ class Directory:
         if task is None or task.failed or ev.target in self.objects or task.layout is None:
             return
         entry = self.objects[ev.target] = Entry(task.size, task.layout, ev.data)
+        self._finish_reduce(task, out)
         entry.waiting.extend(self.pending.pop(ev.target, deque()))
         self._serve_waiting(ev.target, entry, out)
         self._input_ready(ev.target, "", out)
@@ -495,10 +516,60 @@ class Directory:
                 "ObjectNotFound", f"no reduce produces {ev.target.hex()}")))
         elif task.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
-        elif len(task.slots) >= task.k:
+        elif task.done:
             out.append(Reply(ev.node, ev.request, {"inputs": task.chosen}))
-        else:
+        else:  # answered when the result is complete: a failover may still change the set
             task.waiters.append((ev.node, ev.request))
+
+    def _on_StepLost(self, ev: StepLost, out: list[Command]) -> None:
+        task = self.reduces.get(ev.target)
+        if task is not None and not task.done and not task.failed:
+            self._restart_reduce(task, f"a step lost a child stream: {ev.message}", out)
+
+    def _finish_reduce(self, task: ReduceTask, out: list[Command]) -> None:
+        task.done = True
+        for waiter, request in task.waiters:
+            out.append(Reply(waiter, request, {"inputs": task.chosen}))
+        task.waiters.clear()
+
+    def _reduces_hit_by(self, node: NodeId) -> list[ReduceTask]:
+        """Unfinished tree reduces with a slot, or the result's root, on `node`."""
+        hit = []
+        for task in self.reduces.values():
+            if task.done or task.failed or task.inline:
+                continue
+            if any(host == node for _, host in task.slots):
+                hit.append(task)
+        return hit
+
+    def _restart_reduce(self, task: ReduceTask, why: str, out: list[Command]) -> None:
+        """Rebuild the tree from the inputs that still have a live holder.
+
+        Every partial result may include the lost branch, so all of them go: the
+        steps' outputs, the result's root and the readers' partial copies (told
+        to retry, so their gets start over when the new root exists).
+        """
+        task.restarts += 1
+        if task.restarts > 2 * len(task.inputs) + 5:
+            self._fail_reduce(task, f"gave up after {task.restarts - 1} restarts; last: {why}", out)
+            return
+        reason = f"the reduce into {task.target.hex()} restarts: {why}"
+        parent, _ = inorder_tree(task.k, task.degree)
+        for pos in task.started:
+            if parent[pos] is not None:
+                out.append(Drop(task.slots[pos][1], step_id(task.target, pos), reason))
+        entry = self.objects.pop(task.target, None)
+        if entry is not None:
+            for node in entry.holders:
+                out.append(Drop(node, task.target, reason, retry=True))
+            if entry.waiting:
+                self.pending.setdefault(task.target, deque()).extend(entry.waiting)
+        order = [*task.chosen, *task.backups]
+        task.slots, task.backups, task.started = [], [], set()
+        for oid in order:
+            holder = self._ready_holder(oid)
+            if holder is not None:
+                self._add_input(task, oid, holder, out)
 
     def _ready_holder(self, oid: Key) -> NodeId | None:
         entry = self.objects.get(oid)
@@ -531,9 +602,6 @@ class Directory:
         if task.inline:
             task.inline_data.append(entry.inline or b"")
         if len(task.slots) == task.k:
-            for waiter, request in task.waiters:
-                out.append(Reply(waiter, request, {"inputs": task.chosen}))
-            task.waiters.clear()
             if task.inline:
                 out.append(InlineReduce(task.target, task.op, task.layout or {},
                                         tuple(task.inline_data)))

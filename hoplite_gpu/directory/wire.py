@@ -45,6 +45,8 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                                      field(msg, "num_objects", int))
     if op == "reduce_failed":
         return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
+    if op == "step_lost":
+        return state.StepLost(node, field(msg, "target", bytes), field(msg, "message", str))
     if op == "reduced_inputs":
         return state.ReducedInputs(node, field(msg, "rid", int), field(msg, "target", bytes))
     return None

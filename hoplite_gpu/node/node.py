@@ -16,6 +16,7 @@ from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import (
+    HopliteError,
     ObjectExists,
     ObjectNotFound,
     PeerLost,
@@ -32,6 +33,10 @@ from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range
 
 log = logging.getLogger("hoplite_gpu.node")
+
+
+class _Retry(HopliteError):
+    """Internal: the object is being rebuilt elsewhere; a waiting get asks again."""
 
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
@@ -53,7 +58,8 @@ class Node:
         self._closed: BaseException | None = None
         #: oid -> list of senders this node pulled from (diagnostics, demo).
         self.sources: dict[ObjectID, list[str]] = {}
-        self._steps: set[asyncio.Task] = set()
+        #: reduce steps running here, by the object they produce
+        self._steps: dict[ObjectID, asyncio.Task] = {}
         self._heartbeat: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -75,7 +81,7 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self._pulls.values(), *self._steps]
+        tasks = [*self._pulls.values(), *self._steps.values()]
         if self._heartbeat is not None:
             tasks.append(self._heartbeat)
         for task in tasks:
@@ -139,10 +145,18 @@ class Node:
         """Make `oid` complete in the local store (pulling it if needed) and return it."""
         self._check_open()
         deadline = time.monotonic() + timeout
-        obj = self.store.get(oid)
-        if obj is not None and obj.complete:
-            return obj
+        while True:
+            obj = self.store.get(oid)
+            if obj is not None and obj.complete:
+                return obj
+            try:
+                return await self._await_pull(oid, deadline, timeout)
+            except _Retry:
+                continue  # the object is being rebuilt (a reduce restarted): ask again
+
+    async def _await_pull(self, oid: ObjectID, deadline: float, timeout: float) -> StoredObject:
         if oid not in self._pulls:
+            self._pull_errors.pop(oid, None)  # from an earlier pull of this id
             task = asyncio.get_running_loop().create_task(self._pull(oid, deadline))
             self._pulls[oid] = task
             task.add_done_callback(lambda t, oid=oid: self._pull_done(oid, t))
@@ -165,7 +179,6 @@ class Node:
     def _pull_done(self, oid: ObjectID, task: asyncio.Task) -> None:
         if self._pulls.get(oid) is task:
             del self._pulls[oid]
-            asyncio.get_running_loop().call_soon(self._pull_errors.pop, oid, None)
         if not task.cancelled():
             task.exception()  # mark retrieved; the awaiting get re-raises it
 
@@ -270,13 +283,21 @@ class Node:
         return [ObjectID(i) for i in body["inputs"]]
 
     async def _reduce_step(self, step: dict) -> None:
-        client = self._check_open()
+        client = self.client
+        if client is None or self._closed is not None:
+            return
         target = step["target"]
         try:
             out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # any failure must reach every waiter, not vanish here
+        except (TransportError, PeerLost, Timeout, ObjectNotFound) as exc:
+            # a child died or stalled: the directory rebuilds the tree without it
+            log.info("reduce step for %s lost a child: %r", target.hex(), exc)
+            client.post({"op": "step_lost", "target": target,
+                         "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
+            return
+        except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
             client.post({"op": "reduce_failed", "target": target,
                          "message": f"a reduce step on node {self.node_id} failed: "
@@ -289,19 +310,31 @@ class Node:
         op = msg.get("op")
         if op == "drop":
             oid = ObjectID(msg["oid"])
-            reason = ObjectNotFound(msg.get("reason", f"object {oid.hex()} was dropped"))
+            text = msg.get("reason", f"object {oid.hex()} was dropped")
+            reason = _Retry(text) if msg.get("retry") else ObjectNotFound(text)
+            step = self._steps.pop(oid, None)
+            if step is not None:
+                step.cancel(text)
             self.store.remove(oid, reason)
             self._cancel_pull(oid, reason)
         elif op == "reduce_step":
+            out = ObjectID(msg["output"])
+            old = self._steps.pop(out, None)
+            if old is not None:
+                old.cancel("replaced by a new step")
             task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
-            self._steps.add(task)
-            task.add_done_callback(self._steps.discard)
+            self._steps[out] = task
+            task.add_done_callback(lambda t, out=out: self._step_done(out, t))
         elif op == "directory_lost":
             err = PeerLost(f"lost the directory: {msg.get('reason')}")
             for oid in list(self._pulls):
                 self._cancel_pull(oid, err)
         else:
             log.warning("ignoring unknown push %r", op)
+
+    def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
+        if self._steps.get(out) is task:
+            del self._steps[out]
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         task = self._pulls.get(oid)

@@ -10,7 +10,8 @@ import pytest
 
 from hoplite_gpu.cluster import LocalCluster
 
-N = 6
+N = 7  # worker 0 asks for reduces; workers 1-6 put inputs
+RANKS = 6
 
 
 @pytest.fixture(scope="module")
@@ -30,29 +31,30 @@ def oracle(names_seeds, n, op="sum"):
 @pytest.mark.parametrize("n", [1000, 300_000, 3_000_000], ids=["inline", "one-chunk", "pipelined"])
 @pytest.mark.parametrize("op", ["sum", "min", "max", "avg", "prod"])
 def test_reduce_staggered_subset(cluster, n, op):
-    """Workers 1-5 put at staggered times, input 0 never comes (a straggler):
-    the first four ready inputs are reduced, whatever their order."""
+    """Six workers put at staggered times in a shuffled order: the first four
+    ready inputs are reduced, whatever their order."""
     names = [f"r-{op}-{n}-{w}" for w in range(N)]
     target = f"r-{op}-{n}-out"
-    cluster.submit(0, t.reduce_and_get, names, op, 4, target)
-    delays = {3: 0.0, 5: 0.05, 1: 0.1, 4: 0.15, 2: 0.2}
+    cluster.submit(0, t.reduce_and_get, names[1:], op, 4, target)
+    delays = {3: 0.0, 5: 0.05, 1: 0.1, 6: 0.15, 4: 0.2, 2: 0.25}
     for w, delay in delays.items():
         cluster.submit(w, t.put_float32, names[w], n, w, delay)
     for w in delays:
         cluster.result(w)
     value, used = cluster.result(0)
     assert len(used) == 4 and len(set(used)) == 4
-    expected = oracle(used, n, op)
+    expected = oracle([u + 1 for u in used], n, op)  # input i was put by worker i + 1
     tol = 1e-4 if op != "prod" else 1e-3
     np.testing.assert_allclose(value.astype(np.float64), expected, rtol=tol, atol=tol)
 
 
 def test_allreduce_six_64mib_arrays(cluster):
     n = (64 << 20) // 4
-    got = cluster.map(t.allreduce_worker, [("ar64", r, N, n, 0.1 * r) for r in range(N)], timeout=240)
+    got = cluster.map(t.allreduce_worker, [("ar64", r, RANKS, n, 0.1 * r) for r in range(RANKS)],
+                      timeout=240)
     crcs = {g[0] for g in got}
     assert len(crcs) == 1, "ranks disagree on the allreduce result"
-    expected = oracle(range(N), 1000).sum()
+    expected = oracle(range(RANKS), 1000).sum()
     assert got[0][1] == pytest.approx(expected, rel=1e-4, abs=1e-3)
 
 
@@ -65,13 +67,14 @@ def test_mismatched_inputs_fail_every_waiter(cluster):
 
 @pytest.mark.parametrize("kind", ["broadcast", "gather", "allgather"])
 def test_collectives(cluster, kind):
-    got = cluster.map(t.collective_worker, [(kind, f"coll-{kind}", r, N) for r in range(N)])
+    got = cluster.map(t.collective_worker, [(kind, f"coll-{kind}", r, RANKS) for r in range(RANKS)])
     if kind == "broadcast":
         assert all(g == (0, (100_000,)) for g in got)
     elif kind == "gather":
-        assert got[0] == [(r, (100_000 + r,)) for r in range(N)] and got[1:] == [None] * (N - 1)
+        assert got[0] == [(r, (100_000 + r,)) for r in range(RANKS)]
+        assert got[1:] == [None] * (RANKS - 1)
     else:
-        assert all(g == [(r, (100_000 + r,)) for r in range(N)] for g in got)
+        assert all(g == [(r, (100_000 + r,)) for r in range(RANKS)] for g in got)
 
 
 def test_crc_is_stable():

@@ -77,6 +77,24 @@ def reduce(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "reduce-loopback", "rows": [res]}
 
 
+def fault(args: argparse.Namespace, console: Console) -> dict:
+    from . import fault as bench
+
+    res = bench.run(args.workers, args.size << 20, args.repeats, console,
+                    stall_timeout_s=args.stall_timeout, heartbeat_interval_s=0.5, node_lease_s=2.0)
+    med = res["median_s"]
+    table = Table(title=f"broadcast of {args.size} MiB to {args.workers - 1}, one relay killed halfway")
+    for col in ("measure", "value"):
+        table.add_column(col, justify="right")
+    table.add_row("no failure (median)", f"{med['no_failure_s'] * 1e3:.0f} ms")
+    table.add_row("relay killed halfway (median)", f"{med['with_failure_s'] * 1e3:.0f} ms")
+    table.add_row("ratio", f"{res['ratio_failure_to_no_failure']:.2f} x")
+    if med["detect_to_resume_s"] is not None:
+        table.add_row("detection -> resume (median)", f"{med['detect_to_resume_s'] * 1e3:.1f} ms")
+    console.print(table)
+    return {"benchmark": "fault-loopback", "rows": [res]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
@@ -93,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gap", type=float, default=0.3, help="seconds between input arrivals")
     r.add_argument("--no-save", action="store_true")
     r.set_defaults(func=reduce)
+    f = sub.add_parser("fault", help="broadcast with a relay killed halfway vs without failure")
+    f.add_argument("--workers", type=int, default=7)
+    f.add_argument("--size", type=int, default=256, help="MiB")
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--stall-timeout", type=float, default=2.0)
+    f.add_argument("--no-save", action="store_true")
+    f.set_defaults(func=fault)
     args = p.parse_args(argv)
     console = Console()
     result = args.func(args, console)

@@ -65,3 +65,8 @@ def put_then_reduce(own: str, names: list[str], target: str, nbytes: int, put_at
 def delete_all(names: list[str]) -> None:
     for name in names:
         hg.delete(hg.ObjectID.from_name(name))
+
+
+def failovers() -> list[tuple[float, float]]:
+    """(pull failed, bytes flowed again) wall times of this node's failovers."""
+    return [(a, b) for _, a, b in hg.runtime().node.failovers]

@@ -75,16 +75,29 @@ class LocalCluster:
 
     def start(self) -> None:
         self._start_directory()
-        ctx = mp.get_context("spawn")
         for _ in range(self.num_workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, self.address, self.token, self.settings),
-                               daemon=True)
-            proc.start()
-            child.close()
+            proc, conn = self._spawn()
             self._procs.append(proc)
-            self._conns.append(parent)
+            self._conns.append(conn)
         self.node_ids = [self._recv(i, self.start_timeout) for i in range(self.num_workers)]
+
+    def _spawn(self) -> tuple[mp.Process, Any]:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, self.address, self.token, self.settings),
+                           daemon=True)
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def restart(self, worker: int) -> str:
+        """Replace a (dead) worker by a fresh process, as a task system restarts a
+        failed task; returns the new node id."""
+        self.kill(worker)
+        self._conns[worker].close()
+        self._procs[worker], self._conns[worker] = self._spawn()
+        self.node_ids[worker] = self._recv(worker, self.start_timeout)
+        return self.node_ids[worker]
 
     def _start_directory(self) -> None:
         env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
@@ -165,7 +178,8 @@ class LocalCluster:
         return [self._recv(w, max(0.0, deadline - time.monotonic())) for w in workers]
 
     def kill(self, worker: int) -> None:
-        self._procs[worker].kill()
+        if self._procs[worker].is_alive():
+            self._procs[worker].kill()
         self._procs[worker].join(5)
 
     def pid(self, worker: int) -> int | None:

@@ -58,6 +58,9 @@ class Node:
         self._closed: BaseException | None = None
         #: oid -> list of senders this node pulled from (diagnostics, demo).
         self.sources: dict[ObjectID, list[str]] = {}
+        #: (object, when a pull failed, when bytes flowed again) for each failover
+        self.failovers: list[tuple[ObjectID, float, float]] = []
+        self._failed_at: dict[ObjectID, float] = {}
         #: reduce steps running here, by the object they produce
         self._steps: dict[ObjectID, asyncio.Task] = {}
         self._heartbeat: asyncio.Task | None = None
@@ -207,6 +210,7 @@ class Node:
                 await self._fetch_from(client, obj, address)
             except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
                 log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
+                self._failed_at.setdefault(oid, time.time())
                 client.post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
                 if time.monotonic() >= deadline:
                     raise
@@ -240,6 +244,9 @@ class Node:
         last = [time.monotonic()]
 
         def progress(pos: int) -> None:
+            failed_at = self._failed_at.pop(obj.oid, None)
+            if failed_at is not None:
+                self.failovers.append((obj.oid, failed_at, time.time()))
             now = time.monotonic()
             if now - last[0] >= _PROGRESS_EVERY_S:
                 last[0] = now

@@ -29,7 +29,7 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
         raise LookupError(f"input {step['input'].hex()} is not held by this node")
     out_oid = ObjectID(step["output"])
     out = store.get(out_oid) or store.create(out_oid, layout)
-    kids, pulls = [], []
+    kids, pulls, inplace = [], [], None
     loop = asyncio.get_running_loop()
     for child in step["children"]:
         oid = ObjectID(child["oid"])
@@ -37,35 +37,47 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
         if local is not None:
             kids.append(local)
             continue
-        # A private copy: not in the store, so the directory never routes anyone to it.
-        copy = StoredObject(oid, layout, store.pool.acquire(layout.nbytes))
+        if inplace is None and out.ready == 0:
+            # The first remote child streams straight into our output buffer, and the
+            # fold adds the rest to it in place: one pass over the data fewer than
+            # copying our input there first. `out`'s own watermark still guards what
+            # the parent may read.
+            copy = inplace = StoredObject(oid, layout, out.buffer)
+        else:
+            # A private copy: not in the store, so the directory never routes anyone to it.
+            copy = StoredObject(oid, layout, store.pool.acquire(layout.nbytes))
         kids.append(copy)
         pulls.append(loop.create_task(
             fetch_range(pool, child["address"], copy, copy.size, config, lambda _pos: None)))
     try:
-        await _fold(own, kids, out, step["reduce_op"], int(step["count"]), dtype, config, timeout, pulls)
+        await _fold(own, kids, inplace, out, step["reduce_op"], int(step["count"]), dtype,
+                    config, timeout, pulls)
     finally:
         for task in pulls:
             task.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)
         for kid in kids:
-            if store.get(kid.oid) is not kid:  # a private copy: its buffer can go back
+            if kid is not inplace and store.get(kid.oid) is not kid:  # private: reusable
                 store.recycle(kid)
     return out
 
 
-async def _fold(own: StoredObject, kids: list[StoredObject], out: StoredObject, op: str,
-                count: int, dtype: np.dtype, config: Config, timeout: float,
-                pulls: list[asyncio.Task]) -> None:
+async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObject | None,
+                out: StoredObject, op: str, count: int, dtype: np.dtype, config: Config,
+                timeout: float, pulls: list[asyncio.Task]) -> None:
     chunk = max(dtype.itemsize, config.chunk_size - config.chunk_size % dtype.itemsize)
     for pos in range(out.ready, out.size, chunk):
         end = min(pos + chunk, out.size)
         for src in (own, *kids):
             await _ready_or_failed(src, end, timeout, pulls)
         acc = out.buffer[pos:end].view(dtype)
-        acc[...] = own.buffer[pos:end].view(dtype)
+        if inplace is None:
+            acc[...] = own.buffer[pos:end].view(dtype)
+        else:  # acc already holds the in-place child's bytes
+            kernels.reduce_into(acc, own.buffer[pos:end].view(dtype), op)
         for kid in kids:
-            kernels.reduce_into(acc, kid.buffer[pos:end].view(dtype), op)
+            if kid is not inplace:
+                kernels.reduce_into(acc, kid.buffer[pos:end].view(dtype), op)
         if count:
             kernels.finalize(acc, op, count)
         out.advance(end)

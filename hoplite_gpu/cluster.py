@@ -99,11 +99,34 @@ class LocalCluster:
         self.node_ids[worker] = self._recv(worker, self.start_timeout)
         return self.node_ids[worker]
 
-    def _start_directory(self) -> None:
+    def restart_directory(self) -> None:
+        """Kill the directory and start a new one on the same address: nodes must
+        reconnect and re-register what they hold (the directory's state is soft)."""
+        port = self.address.rpartition(":")[2]
+        self._stop_directory(kill=True)
+        self._start_directory(port=int(port))
+
+    def _stop_directory(self, kill: bool = False) -> None:
+        if self._directory is None:
+            return
+        if kill:
+            self._directory.kill()
+        else:
+            self._directory.terminate()
+        try:
+            self._directory.wait(10)
+        except subprocess.TimeoutExpired:
+            self._directory.kill()
+            self._directory.wait(5)
+        if self._directory.stdout:
+            self._directory.stdout.close()
+        self._directory = None
+
+    def _start_directory(self, port: int = 0) -> None:
         env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
                # the directory schedules with the same settings as the workers
                **{f"HOPLITE_{k.upper()}": str(v) for k, v in self.settings.items()}}
-        cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", "0",
+        cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", str(port),
                *self.directory_args]
         self._directory = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + self.start_timeout
@@ -132,16 +155,7 @@ class LocalCluster:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-        if self._directory is not None:
-            self._directory.terminate()
-            try:
-                self._directory.wait(10)
-            except subprocess.TimeoutExpired:
-                self._directory.kill()
-                self._directory.wait(5)
-            if self._directory.stdout:
-                self._directory.stdout.close()
-            self._directory = None
+        self._stop_directory()
 
     # ------------------------------------------------------------- work ---
     def submit(self, worker: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

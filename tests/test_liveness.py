@@ -6,9 +6,9 @@ import os
 import signal
 import time
 
+import cluster_tasks as t
 import pytest
 
-import cluster_tasks as t
 from hoplite_gpu.cluster import LocalCluster
 from hoplite_gpu.directory import state as s
 
@@ -94,3 +94,29 @@ def test_reduce_survives_a_stalled_participant(fast_cluster):
     expected = sum(np.random.default_rng(s).standard_normal(n).astype(np.float32).astype(np.float64)
                    for s in seeds)
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_directory_restart_mid_broadcast_and_reduce(fast_cluster):
+    """Kill the directory while a broadcast and a reduce are in flight: nodes
+    reconnect, re-register what they hold, and both finish correctly."""
+    import numpy as np
+
+    c = fast_cluster
+    crc = c.run(0, t.put_pattern, "dr-bcast", 64 << 20)
+    n = (8 << 20) // 4
+    names = ["dr-in-1", "dr-in-2", "dr-in-3"]
+    for w in (1, 2):
+        c.run(w, t.put_float32, names[w - 1], n, w)
+    c.submit(4, t.reduce_and_get, names, "sum", 3, "dr-out", 30.0)
+    for w in (1, 2):
+        c.submit(w, t.get_summary, "dr-bcast", 30.0)
+    time.sleep(0.05)
+    c.restart_directory()
+    c.run(3, t.put_float32, names[2], n, 3)  # the last input arrives after the restart
+    assert [c.result(w, 40)[0] for w in (1, 2)] == [crc, crc]
+    value, used = c.result(4, 40)
+    assert sorted(used) == [0, 1, 2]
+    expected = sum(np.random.default_rng(s).standard_normal(n).astype(np.float32).astype(np.float64)
+                   for s in (1, 2, 3))
+    np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-4)
+    assert c.run(3, t.get_summary, "dr-bcast", 30.0)[0] == crc  # a get after the restart

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,8 @@ class DirectoryServer:
         self.handshake_timeout = handshake_timeout
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency_s, bytes_per_s=bytes_per_s,
-                                     chunk_size=chunk_size, lease_s=lease_s)
+                                     chunk_size=chunk_size, lease_s=lease_s,
+                                     instance=os.urandom(8))
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}

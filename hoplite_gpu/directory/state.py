@@ -73,10 +73,16 @@ class Progress:
 
 @dataclass(frozen=True)
 class Completed:
-    """`node` now holds every byte of `oid` (a put finished copying, or a pull ended)."""
+    """`node` now holds every byte of `oid` (a put finished copying, or a pull ended).
+
+    With `size` and `layout`, an object the directory does not know is registered
+    (a restarted directory learns what survives from the nodes that hold it).
+    """
 
     node: NodeId
     oid: Key
+    size: int = -1
+    layout: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,8 @@ class ReduceTask:
     failed: str | None = None
     done: bool = False
     restarts: int = 0
+    #: names this incarnation of the tree in its partial results' ids
+    tag: bytes = b""
     waiters: list[tuple[NodeId, int]] = field(default_factory=list)
 
     @property
@@ -282,11 +290,13 @@ class ReduceTask:
         return [oid for oid, _ in self.slots]
 
 
-def step_id(target: Key, position: int) -> Key:
-    """Id of the partial result at a tree position (distinct from every user id)."""
+def step_id(target: Key, position: int, tag: bytes = b"") -> Key:
+    """Id of the partial result at a tree position. `tag` names one incarnation of
+    the tree: a restarted reduce (or a restarted directory) must never match a
+    stale partial result that a node still holds under an old id."""
     import hashlib
 
-    return hashlib.blake2b(target + position.to_bytes(4, "big"), digest_size=20,
+    return hashlib.blake2b(target + position.to_bytes(4, "big") + tag, digest_size=20,
                            person=b"hoplite-step").digest()
 
 
@@ -295,9 +305,12 @@ class Directory:
 
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
-                 lease_s: float = 5.0) -> None:
+                 lease_s: float = 5.0, instance: bytes = b"") -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
         self.lease_s = lease_s
+        #: distinguishes this directory's trees from a previous incarnation's
+        self.instance = instance
+        self._trees = 0
         #: node -> when its lease was last renewed
         self.last_seen: dict[NodeId, float] = {}
         self.latency_s, self.bytes_per_s, self.chunk_size = latency_s, bytes_per_s, chunk_size
@@ -394,6 +407,10 @@ class Directory:
 
     def _on_Completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
+        if entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes:
+            entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None)
+            entry.holders[ev.node] = Holder(origin=True)
+            entry.waiting.extend(self.pending.pop(ev.oid, deque()))
         holder = self._holder(ev.oid, ev.node)
         if entry is None or holder is None:
             return
@@ -485,6 +502,7 @@ class Directory:
                 "InvalidArgument", problem or f"object {ev.target.hex()} already exists")))
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
+        task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
         for oid in ev.inputs:
@@ -526,6 +544,10 @@ class Directory:
         if task is not None and not task.done and not task.failed:
             self._restart_reduce(task, f"a step lost a child stream: {ev.message}", out)
 
+    def _next_tag(self) -> bytes:
+        self._trees += 1
+        return self.instance + self._trees.to_bytes(8, "big")
+
     def _finish_reduce(self, task: ReduceTask, out: list[Command]) -> None:
         task.done = True
         for waiter, request in task.waiters:
@@ -557,7 +579,7 @@ class Directory:
         parent, _ = inorder_tree(task.k, task.degree)
         for pos in task.started:
             if parent[pos] is not None:
-                out.append(Drop(task.slots[pos][1], step_id(task.target, pos), reason))
+                out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag), reason))
         entry = self.objects.pop(task.target, None)
         if entry is not None:
             for node in entry.holders:
@@ -566,6 +588,7 @@ class Directory:
                 self.pending.setdefault(task.target, deque()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
         task.slots, task.backups, task.started = [], [], set()
+        task.tag = self._next_tag()
         for oid in order:
             holder = self._ready_holder(oid)
             if holder is not None:
@@ -644,9 +667,9 @@ class Directory:
         _, children = inorder_tree(task.k, task.degree)
         kids = []
         for c in children[pos]:
-            source = step_id(task.target, c) if children[c] else task.slots[c][0]
+            source = step_id(task.target, c, task.tag) if children[c] else task.slots[c][0]
             kids.append({"oid": source, "address": self.nodes.get(task.slots[c][1], "")})
-        return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos),
+        return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos, task.tag),
                 "input": task.slots[pos][0], "children": kids, "reduce_op": task.op,
                 "count": task.k if is_root else 0, "size": task.size, "layout": task.layout}
 
@@ -662,7 +685,7 @@ class Directory:
         parent, children = inorder_tree(task.k, task.degree)
         for pos in task.started:
             if parent[pos] is not None and pos < len(task.slots):
-                out.append(Drop(task.slots[pos][1], step_id(task.target, pos),
+                out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag),
                                 "the reduce finished; its partial results are freed"))
         self._forget_watch(task)
 
@@ -691,7 +714,7 @@ class Directory:
             for node, request in entry.waiting:
                 out.append(Reply(node, request, error_body("ReduceFailed", message)))
         for pos in task.started:
-            out.append(Drop(task.slots[pos][1], step_id(task.target, pos), message))
+            out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag), message))
 
     # ------------------------------------------------------------ helpers ---
     def _holder(self, oid: Key, node: NodeId) -> Holder | None:

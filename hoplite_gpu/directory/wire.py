@@ -26,7 +26,10 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     if op == "progress":
         return state.Progress(node, field(msg, "oid", bytes), field(msg, "nbytes", int))
     if op == "complete":
-        return state.Completed(node, field(msg, "oid", bytes))
+        size, layout = msg.get("size", -1), msg.get("layout")
+        return state.Completed(node, field(msg, "oid", bytes),
+                               size if isinstance(size, int) else -1,
+                               layout if isinstance(layout, dict) else None)
     if op == "failed":
         return state.TransferFailed(node, field(msg, "oid", bytes), field(msg, "sender", str),
                                     field(msg, "have", int))

@@ -16,6 +16,7 @@ from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import (
+    DirectoryUnavailable,
     HopliteError,
     ObjectExists,
     ObjectNotFound,
@@ -64,6 +65,10 @@ class Node:
         #: reduce steps running here, by the object they produce
         self._steps: dict[ObjectID, asyncio.Task] = {}
         self._heartbeat: asyncio.Task | None = None
+        self._reconnector: asyncio.Task | None = None
+        self._connected = asyncio.Event()
+        #: reduces this node asked for, re-sent to a restarted directory
+        self._my_reduces: dict[ObjectID, dict] = {}
 
     async def start(self) -> None:
         await self.server.start()
@@ -71,22 +76,21 @@ class Node:
             self.directory_address, token=self.token, node=self.node_id,
             data_address=advertised(self.server.address, self.directory_address),
             timeout=self.config.connect_timeout_s, on_push=self._on_push)
+        self._connected.set()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def _beat(self) -> None:
         """Renew this node's lease; a node that stops beating is declared dead."""
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
-            if self.client is not None:
-                self.client.post({"op": "ping"})
+            self._post({"op": "ping"})
 
     async def close(self) -> None:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self._pulls.values(), *self._steps.values()]
-        if self._heartbeat is not None:
-            tasks.append(self._heartbeat)
+        tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -96,15 +100,44 @@ class Node:
         await self.pool.close()
         await self.server.close()
 
-    def _check_open(self) -> DirectoryClient:
+    def _check_open(self) -> None:
         if self._closed is not None:
             raise self._closed
-        assert self.client is not None
-        return self.client
+
+    def _post(self, msg: dict) -> None:
+        """A one-way notice to the directory (lost if it is away; holdings are
+        re-announced when we reconnect)."""
+        if self.client is not None:
+            self.client.post(msg)
+
+    async def _request(self, msg: dict, timeout: float) -> dict:
+        """A request to the directory; if the directory goes away, wait for the
+        reconnection and ask again, all within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_open()
+            try:
+                assert self.client is not None
+                return await self.client.request(msg, max(0.001, deadline - time.monotonic()))
+            except DirectoryUnavailable:
+                await self._wait_connected(deadline)
+
+    async def _wait_connected(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DirectoryUnavailable("the directory is unreachable and the deadline passed")
+        try:
+            async with asyncio.timeout(remaining):
+                await self._connected.wait()
+        except TimeoutError:
+            raise DirectoryUnavailable(
+                f"the directory at {self.directory_address} stayed unreachable until the "
+                "deadline") from None
+        self._check_open()
 
     # ---------------------------------------------------------------- put ---
     async def put(self, value: Any, oid: ObjectID) -> ObjectID:
-        client = self._check_open()
+        self._check_open()
         buf, layout = to_buffer(value)
         existing = self.store.get(oid)
         if existing is not None:
@@ -119,14 +152,14 @@ class Node:
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
         try:
-            await client.request(msg, self.config.timeout_s)
+            await self._request(msg, self.config.timeout_s)
         except BaseException:
             self.store.remove(oid)
-            client.post({"op": "dropped", "oid": oid.binary})  # in case the put did register
+            self._post({"op": "dropped", "oid": oid.binary})  # in case the put did register
             raise
         if not inline:
             await self._fill(obj, buf)
-            client.post({"op": "complete", "oid": oid.binary})
+            self._post(self._complete_msg(obj))
         return oid
 
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
@@ -186,9 +219,9 @@ class Node:
             task.exception()  # mark retrieved; the awaiting get re-raises it
 
     async def _pull(self, oid: ObjectID, deadline: float) -> StoredObject:
-        client = self._check_open()
+        self._check_open()
         while True:
-            reply = await self._locate(client, oid, deadline)
+            reply = await self._locate(oid, deadline)
             layout = Layout.from_wire(reply["layout"])
             if "inline" in reply:
                 return self._store_inline(oid, layout, reply["inline"])
@@ -200,47 +233,57 @@ class Node:
                 if obj is not None and obj.complete:
                     return obj
                 # The directory thinks we hold it but we do not: correct it, ask again.
-                client.post({"op": "dropped", "oid": oid.binary})
+                self._post({"op": "dropped", "oid": oid.binary})
                 continue
             if obj is None or obj.error is not None:
                 obj = self.store.create(oid, layout)
             sender, address = reply["sender"], reply["address"]
             self.sources.setdefault(oid, []).append(sender)
             try:
-                await self._fetch_from(client, obj, address)
+                await self._fetch_from(obj, address)
             except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
                 log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
                 self._failed_at.setdefault(oid, time.time())
-                client.post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
+                self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
                 if time.monotonic() >= deadline:
                     raise
                 continue
             except BaseException:
                 self.store.remove(oid)
-                client.post({"op": "dropped", "oid": oid.binary})
+                self._post({"op": "dropped", "oid": oid.binary})
                 raise
-            client.post({"op": "complete", "oid": oid.binary})
+            self._post(self._complete_msg(obj))
             return obj
 
-    async def _locate(self, client: DirectoryClient, oid: ObjectID, deadline: float) -> dict:
-        rid = client.next_id()
-        fut = client.start({"op": "locate", "oid": oid.binary}, rid)
-        remaining = deadline - time.monotonic()
-        try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                body = await fut
-        except TimeoutError:
-            client.forget(rid)
-            client.post({"op": "cancel", "request": rid})
-            if self.store.get(oid) is not None:
-                self.store.remove(oid)
-                client.post({"op": "dropped", "oid": oid.binary})
-            raise Timeout(
-                f"object {oid.hex()} was not available within {max(remaining, 0):.3g}s: "
-                "nobody has put it yet, or every copy is busy") from None
-        return raise_for_error(body)
+    async def _locate(self, oid: ObjectID, deadline: float) -> dict:
+        while True:
+            self._check_open()
+            client = self.client
+            assert client is not None
+            rid = client.next_id()
+            try:
+                fut = client.start({"op": "locate", "oid": oid.binary}, rid)
+                remaining = deadline - time.monotonic()
+                async with asyncio.timeout(max(0.0, remaining)):
+                    return raise_for_error(await fut)
+            except DirectoryUnavailable:
+                await self._wait_connected(deadline)  # then ask the new directory
+            except TimeoutError:
+                client.forget(rid)
+                client.post({"op": "cancel", "request": rid})
+                if self.store.get(oid) is not None:
+                    self.store.remove(oid)
+                    self._post({"op": "dropped", "oid": oid.binary})
+                raise Timeout(
+                    f"object {oid.hex()} was not available within {max(remaining, 0):.3g}s: "
+                    "nobody has put it yet, or every copy is busy") from None
 
-    async def _fetch_from(self, client: DirectoryClient, obj: StoredObject, address: str) -> None:
+    def _complete_msg(self, obj: StoredObject) -> dict:
+        # size and layout let a restarted directory learn of the object from this alone
+        return {"op": "complete", "oid": obj.oid.binary, "size": obj.size,
+                "layout": obj.layout.to_wire()}
+
+    async def _fetch_from(self, obj: StoredObject, address: str) -> None:
         last = [time.monotonic()]
 
         def progress(pos: int) -> None:
@@ -250,7 +293,7 @@ class Node:
             now = time.monotonic()
             if now - last[0] >= _PROGRESS_EVERY_S:
                 last[0] = now
-                client.post({"op": "progress", "oid": obj.oid.binary, "nbytes": pos})
+                self._post({"op": "progress", "oid": obj.oid.binary, "nbytes": pos})
 
         await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
 
@@ -263,35 +306,30 @@ class Node:
 
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
-        client = self._check_open()
-        await client.request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
+        await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
         self.store.remove(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
 
     async def query(self, oid: ObjectID) -> dict:
-        client = self._check_open()
-        return await client.request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
+        return await self._request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
 
     async def nodes(self) -> dict[str, str]:
-        client = self._check_open()
-        return (await client.request({"op": "nodes"}, self.config.timeout_s))["nodes"]
+        return (await self._request({"op": "nodes"}, self.config.timeout_s))["nodes"]
 
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
                      target: ObjectID) -> ObjectID:
-        client = self._check_open()
-        await client.request({"op": "reduce", "target": target.binary,
-                              "inputs": [i.binary for i in inputs], "op_name": op,
-                              "num_objects": num_objects}, self.config.timeout_s)
+        msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
+               "op_name": op, "num_objects": num_objects}
+        await self._request(msg, self.config.timeout_s)
+        self._my_reduces[target] = msg  # asked again of a restarted directory
         return target
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
-        client = self._check_open()
-        body = await client.request({"op": "reduced_inputs", "target": target.binary}, timeout)
+        body = await self._request({"op": "reduced_inputs", "target": target.binary}, timeout)
         return [ObjectID(i) for i in body["inputs"]]
 
     async def _reduce_step(self, step: dict) -> None:
-        client = self.client
-        if client is None or self._closed is not None:
+        if self._closed is not None:
             return
         target = step["target"]
         try:
@@ -301,16 +339,67 @@ class Node:
         except (TransportError, PeerLost, Timeout, ObjectNotFound) as exc:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
-            client.post({"op": "step_lost", "target": target,
-                         "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
+            self._post({"op": "step_lost", "target": target,
+                        "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
             return
         except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
-            client.post({"op": "reduce_failed", "target": target,
-                         "message": f"a reduce step on node {self.node_id} failed: "
-                                    f"{type(exc).__name__}: {exc}"})
+            self._post({"op": "reduce_failed", "target": target,
+                        "message": f"a reduce step on node {self.node_id} failed: "
+                                   f"{type(exc).__name__}: {exc}"})
             return
-        client.post({"op": "complete", "oid": out.oid.binary})
+        if out.oid.binary == target:
+            self._post(self._complete_msg(out))
+        else:  # an intermediate result: its parent is already pulling it
+            self._post({"op": "complete", "oid": out.oid.binary})
+
+    # ------------------------------------------------------- reconnection ---
+    def _directory_lost(self, reason: str) -> None:
+        if self._closed is not None or not self._connected.is_set():
+            return
+        self._connected.clear()
+        log.warning("lost the directory (%s); reconnecting", reason)
+        self._reconnector = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Reconnect with backoff, then tell the new directory what we hold: the
+        directory keeps only soft state, so nodes rebuild it."""
+        deadline = time.monotonic() + self.config.timeout_s
+        delay = 0.05
+        old = self.client
+        while self._closed is None and time.monotonic() < deadline:
+            try:
+                client = await DirectoryClient.connect(
+                    self.directory_address, token=self.token, node=self.node_id,
+                    data_address=advertised(self.server.address, self.directory_address),
+                    timeout=self.config.connect_timeout_s, on_push=self._on_push)
+            except HopliteError as exc:
+                log.info("reconnect to %s failed: %s", self.directory_address, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            self.client = client
+            if old is not None:
+                await old.close()
+            self._announce(client)
+            self._connected.set()
+            log.warning("reconnected to the directory at %s", self.directory_address)
+            return
+        err = PeerLost(f"the directory at {self.directory_address} stayed unreachable")
+        for oid in list(self._pulls):
+            self._cancel_pull(oid, err)
+
+    def _announce(self, client: DirectoryClient) -> None:
+        for obj in self.store.objects():
+            if not obj.complete or obj.oid in self._steps:
+                continue
+            if obj.size <= self.config.inline_threshold:
+                client.start({"op": "put", "oid": obj.oid.binary, "size": obj.size,
+                              "layout": obj.layout.to_wire(), "inline": obj.buffer.tobytes()})
+            else:
+                client.post(self._complete_msg(obj))
+        for msg in self._my_reduces.values():
+            client.start(dict(msg))  # "already exists" answers are fine: nobody waits
 
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:
@@ -329,13 +418,16 @@ class Node:
             old = self._steps.pop(out, None)
             if old is not None:
                 old.cancel("replaced by a new step")
+            stale = self.store.get(out)
+            if stale is not None and not stale.complete:
+                # a partial result of an earlier tree (e.g. before a directory restart)
+                # may hold other inputs: start over; its readers ask again
+                self.store.remove(out, _Retry("the reduce restarted"))
             task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
             self._steps[out] = task
             task.add_done_callback(lambda t, out=out: self._step_done(out, t))
         elif op == "directory_lost":
-            err = PeerLost(f"lost the directory: {msg.get('reason')}")
-            for oid in list(self._pulls):
-                self._cancel_pull(oid, err)
+            self._directory_lost(str(msg.get("reason")))
         else:
             log.warning("ignoring unknown push %r", op)
 

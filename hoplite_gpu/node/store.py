@@ -109,6 +109,9 @@ class ChunkStore:
     def __len__(self) -> int:
         return len(self._objects)
 
+    def objects(self) -> list[StoredObject]:
+        return list(self._objects.values())
+
     def get(self, oid: ObjectID) -> StoredObject | None:
         return self._objects.get(oid)
 

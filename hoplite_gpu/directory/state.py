@@ -766,6 +766,9 @@ class Directory:
         if any(h.complete or h.origin for h in entry.holders.values()):
             self._serve_waiting(oid, entry, out)
             return
+        task = self.reduces.get(oid)
+        if task is not None and not task.done and not task.failed:
+            return  # the result of a reduce in flight: the reduce restarts and rebuilds it
         del self.objects[oid]
         reason = (f"object {oid.hex()} was lost: every node holding a complete copy "
                   "(or still putting it) died or dropped it; put it again")

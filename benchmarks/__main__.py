@@ -95,6 +95,33 @@ def fault(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "fault-loopback", "rows": [res]}
 
 
+def soak(args: argparse.Namespace, console: Console) -> dict:
+    """Run the chaos test (tests/test_chaos.py) `runs` times in a row, each with a new seed."""
+    import random
+    import subprocess
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    rows = []
+    for i in range(args.runs):
+        seed = random.randrange(1, 1 << 30)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_chaos.py"], cwd=root, capture_output=True, text=True,
+                              env={**os.environ, "CHAOS_SEED": str(seed)}, timeout=600)
+        rows.append({"run": i + 1, "seed": seed, "passed": proc.returncode == 0,
+                     "seconds": time.monotonic() - t0})
+        console.print(f"run {i + 1}/{args.runs}: seed {seed} "
+                      f"{'passed' if proc.returncode == 0 else 'FAILED'} in {rows[-1]['seconds']:.1f} s")
+        if proc.returncode != 0:
+            console.print(proc.stdout[-3000:])
+    passed = sum(r["passed"] for r in rows)
+    total = sum(r["seconds"] for r in rows)
+    console.print(f"{passed} of {len(rows)} chaos runs passed; {total:.0f} s in all")
+    return {"benchmark": "chaos-soak", "rows": rows, "passed": passed, "seconds": total,
+            "byte_identical": passed == len(rows)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
@@ -118,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--stall-timeout", type=float, default=2.0)
     f.add_argument("--no-save", action="store_true")
     f.set_defaults(func=fault)
+    k = sub.add_parser("soak", help="run the chaos test many times in a row")
+    k.add_argument("--runs", type=int, default=20)
+    k.add_argument("--no-save", action="store_true")
+    k.set_defaults(func=soak)
     args = p.parse_args(argv)
     console = Console()
     result = args.func(args, console)
@@ -129,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         out = RESULTS / f"{result['benchmark']}-{dt.date.today().isoformat()}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
-    return 0 if all(r.get("byte_identical", True) for r in result["rows"]) else 1
+    return 0 if result.get("byte_identical", True) and all(
+        r.get("byte_identical", True) for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":

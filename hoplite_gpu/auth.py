@@ -61,7 +61,10 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
             try:
                 verdict = await recv_msg(stream)
             except TransportClosed as exc:
-                raise AuthenticationFailed(f"{stream.peer} closed the connection during authentication") from exc
+                # A refusal comes as a verdict before the close; a bare close means the
+                # peer died or went away, which callers treat as a lost peer.
+                raise TransportClosed(
+                    f"{stream.peer} closed the connection during the handshake") from exc
             if not verdict.get("ok"):
                 raise AuthenticationFailed(
                     f"{stream.peer} refused us: {verdict.get('error', 'no reason given')}. "

@@ -8,7 +8,7 @@ import pytest
 import transport_checks as tc
 
 from hoplite_gpu.auth import PROTOCOL_VERSION, client_handshake, new_token, server_handshake
-from hoplite_gpu.errors import AuthenticationFailed, ProtocolError, Timeout
+from hoplite_gpu.errors import AuthenticationFailed, ProtocolError, Timeout, TransportClosed
 from hoplite_gpu.protocol import pack, recv_msg, send_msg
 from hoplite_gpu.transports import Stream
 
@@ -218,7 +218,8 @@ def test_client_rejects_impostor_server(scheme):
 
 @by_scheme
 def test_server_hangs_up_during_auth(scheme):
-    """A peer that closes instead of answering is reported as an authentication failure."""
+    """A peer that closes instead of answering has died or gone away: TransportClosed,
+    which pullers treat as a lost peer (a refusal always sends a verdict first)."""
 
     async def body() -> None:
         async with tc.connected_pair(scheme) as (client, server):
@@ -229,7 +230,7 @@ def test_server_hangs_up_during_auth(scheme):
                 await server.close()
 
             task = asyncio.ensure_future(hang_up())
-            with pytest.raises(AuthenticationFailed):
+            with pytest.raises(TransportClosed, match="during the handshake"):
                 await client_handshake(client, new_token(), HANDSHAKE_TIMEOUT)
             await task
 

@@ -304,6 +304,19 @@ async def check_send_to_closed_peer(scheme: str) -> None:
         assert client.closed
 
 
+async def _close_and_expect_closed(stream, pending: asyncio.Future) -> None:
+    """Close `stream`; the operation parked on it must end with TransportClosed, soon."""
+    await stream.close()
+    try:
+        async with asyncio.timeout(1):
+            with pytest.raises(TransportClosed):
+                await pending
+    finally:
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await pending
+
+
 @deadline(10)
 async def check_close_wakes_pending_recv(scheme: str) -> None:
     """close() while another task waits in recv_into: that receive raises TransportClosed."""
@@ -311,15 +324,7 @@ async def check_close_wakes_pending_recv(scheme: str) -> None:
         pending = asyncio.ensure_future(client.recv_into(memoryview(bytearray(10))))
         await asyncio.sleep(0.05)
         assert not pending.done()
-        await client.close()
-        try:
-            async with asyncio.timeout(1):
-                with pytest.raises(TransportClosed):
-                    await pending
-        finally:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        await _close_and_expect_closed(client, pending)
 
 
 @deadline(10)
@@ -330,15 +335,7 @@ async def check_close_wakes_pending_send(scheme: str) -> None:
         pending = asyncio.ensure_future(client.send(block))
         await asyncio.sleep(0.2)
         assert not pending.done(), "64 MiB unread should not fit in the send buffers"
-        await client.close()
-        try:
-            async with asyncio.timeout(1):
-                with pytest.raises(TransportClosed):
-                    await pending
-        finally:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        await _close_and_expect_closed(client, pending)
 
 
 @deadline(10)

@@ -782,6 +782,18 @@ class Directory:
             del self.pending[key]
 
     def _pick_sender(self, entry: Entry, receiver: NodeId) -> NodeId | None:
+        choice = self._best_sender(entry, receiver, avoid_failed=True)
+        mine = entry.holders.get(receiver)
+        if choice is None and mine is not None and mine.failed_from:
+            # Only senders that failed us before are left. A stall may have been
+            # passing, and one that is truly dead is removed when its lease ends:
+            # try them again rather than wait for nothing.
+            choice = self._best_sender(entry, receiver, avoid_failed=False)
+            if choice is not None:
+                mine.failed_from.discard(choice)
+        return choice
+
+    def _best_sender(self, entry: Entry, receiver: NodeId, avoid_failed: bool) -> NodeId | None:
         mine = entry.holders.get(receiver)
         have = mine.nbytes if mine else 0
         best: tuple[bool, int] | None = None
@@ -789,7 +801,7 @@ class Directory:
         for node, holder in entry.holders.items():
             if (node == receiver or node not in self.nodes
                     or len(holder.serving) >= self.max_receivers_per_sender
-                    or (mine is not None and node in mine.failed_from)
+                    or (avoid_failed and mine is not None and node in mine.failed_from)
                     or not (holder.complete or self._can_complete(entry, node))
                     or self._depends_on(entry, node, receiver)):
                 continue

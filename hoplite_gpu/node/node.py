@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ log = logging.getLogger("hoplite_gpu.node")
 class _Retry(HopliteError):
     """Internal: the object is being rebuilt elsewhere; a waiting get asks again."""
 
+
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
 
@@ -57,10 +59,8 @@ class Node:
         #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
         self._pull_errors: dict[ObjectID, BaseException] = {}
         self._closed: BaseException | None = None
-        #: oid -> list of senders this node pulled from (diagnostics, demo).
-        self.sources: dict[ObjectID, list[str]] = {}
-        #: (object, when a pull failed, when bytes flowed again) for each failover
-        self.failovers: list[tuple[ObjectID, float, float]] = []
+        #: (object, when a pull failed, when bytes flowed again) of recent failovers
+        self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
         self._failed_at: dict[ObjectID, float] = {}
         #: reduce steps running here, by the object they produce
         self._steps: dict[ObjectID, asyncio.Task] = {}
@@ -220,6 +220,7 @@ class Node:
 
     async def _pull(self, oid: ObjectID, deadline: float) -> StoredObject:
         self._check_open()
+        failures = 0
         while True:
             reply = await self._locate(oid, deadline)
             layout = Layout.from_wire(reply["layout"])
@@ -238,7 +239,6 @@ class Node:
             if obj is None or obj.error is not None:
                 obj = self.store.create(oid, layout)
             sender, address = reply["sender"], reply["address"]
-            self.sources.setdefault(oid, []).append(sender)
             try:
                 await self._fetch_from(obj, address)
             except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
@@ -247,6 +247,9 @@ class Node:
                 self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
                 if time.monotonic() >= deadline:
                     raise
+                # back off a little: the directory may hand us the same sender again
+                failures += 1
+                await asyncio.sleep(min(0.01 * 2 ** failures, 0.5, max(0.0, deadline - time.monotonic())))
                 continue
             except BaseException:
                 self.store.remove(oid)

@@ -95,10 +95,7 @@ class DataServer:
         chunk = self.config.chunk_size
         view = memoryview(obj.buffer)
         while pos < end:
-            try:
-                await obj.wait_ready(min(pos + chunk, end), self.config.timeout_s)
-            except HopliteError as exc:
-                await send_error_frame(stream, type(exc).__name__, str(exc))
+            if not await self._wait_or_keepalive(stream, obj, min(pos + chunk, end)):
                 return
             # Send everything that is ready, in chunk-sized frames.
             upto = min(obj.ready, end)
@@ -107,6 +104,31 @@ class DataServer:
                 await stream.send(FRAME.pack(FRAME_DATA, n), view[pos:pos + n])
                 pos += n
                 await asyncio.sleep(0)  # let other pulls of this node progress too
+
+
+    async def _wait_or_keepalive(self, stream: Stream, obj: StoredObject, need: int) -> bool:
+        """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
+
+        A partial copy can be slow for good reasons (its own upstream, or a reduce
+        waiting for inputs). Empty frames every third of the stall timeout tell the
+        receiver we are alive, so only a sender that is itself stuck trips its
+        stall timeout. False (after an error frame) if the bytes never came.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        beat = self.config.stall_timeout_s / 3
+        while obj.ready < need:
+            try:
+                await obj.wait_ready(need, min(beat, max(0.001, deadline - loop.time())))
+            except Timeout as exc:
+                if loop.time() >= deadline:
+                    await send_error_frame(stream, "Timeout", str(exc))
+                    return False
+                await stream.send(FRAME.pack(FRAME_DATA, 0))
+            except HopliteError as exc:
+                await send_error_frame(stream, type(exc).__name__, str(exc))
+                return False
+        return True
 
 
 class PeerPool:
@@ -164,8 +186,10 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                     kind, n = await recv_frame_header(stream)
                     if kind != FRAME_DATA:
                         _raise_peer_error(address, await recv_error_body(stream, n))
-                    if n == 0 or n > end - pos:
+                    if n > end - pos:
                         raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
+                    if n == 0:
+                        continue  # a keepalive: the sender is alive, its bytes are not ready yet
                     await stream.recv_into(view[pos:pos + n])
             except Timeout:
                 raise  # the peer reported its own timeout in an error frame

@@ -129,3 +129,39 @@ def collective_worker(kind: str, name: str, rank: int, size: int):
     if isinstance(out, list):
         return [(int(o[0]), o.shape) for o in out]
     return int(out[0]), out.shape
+
+
+def publish_versions(channel: str, count: int, size: int, gap: float = 0.0, keep: int = 2) -> list[int]:
+    """Publish `count` versions whose arrays all hold the version number."""
+    from hoplite_gpu.channel import WeightChannel
+
+    ch, out = WeightChannel(channel, keep=keep), []
+    for _ in range(count):
+        v = ch.latest_version() + 1
+        weights = {f"layer{i}": np.full(size // 4, v, dtype=np.float32) for i in range(3)}
+        out.append(ch.publish(weights, version=v))
+        time.sleep(gap)
+    return out
+
+
+def fetch_consistent(channel: str, rounds: int, timeout: float = 30.0) -> list[int]:
+    """Fetch repeatedly; every fetched set must be one version throughout."""
+    from hoplite_gpu.channel import WeightChannel
+
+    ch, seen, last = WeightChannel(channel), [], -1
+    for _ in range(rounds):
+        version, weights = ch.fetch(newer_than=last, timeout=timeout)
+        assert list(weights) == ["layer0", "layer1", "layer2"], list(weights)
+        for name, arr in weights.items():
+            assert arr.min() == arr.max() == version, (name, version, arr.min(), arr.max())
+        seen.append(version)
+        last = version
+    return seen
+
+
+def fetch_latest(channel: str) -> int:
+    from hoplite_gpu.channel import WeightChannel
+
+    version, weights = WeightChannel(channel).fetch(timeout=30)
+    assert all(a.min() == a.max() == version for a in weights.values())
+    return version

@@ -133,6 +133,28 @@ class Query:
 
 
 @dataclass(frozen=True)
+class ChannelPublish:
+    """Version `version` of channel `name` is complete: it becomes the head if newer."""
+
+    node: NodeId
+    request: int
+    name: str
+    version: int
+
+
+@dataclass(frozen=True)
+class ChannelHead:
+    """Which is the newest version of channel `name`? Answered once one newer
+    than `newer_than` exists (-1: any)."""
+
+    node: NodeId
+    request: int
+    name: str
+    newer_than: int
+    wait: bool = True
+
+
+@dataclass(frozen=True)
 class ReduceRequested:
     """Reduce the first `num_objects` ready `inputs` with `op` into `target`."""
 
@@ -180,7 +202,7 @@ class ReducedInputs:
 
 
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
-         | TransferFailed | Dropped | Delete | Query | ReduceRequested | ReduceFailed
+         | TransferFailed | Dropped | Delete | Query | ChannelPublish | ChannelHead | ReduceRequested | ReduceFailed
          | StepLost | InlineReduced | ReducedInputs)
 
 
@@ -323,6 +345,9 @@ class Directory:
         self.watching: dict[Key, set[Key]] = {}
         #: targets whose reduce failed -> why (answers later gets at once)
         self.failed: dict[Key, str] = {}
+        #: channel name -> newest complete version, and who waits for a newer one
+        self.channels: dict[str, int] = {}
+        self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -357,6 +382,8 @@ class Directory:
     def _forget_node(self, ev: NodeLost, out: list[Command]) -> None:
         self.nodes.pop(ev.node, None)
         self.last_seen.pop(ev.node, None)
+        for name, waiters in self.channel_waiters.items():
+            self.channel_waiters[name] = [w for w in waiters if w[0] != ev.node]
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
         for key in list(self.objects):
@@ -441,6 +468,29 @@ class Directory:
             except ValueError:
                 continue
         self._clean_pending()
+        for name, waiters in self.channel_waiters.items():
+            self.channel_waiters[name] = [w for w in waiters if w[:2] != (ev.node, ev.request)]
+
+    # ----------------------------------------------------------- channels ---
+    def _on_ChannelPublish(self, ev: ChannelPublish, out: list[Command]) -> None:
+        if ev.version > self.channels.get(ev.name, -1):
+            self.channels[ev.name] = ev.version
+        out.append(Reply(ev.node, ev.request, {"ok": True, "head": self.channels[ev.name]}))
+        head, still = self.channels[ev.name], []
+        for node, request, newer_than in self.channel_waiters.pop(ev.name, []):
+            if head > newer_than:
+                out.append(Reply(node, request, {"head": head}))
+            else:
+                still.append((node, request, newer_than))
+        if still:
+            self.channel_waiters[ev.name] = still
+
+    def _on_ChannelHead(self, ev: ChannelHead, out: list[Command]) -> None:
+        head = self.channels.get(ev.name, -1)
+        if head > ev.newer_than or not ev.wait:
+            out.append(Reply(ev.node, ev.request, {"head": head}))
+        else:
+            self.channel_waiters.setdefault(ev.name, []).append((ev.node, ev.request, ev.newer_than))
 
     def _on_TransferFailed(self, ev: TransferFailed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)

@@ -39,6 +39,12 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         return state.Delete(node, field(msg, "rid", int), field(msg, "oid", bytes))
     if op == "query":
         return state.Query(node, field(msg, "rid", int), field(msg, "oid", bytes))
+    if op == "channel_publish":
+        return state.ChannelPublish(node, field(msg, "rid", int), field(msg, "name", str),
+                                    field(msg, "version", int))
+    if op == "channel_head":
+        return state.ChannelHead(node, field(msg, "rid", int), field(msg, "name", str),
+                                 field(msg, "newer_than", int), bool(msg.get("wait", True)))
     if op == "reduce":
         inputs = field(msg, "inputs", list)
         if not all(isinstance(i, bytes) and len(i) == 20 for i in inputs):

@@ -69,6 +69,8 @@ class Node:
         self._connected = asyncio.Event()
         #: reduces this node asked for, re-sent to a restarted directory
         self._my_reduces: dict[ObjectID, dict] = {}
+        #: channel heads this node published, re-announced to a restarted directory
+        self._channels: dict[str, int] = {}
 
     async def start(self) -> None:
         await self.server.start()
@@ -259,27 +261,52 @@ class Node:
             return obj
 
     async def _locate(self, oid: ObjectID, deadline: float) -> dict:
+        try:
+            return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
+        except Timeout as exc:
+            if self.store.get(oid) is not None:
+                self.store.remove(oid)
+                self._post({"op": "dropped", "oid": oid.binary})
+            raise Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
+                          "nobody has put it yet, or every copy is busy") from None
+
+    async def _wait_reply(self, msg: dict, deadline: float) -> dict:
+        """A request the directory may answer much later (it waits for something to
+        exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
+        if the directory goes away meanwhile, the request is asked again of the new one."""
+        started = time.monotonic()
         while True:
             self._check_open()
             client = self.client
             assert client is not None
             rid = client.next_id()
             try:
-                fut = client.start({"op": "locate", "oid": oid.binary}, rid)
-                remaining = deadline - time.monotonic()
-                async with asyncio.timeout(max(0.0, remaining)):
+                fut = client.start(msg, rid)
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     return raise_for_error(await fut)
             except DirectoryUnavailable:
                 await self._wait_connected(deadline)  # then ask the new directory
             except TimeoutError:
                 client.forget(rid)
                 client.post({"op": "cancel", "request": rid})
-                if self.store.get(oid) is not None:
-                    self.store.remove(oid)
-                    self._post({"op": "dropped", "oid": oid.binary})
-                raise Timeout(
-                    f"object {oid.hex()} was not available within {max(remaining, 0):.3g}s: "
-                    "nobody has put it yet, or every copy is busy") from None
+                raise Timeout(max(0.0, deadline - started)) from None
+
+    # ----------------------------------------------------------- channels ---
+    async def channel_publish(self, name: str, version: int) -> int:
+        self._channels[name] = max(version, self._channels.get(name, -1))
+        body = await self._request({"op": "channel_publish", "name": name, "version": version},
+                                   self.config.timeout_s)
+        return int(body["head"])
+
+    async def channel_head(self, name: str, newer_than: int, timeout: float,
+                           wait: bool = True) -> int:
+        msg = {"op": "channel_head", "name": name, "newer_than": newer_than, "wait": wait}
+        try:
+            body = await self._wait_reply(msg, time.monotonic() + timeout)
+        except Timeout as exc:
+            raise Timeout(f"channel {name!r} had no version newer than {newer_than} "
+                          f"within {exc.args[0]:.3g}s") from None
+        return int(body["head"])
 
     def _complete_msg(self, obj: StoredObject) -> dict:
         # size and layout let a restarted directory learn of the object from this alone
@@ -403,6 +430,8 @@ class Node:
                 client.post(self._complete_msg(obj))
         for msg in self._my_reduces.values():
             client.start(dict(msg))  # "already exists" answers are fine: nobody waits
+        for name, version in self._channels.items():
+            client.start({"op": "channel_publish", "name": name, "version": version})
 
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:

@@ -13,6 +13,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	@# CPU torch lets the tests cover torch tensors; they skip if it cannot be installed.
 	$(BIN)/python -m pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will skip"
+	@# Ray runs the Ray integration tests and examples; they skip if it cannot be installed.
+	$(BIN)/python -m pip install -q 'ray>=2.40' || echo "ray not installed: Ray tests will skip"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -1,0 +1,119 @@
+"""hoplite-gpu inside a Ray cluster.
+
+``hoplite_gpu.ray.start_directory()`` (on the driver) starts the directory as a
+named Ray actor; ``hoplite_gpu.ray.join()`` (in any task or actor, sync or async,
+also in one that Ray restarted) finds it by name and joins as a node. ObjectIDs
+pickle, so they travel in task arguments and return values.
+
+On one machine the defaults bind everything to loopback. On a multi-node Ray
+cluster pass ``host="0.0.0.0"`` to `start_directory` and set
+``HOPLITE_NODE_HOST=0.0.0.0`` for the workers (each node then advertises the
+address that routes to the directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import ray
+
+from . import api
+from .auth import new_token
+from .config import Config
+from .directory.server import DirectoryServer
+from .errors import DirectoryUnavailable
+
+DEFAULT_NAME = "hoplite-directory"
+#: A non-detached actor dies with its last handle: the driver keeps one.
+_handles: dict[tuple[str, str | None], Any] = {}
+
+
+@ray.remote(num_cpus=0)
+class DirectoryActor:
+    """Runs the directory's asyncio server on a thread of its own inside the actor."""
+
+    def __init__(self, token: str, host: str, port: int, settings: dict[str, Any]) -> None:
+        self._token = token
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="hoplite-directory", daemon=True).start()
+        config = Config.from_env(**settings)
+        self._server = DirectoryServer(token, host=host, port=port, **config.directory_settings())
+        self._address = asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
+        if host in ("0.0.0.0", "::"):
+            ip = ray.util.get_node_ip_address()
+            self._address = f"tcp://{ip}:{self._address.rpartition(':')[2]}"
+
+    def info(self) -> dict[str, str]:
+        return {"address": self._address, "token": self._token}
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
+
+
+def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
+                    host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                    detached: bool = False, **settings: Any) -> dict[str, str]:
+    """Start the directory actor (or attach to a running one of that name);
+    returns its address and token."""
+    try:
+        actor = ray.get_actor(name, namespace=namespace)  # attach to a running one
+    except ValueError:
+        options: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True}
+        if detached:
+            options["lifetime"] = "detached"
+        actor = DirectoryActor.options(**options).remote(token or new_token(), host, port, settings)
+        # keep the creating handle: a non-detached actor dies with its owner's handles
+        _handles.setdefault((name, namespace), actor)
+    return ray.get(actor.info.remote(), timeout=60)
+
+
+def _find(name: str, namespace: str | None, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise DirectoryUnavailable(
+                    f"no hoplite directory actor named {name!r} in this Ray cluster; "
+                    "call hoplite_gpu.ray.start_directory() on the driver first") from None
+            time.sleep(0.1)
+
+
+def join(*, name: str = DEFAULT_NAME, namespace: str | None = None, timeout: float = 60.0,
+         **settings: Any) -> api.Runtime:
+    """Join the cluster of the directory actor `name` as a node (idempotent)."""
+    info = ray.get(_find(name, namespace, timeout).info.remote(), timeout=timeout)
+    current = api._runtime
+    if current is not None and not current.closed:
+        if current.address == info["address"]:
+            return current
+        api.shutdown()
+    return api.init(info["address"], token=info["token"], **settings)
+
+
+async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
+                     timeout: float = 60.0, **settings: Any) -> api.Runtime:
+    """`join` for async actors: never blocks their event loop."""
+    actor = await asyncio.to_thread(_find, name, namespace, timeout)
+    info = await asyncio.wait_for(actor.info.remote(), timeout)
+    current = api._runtime
+    if current is not None and not current.closed and current.address == info["address"]:
+        return current
+    return await asyncio.to_thread(api.init, info["address"], token=info["token"], **settings)
+
+
+def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) -> None:
+    """Stop and remove the directory actor (nodes then reconnect until their deadline)."""
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    try:
+        ray.get(actor.stop.remote(), timeout=30)
+    finally:
+        ray.kill(actor)
+        _handles.pop((name, namespace), None)

@@ -144,12 +144,13 @@ def publish_versions(channel: str, count: int, size: int, gap: float = 0.0, keep
     return out
 
 
-def fetch_consistent(channel: str, rounds: int, timeout: float = 30.0) -> list[int]:
-    """Fetch repeatedly; every fetched set must be one version throughout."""
+def fetch_consistent(channel: str, until: int, timeout: float = 30.0) -> list[int]:
+    """Fetch newer versions until `until`; every fetched set must be one version
+    throughout (versions may be skipped)."""
     from hoplite_gpu.channel import WeightChannel
 
     ch, seen, last = WeightChannel(channel), [], -1
-    for _ in range(rounds):
+    while last < until:
         version, weights = ch.fetch(newer_than=last, timeout=timeout)
         assert list(weights) == ["layer0", "layer1", "layer2"], list(weights)
         for name, arr in weights.items():

@@ -23,12 +23,12 @@ def test_late_joiner_gets_the_current_version(cluster):
 
 def test_readers_wait_for_newer_versions_and_never_see_a_mix(cluster):
     for w in (1, 2, 3):
-        cluster.submit(w, t.fetch_consistent, "live", 4)
+        cluster.submit(w, t.fetch_consistent, "live", 7)
     published = cluster.run(0, t.publish_versions, "live", 8, 2 << 20, 0.05)
     seen = [cluster.result(w, 60) for w in (1, 2, 3)]
     assert published == list(range(8))
     for versions in seen:
-        assert versions == sorted(set(versions)) and len(versions) == 4
+        assert versions == sorted(set(versions)) and versions[-1] == 7
 
 
 def test_old_versions_are_freed():

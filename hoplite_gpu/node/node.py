@@ -177,6 +177,8 @@ class Node:
     # ---------------------------------------------------------------- get ---
     async def get(self, oid: ObjectID, timeout: float) -> Any:
         obj = await self.fetch(oid, timeout)
+        if obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
+            raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
         return from_buffer(obj.buffer, obj.layout)
 
     async def fetch(self, oid: ObjectID, timeout: float) -> StoredObject:

@@ -69,4 +69,4 @@ def delete_all(names: list[str]) -> None:
 
 def failovers() -> list[tuple[float, float]]:
     """(pull failed, bytes flowed again) wall times of this node's failovers."""
-    return [(a, b) for _, a, b in hg.runtime().node.failovers]
+    return [(a, b) for _, a, b in list(hg.runtime().node.failovers)]

@@ -59,6 +59,21 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulator import simulate_broadcast
+
+    size, bw = _parse_size(args.size), float(args.bandwidth)
+    print(f"simulated broadcast of {size / 2**20:.0f} MiB to {args.receivers} receivers, "
+          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.0f} us latency, "
+          f"{_parse_size(args.chunk) >> 20} MiB chunks (the real directory state machine decides)")
+    for fanout in sorted({1, 2, 4, args.receivers}):
+        r = simulate_broadcast(args.receivers, size, bandwidth=bw, latency=args.latency,
+                               chunk=_parse_size(args.chunk), max_receivers_per_sender=fanout)
+        print(f"  max_receivers_per_sender={fanout:<5d} time {r.makespan * 1e3:9.1f} ms = "
+              f"{r.makespan / (size / bw):7.3f} x S/B, tree depth {r.depth()}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import numpy
 
@@ -136,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--size", default="64MiB", help="large transfer size (default 64MiB)")
     c.add_argument("--repeats", type=int, default=5)
     c.set_defaults(func=_calibrate)
+
+    s = sub.add_parser("simulate", help="simulate a broadcast at any scale with the real scheduler")
+    s.add_argument("--receivers", type=int, default=1000)
+    s.add_argument("--size", default="256MiB")
+    s.add_argument("--bandwidth", default="1.25e9", help="bytes/s per link direction")
+    s.add_argument("--latency", type=float, default=1e-4, help="seconds per message")
+    s.add_argument("--chunk", default="4MiB")
+    s.set_defaults(func=_simulate)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
     i.set_defaults(func=_info)

@@ -66,10 +66,11 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"simulated broadcast of {size / 2**20:.0f} MiB to {args.receivers} receivers, "
           f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.0f} us latency, "
           f"{_parse_size(args.chunk) >> 20} MiB chunks (the real directory state machine decides)")
-    for fanout in sorted({1, 2, 4, args.receivers}):
+    for fanout in [0, *sorted({1, 2, 4, args.receivers})]:
         r = simulate_broadcast(args.receivers, size, bandwidth=bw, latency=args.latency,
                                chunk=_parse_size(args.chunk), max_receivers_per_sender=fanout)
-        print(f"  max_receivers_per_sender={fanout:<5d} time {r.makespan * 1e3:9.1f} ms = "
+        label = "auto" if fanout == 0 else str(fanout)
+        print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
               f"{r.makespan / (size / bw):7.3f} x S/B, tree depth {r.depth()}")
     return 0
 

@@ -31,7 +31,8 @@ class Config:
     chunk_size: int = 4 * MiB
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
-    #: How many receivers one node serves one object to at a time (the paper uses 1).
+    #: How many receivers one node serves one object to at a time: the paper uses 1
+    #: (a pipelined chain); 0 lets the cost model choose from the number of receivers.
     max_receivers_per_sender: int = 1
     #: Default deadline, in seconds, of every blocking call that is given none.
     timeout_s: float = 300.0
@@ -61,9 +62,10 @@ class Config:
             raise ConfigError(
                 f"inline_threshold must be between 0 and 16 MiB (inline objects travel in "
                 f"control messages); got {self.inline_threshold}")
-        if self.max_receivers_per_sender < 1:
+        if self.max_receivers_per_sender < 0:
             raise ConfigError(
-                f"max_receivers_per_sender must be >= 1; got {self.max_receivers_per_sender}"
+                f"max_receivers_per_sender must be >= 1, or 0 for automatic; "
+                f"got {self.max_receivers_per_sender}"
             )
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
                      "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bytes_per_s"):

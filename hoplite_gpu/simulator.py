@@ -64,7 +64,8 @@ class BroadcastSim:
         self.n, self.size, self.bw, self.lat, self.chunk = receivers, size, bandwidth, latency, chunk
         self.chunks = max(1, -(-size // chunk))
         self.arrivals = arrivals or [0.0] * receivers
-        self.dir = s.Directory(max_receivers_per_sender=max_receivers_per_sender)
+        self.dir = s.Directory(max_receivers_per_sender=max_receivers_per_sender,
+                               latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
         self.have: dict[str, int] = {"n0": self.chunks}    # chunks held

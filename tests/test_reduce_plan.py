@@ -201,3 +201,9 @@ def test_bad_reduce_requests_are_refused(bad, msg):
     k = 3 if msg == "num_objects" else max(1, len(bad))
     out = d.handle(s.ReduceRequested("n0", 1, oid(100), bad, "sum", k))
     assert out[0].body["error"] == "InvalidArgument" and msg in out[0].body["message"]
+
+
+def test_long_chains_build_without_recursion():
+    parent, children = inorder_tree(5000, 1)
+    assert parent[0] == 1 and parent[4999] is None and children[4999] == (4998,)
+    assert tree_depth(5000, 1) == 4999

@@ -38,3 +38,12 @@ def test_late_receivers_are_served_from_complete_copies():
     r = simulate_broadcast(3, 16 * MiB, bandwidth=B, latency=L, chunk=C, arrivals=[0.0, 0.0, 5.0])
     late = dict(r.edges)["n3"]
     assert late in {"n0", "n1", "n2"} and r.done_at["n3"] > 5.0
+
+
+def test_auto_fanout_beats_the_chain_for_wide_broadcasts():
+    n, size = 400, 64 * MiB
+    chain = simulate_broadcast(n, size, bandwidth=B, latency=L, chunk=C)
+    auto = simulate_broadcast(n, size, bandwidth=B, latency=L, chunk=C, max_receivers_per_sender=0)
+    assert auto.makespan < chain.makespan / 2
+    small = simulate_broadcast(7, size, bandwidth=B, latency=L, chunk=C, max_receivers_per_sender=0)
+    assert small.depth() == 7  # few receivers: the model keeps the chain

@@ -22,6 +22,9 @@ def inorder_tree(k: int, d: int) -> tuple[tuple[int | None, ...], tuple[tuple[in
     """
     if k < 1 or d < 1:
         raise ValueError(f"need k >= 1 and d >= 1; got k={k}, d={d}")
+    if d == 1:  # a chain: built directly (recursion would be k deep)
+        return (tuple([*range(1, k), None]),
+                tuple([()] + [(i - 1,) for i in range(1, k)]))
     parent: list[int | None] = [None] * k
     children: list[list[int]] = [[] for _ in range(k)]
 
@@ -52,7 +55,10 @@ def tree_root(k: int, d: int) -> int:
     return parent.index(None)
 
 
+@functools.lru_cache(maxsize=4096)
 def tree_depth(k: int, d: int) -> int:
+    if d == 1:
+        return k - 1
     parent, _ = inorder_tree(k, d)
     best = 0
     for p in range(k):
@@ -82,3 +88,15 @@ def choose_degree(size: int, k: int, latency_s: float, bytes_per_s: float, chunk
         return 1
     candidates = range(1, min(max_degree, k - 1) + 1)
     return min(candidates, key=lambda d: (reduce_time(size, k, d, latency_s, bytes_per_s, chunk), d))
+
+
+@functools.lru_cache(maxsize=4096)
+def broadcast_fanout(size: int, receivers: int, latency_s: float, bytes_per_s: float,
+                     chunk: int, max_fanout: int = 4) -> int:
+    """Receivers per sender for a broadcast to `receivers` nodes: the chain
+    (1) until its pipeline fill, (N-1) chunk times, costs more than a wider tree's
+    extra bandwidth term; same model as `reduce_time`."""
+    if receivers <= 2:
+        return 1
+    return min(range(1, max_fanout + 1),
+               key=lambda d: (reduce_time(size, receivers + 1, d, latency_s, bytes_per_s, chunk), d))

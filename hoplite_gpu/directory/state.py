@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .reduce_plan import choose_degree, inorder_tree
+from .reduce_plan import broadcast_fanout, choose_degree, inorder_tree
 
 NodeId = str
 Key = bytes  # an ObjectID's 20 raw bytes
@@ -831,6 +831,15 @@ class Directory:
         for key in [k for k, q in self.pending.items() if not q]:
             del self.pending[key]
 
+    def _fanout(self, entry: Entry) -> int:
+        """Receivers one holder may serve at once: the configured number, or with 0
+        ("auto") the cost model's choice for the receivers seen so far."""
+        if self.max_receivers_per_sender > 0:
+            return self.max_receivers_per_sender
+        receivers = len(entry.holders) + len(entry.waiting)
+        return broadcast_fanout(entry.size, receivers, self.latency_s, self.bytes_per_s,
+                                self.chunk_size)
+
     def _pick_sender(self, entry: Entry, receiver: NodeId) -> NodeId | None:
         choice = self._best_sender(entry, receiver, avoid_failed=True)
         mine = entry.holders.get(receiver)
@@ -848,9 +857,10 @@ class Directory:
         have = mine.nbytes if mine else 0
         best: tuple[bool, int] | None = None
         choice: NodeId | None = None
+        fanout = self._fanout(entry)
         for node, holder in entry.holders.items():
             if (node == receiver or node not in self.nodes
-                    or len(holder.serving) >= self.max_receivers_per_sender
+                    or len(holder.serving) >= fanout
                     or (avoid_failed and mine is not None and node in mine.failed_from)
                     or not (holder.complete or self._can_complete(entry, node))
                     or self._depends_on(entry, node, receiver)):

@@ -122,6 +122,36 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
             "byte_identical": passed == len(rows)}
 
 
+def emulated(args: argparse.Namespace, console: Console) -> dict:
+    """Broadcast across network namespaces with tc-shaped links (root only)."""
+    from .emulated import EmulatedCluster
+    from .netbench import hoplite_broadcast
+
+    rows = []
+    with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
+        link = cluster.measure_link()
+        console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
+                      f"(measured host 0 -> 1: {link / 1e9:.3f} Gbit/s; "
+                      f"{'netem delay' if cluster.netem else 'no netem on this kernel: no added delay'})")
+        for size_mib in args.sizes:
+            for r in range(args.repeats):
+                row = hoplite_broadcast(cluster, size_mib << 20, f"e{size_mib}-{r}")
+                row["measured_link_bps"] = link
+                rows.append(row)
+                console.print(f"broadcast {size_mib} MiB to {args.hosts - 1}: {row['seconds']:.3f} s "
+                              f"= {row['ratio_to_bound']:.2f} x S/B")
+    table = Table(title=f"hoplite-gpu broadcast on {args.hosts} emulated hosts, {args.gbit:g} Gbit/s")
+    for col in ("size", "median (s)", "S/B (s)", "ratio to bound"):
+        table.add_column(col, justify="right")
+    for size_mib in args.sizes:
+        mine = [r for r in rows if r["size_bytes"] == size_mib << 20]
+        med = statistics.median(r["seconds"] for r in mine)
+        table.add_row(f"{size_mib} MiB", f"{med:.3f}", f"{mine[0]['lower_bound_s']:.3f}",
+                      f"{med / mine[0]['lower_bound_s']:.2f}")
+    console.print(table)
+    return {"benchmark": "broadcast-emulated", "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
@@ -149,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--runs", type=int, default=20)
     k.add_argument("--no-save", action="store_true")
     k.set_defaults(func=soak)
+    e = sub.add_parser("emulated", help="broadcast on emulated hosts (network namespaces + tc; root)")
+    e.add_argument("--hosts", type=int, default=8)
+    e.add_argument("--gbit", type=float, default=1.0)
+    e.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--no-save", action="store_true")
+    e.set_defaults(func=emulated)
     args = p.parse_args(argv)
     console = Console()
     result = args.func(args, console)

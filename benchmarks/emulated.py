@@ -1,0 +1,135 @@
+"""An emulated cluster on one machine: N network namespaces ("hosts") joined by
+a bridge in a namespace of its own, each host's link shaped with `tc tbf` to a
+bandwidth in both directions (host side = uplink, bridge side = downlink).
+
+All traffic stays inside the namespaces this creates (addresses 10.77.x.0/24 that
+exist only there). Needs root and iproute2 (`ip`, `tc`); refuses clearly
+without them. Everything is torn down on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+PY = sys.executable
+
+
+class EmulationUnavailable(RuntimeError):
+    """This machine cannot create the emulated cluster (not root, no iproute2, ...)."""
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
+
+
+class EmulatedCluster:
+    def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77) -> None:
+        if hosts < 2:
+            raise ValueError("an emulated cluster needs at least 2 hosts")
+        self.hosts, self.bandwidth_bps = hosts, bandwidth_bps
+        tag = os.getpid() % 100000
+        self.prefix = f"hg{tag}"
+        self.switch = f"{self.prefix}sw"
+        self.subnet = f"10.{subnet}.{tag % 250}"
+        self.netem = False
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------ set-up ---
+    def __enter__(self) -> EmulatedCluster:
+        self._check()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if os.geteuid() != 0:
+            raise EmulationUnavailable("the emulated cluster needs root (network namespaces, tc)")
+        missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+        if missing:
+            raise EmulationUnavailable(
+                f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)")
+        probe = f"{self.prefix}probe"
+        if _sh("ip", "netns", "add", probe, check=False).returncode != 0:
+            raise EmulationUnavailable("this machine does not allow creating network namespaces")
+        _sh("ip", "netns", "del", probe, check=False)
+
+    def _build(self) -> None:
+        rate = f"{int(self.bandwidth_bps)}bit"
+        _sh("ip", "netns", "add", self.switch)
+        self._made.append(self.switch)
+        sw = ("ip", "netns", "exec", self.switch)
+        _sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
+        _sh(*sw, "ip", "link", "set", "br0", "up")
+        for i in range(self.hosts):
+            ns, host_if, sw_if = self.ns(i), f"{self.prefix}h{i}", f"{self.prefix}s{i}"
+            _sh("ip", "netns", "add", ns)
+            self._made.append(ns)
+            _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", sw_if)
+            _sh("ip", "link", "set", host_if, "netns", ns)
+            _sh("ip", "link", "set", sw_if, "netns", self.switch)
+            hx = ("ip", "netns", "exec", ns)
+            _sh(*hx, "ip", "link", "set", host_if, "name", "eth0")
+            _sh(*hx, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _sh(*hx, "ip", "link", "set", "eth0", "up")
+            _sh(*hx, "ip", "link", "set", "lo", "up")
+            _sh(*sw, "ip", "link", "set", sw_if, "master", "br0")
+            _sh(*sw, "ip", "link", "set", sw_if, "up")
+            for where, dev in ((hx, "eth0"), (sw, sw_if)):  # uplink and downlink
+                _sh(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                    "burst", "256kb", "latency", "100ms")
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            _sh("ip", "netns", "del", ns, check=False)
+        self._made.clear()
+
+    # ------------------------------------------------------------- use ---
+    def ns(self, i: int) -> str:
+        return f"{self.prefix}n{i}"
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
+        """Start a process on host `i`."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
+
+    def measure_link(self, nbytes: int = 32 << 20) -> float:
+        """Bits per second from host 0 to host 1, measured with a plain TCP stream."""
+        server = self.popen(1, [PY, "-c", _SINK, self.address(1)], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        src = self.popen(0, [PY, "-c", _SOURCE, self.address(1), str(nbytes)],
+                         stdout=subprocess.PIPE, text=True)
+        src.communicate(timeout=120)
+        seconds = float(server.communicate(timeout=120)[0].strip())
+        return nbytes * 8 / seconds
+
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5599)); s.listen(1); c, _ = s.accept()
+buf = bytearray(1 << 20); got = 0; t0 = None
+while True:
+    n = c.recv_into(buf)
+    if not n: break
+    if t0 is None: t0 = time.perf_counter()
+    got += n
+print(time.perf_counter() - t0)
+"""
+
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], 5599)); c.sendall(bytes(int(sys.argv[2]))); c.close()
+"""

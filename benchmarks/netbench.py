@@ -1,0 +1,58 @@
+"""Broadcast on the emulated cluster: host 0 puts S bytes, hosts 1..N-1 get it
+at the same moment; time from the first get to the last byte, against the
+lower bound S/B (every receiver's downlink must carry S)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from hoplite_gpu.auth import new_token
+
+from .emulated import PY, EmulatedCluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None) -> dict:
+    token = new_token()
+    env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token}
+    directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
+                            "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
+    procs: list[subprocess.Popen] = []
+    try:
+        directory.stdout.readline()
+        address = f"{c.address(0)}:7777"
+        common = ["--address", address, "--token", token, "--name", name, "--size", str(size)]
+        if chunk:
+            common += ["--chunk-size", str(chunk)]
+        sender = c.popen(0, [PY, "-m", "benchmarks.netnode", *common, "--role", "put",
+                             "--node-host", c.address(0)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        procs.append(sender)
+        crc = json.loads(sender.stdout.readline())["crc"]
+        start_at = time.time() + 2.0  # every receiver has joined by then
+        for i in range(1, c.hosts):
+            procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", *common, "--role", "get",
+                                     "--node-host", c.address(i), "--start-at", str(start_at)],
+                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        results = [json.loads(p.communicate(timeout=900)[0]) for p in procs[1:]]
+        sender.stdin.close()
+        sender.wait(60)
+    finally:
+        for p in [*procs, directory]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None:
+                    pipe.close()
+    if any(r["crc"] != crc for r in results):
+        raise AssertionError("a receiver's copy differs from the sender's")
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    bound = size * 8 / c.bandwidth_bps
+    return {"system": "hoplite-gpu", "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
+            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
+            "ratio_to_bound": seconds / bound}

@@ -1,0 +1,52 @@
+"""One host's part in an emulated-cluster benchmark: join the directory, then
+put or get, and print one JSON line of timings. Run by benchmarks/emulated runs
+inside a host's network namespace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+
+import numpy as np
+
+import hoplite_gpu as hg
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address", required=True)
+    p.add_argument("--token", required=True)
+    p.add_argument("--node-host", required=True)
+    p.add_argument("--role", choices=["put", "get"], required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--chunk-size", type=int, default=None)
+    args = p.parse_args()
+    settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
+    hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
+    oid = hg.ObjectID.from_name(args.name)
+    try:
+        if args.role == "put":
+            data = np.frombuffer(np.random.default_rng(args.size).bytes(args.size), dtype=np.uint8)
+            hg.put(data, oid)
+            print(json.dumps({"crc": zlib.crc32(data)}), flush=True)
+            sys.stdin.read()  # serve until the harness closes our stdin
+            return 0
+        delay = args.start_at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        t0 = time.time()
+        value = hg.get(oid, timeout=600)
+        t1 = time.time()
+        print(json.dumps({"start": t0, "end": t1, "crc": zlib.crc32(value)}), flush=True)
+        return 0
+    finally:
+        hg.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

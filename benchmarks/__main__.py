@@ -125,7 +125,7 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
 def emulated(args: argparse.Namespace, console: Console) -> dict:
     """Broadcast across network namespaces with tc-shaped links (root only)."""
     from .emulated import EmulatedCluster
-    from .netbench import hoplite_broadcast
+    from .netbench import gloo_broadcast, hoplite_broadcast
 
     rows = []
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
@@ -133,21 +133,33 @@ def emulated(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
                       f"(measured host 0 -> 1: {link / 1e9:.3f} Gbit/s; "
                       f"{'netem delay' if cluster.netem else 'no netem on this kernel: no added delay'})")
+        systems = {
+            "hoplite-gpu": lambda size, r: hoplite_broadcast(cluster, size, f"e{size}-{r}"),
+            "star": lambda size, r: hoplite_broadcast(cluster, size, f"s{size}-{r}",
+                                                      fanout=args.hosts - 1),
+            "gloo": lambda size, r: gloo_broadcast(cluster, size),
+        }
         for size_mib in args.sizes:
-            for r in range(args.repeats):
-                row = hoplite_broadcast(cluster, size_mib << 20, f"e{size_mib}-{r}")
-                row["measured_link_bps"] = link
-                rows.append(row)
-                console.print(f"broadcast {size_mib} MiB to {args.hosts - 1}: {row['seconds']:.3f} s "
-                              f"= {row['ratio_to_bound']:.2f} x S/B")
-    table = Table(title=f"hoplite-gpu broadcast on {args.hosts} emulated hosts, {args.gbit:g} Gbit/s")
-    for col in ("size", "median (s)", "S/B (s)", "ratio to bound"):
+            for name in args.systems:
+                for r in range(args.repeats):
+                    row = systems[name](size_mib << 20, r)
+                    row["measured_link_bps"] = link
+                    rows.append(row)
+                    console.print(f"{row['system']}: broadcast {size_mib} MiB to {args.hosts - 1}: "
+                                  f"{row['seconds']:.3f} s = {row['ratio_to_bound']:.2f} x S/B")
+    table = Table(title=f"broadcast on {args.hosts} emulated hosts, {args.gbit:g} Gbit/s links")
+    for col in ("system", "size", "median (s)", "S/B (s)", "ratio to bound", "hoplite-gpu faster by"):
         table.add_column(col, justify="right")
     for size_mib in args.sizes:
-        mine = [r for r in rows if r["size_bytes"] == size_mib << 20]
-        med = statistics.median(r["seconds"] for r in mine)
-        table.add_row(f"{size_mib} MiB", f"{med:.3f}", f"{mine[0]['lower_bound_s']:.3f}",
-                      f"{med / mine[0]['lower_bound_s']:.2f}")
+        med = {}
+        for name in args.systems:
+            mine = [r for r in rows if r["size_bytes"] == size_mib << 20 and
+                    r["system"].split(" ")[0] == ("hoplite-gpu" if name == "hoplite-gpu" else name)]
+            med[name] = (statistics.median(r["seconds"] for r in mine), mine[0]["lower_bound_s"])
+        for name, (m, bound) in med.items():
+            ours = med.get("hoplite-gpu", (m, bound))[0]
+            table.add_row(name, f"{size_mib} MiB", f"{m:.3f}", f"{bound:.3f}", f"{m / bound:.2f}",
+                          "-" if name == "hoplite-gpu" else f"{m / ours:.2f} x")
     console.print(table)
     return {"benchmark": "broadcast-emulated", "rows": rows}
 
@@ -184,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--gbit", type=float, default=1.0)
     e.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
     e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--systems", nargs="+", default=["hoplite-gpu", "star", "gloo"],
+                   choices=["hoplite-gpu", "star", "gloo"])
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
     args = p.parse_args(argv)

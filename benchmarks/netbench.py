@@ -16,9 +16,13 @@ from .emulated import PY, EmulatedCluster
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None) -> dict:
+def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None,
+                      fanout: int = 1) -> dict:
+    """hoplite-gpu's receiver-driven broadcast; `fanout` = receivers per sender
+    (1: the pipelined chain; hosts - 1: the naive star, every receiver on the root)."""
     token = new_token()
-    env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token}
+    env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
+           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout)}
     directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
                             "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
     procs: list[subprocess.Popen] = []
@@ -53,6 +57,29 @@ def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | Non
         raise AssertionError("a receiver's copy differs from the sender's")
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     bound = size * 8 / c.bandwidth_bps
-    return {"system": "hoplite-gpu", "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
+    return {"system": "hoplite-gpu" if fanout == 1 else f"star (hoplite-gpu, fan-out {fanout})",
+            "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
+            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
+            "ratio_to_bound": seconds / bound}
+
+
+def gloo_broadcast(c: EmulatedCluster, size: int) -> dict:
+    """Gloo's broadcast (torch.distributed defaults) from host 0 to every host."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [c.popen(i, [PY, "-m", "benchmarks.gloonode", "--rank", str(i), "--world", str(c.hosts),
+                         "--master", c.address(0), "--size", str(size)],
+                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(c.hosts)]
+    try:
+        results = [json.loads(p.communicate(timeout=900)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+    if len({r["crc"] for r in results}) != 1:
+        raise AssertionError("Gloo ranks disagree on the broadcast bytes")
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    bound = size * 8 / c.bandwidth_bps
+    return {"system": "gloo", "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
             "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound}

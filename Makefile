@@ -33,7 +33,9 @@ lint: setup
 	$(BIN)/ruff check hoplite_gpu kernels transports tests benchmarks
 
 bench: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks broadcast
+	$(BIN)/python -m benchmarks plot
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -164,6 +164,15 @@ def emulated(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "broadcast-emulated", "rows": rows}
 
 
+def plot(args: argparse.Namespace, console: Console) -> dict:
+    from .plots import plot_all
+
+    made = plot_all(RESULTS)
+    for path in made:
+        console.print(f"wrote {path.relative_to(RESULTS.parent.parent)}")
+    return {"benchmark": "plots", "rows": []}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
@@ -200,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["hoplite-gpu", "star", "gloo"])
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
+    g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")
+    g.set_defaults(func=plot, no_save=True)
     args = p.parse_args(argv)
     console = Console()
     result = args.func(args, console)

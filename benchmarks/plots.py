@@ -1,0 +1,70 @@
+"""PNG plots of the JSON results under benchmarks/results/ (needs matplotlib,
+from the `bench` extra)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def plot_all(results: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    made = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        kind = data.get("benchmark", "")
+        if kind == "broadcast-emulated":
+            made.append(_emulated(data, path.with_suffix(".png")))
+        elif kind == "broadcast-loopback":
+            made.append(_loopback(data, path.with_suffix(".png")))
+    return made
+
+
+def _emulated(data: dict, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    by: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in data["rows"]:
+        system = r["system"].split(" (")[0]
+        by[(system, r["size_bytes"] >> 20)].append(r["ratio_to_bound"])
+    systems = sorted({s for s, _ in by}, key=lambda s: (s != "hoplite-gpu", s))
+    sizes = sorted({m for _, m in by})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(sizes))]
+        ax.bar(xs, [statistics.median(by[(system, m)]) for m in sizes], width, label=system)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(sizes))],
+                  [f"{m} MiB" for m in sizes])
+    hosts = data["rows"][0]["hosts"]
+    gbit = data["rows"][0]["bandwidth_bps"] / 1e9
+    ax.set_ylabel("time / (S/B)  (lower is better)")
+    ax.set_title(f"broadcast to {hosts - 1} emulated hosts, {gbit:g} Gbit/s links")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _loopback(data: dict, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    labels = [f"{r['size_bytes'] >> 20} MiB" for r in rows]
+    ax.bar(labels, [r["ratio_broadcast_to_p2p"] for r in rows], label="broadcast to 7")
+    ax.axhline(rows[0]["receivers"], color="red", linestyle="--", linewidth=0.8,
+               label="a star's ratio")
+    ax.set_ylabel("broadcast time / point-to-point time")
+    ax.set_title("loopback, one 2-core machine (CPU-bound)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -123,9 +123,9 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
 
 
 def emulated(args: argparse.Namespace, console: Console) -> dict:
-    """Broadcast across network namespaces with tc-shaped links (root only)."""
+    """Collectives across network namespaces with tc-shaped links (root only)."""
     from .emulated import EmulatedCluster
-    from .netbench import gloo_broadcast, hoplite_broadcast
+    from .netbench import gloo_broadcast, hoplite_broadcast, hoplite_collective
 
     rows = []
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
@@ -133,35 +133,44 @@ def emulated(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
                       f"(measured host 0 -> 1: {link / 1e9:.3f} Gbit/s; "
                       f"{'netem delay' if cluster.netem else 'no netem on this kernel: no added delay'})")
-        systems = {
-            "hoplite-gpu": lambda size, r: hoplite_broadcast(cluster, size, f"e{size}-{r}"),
-            "star": lambda size, r: hoplite_broadcast(cluster, size, f"s{size}-{r}",
-                                                      fanout=args.hosts - 1),
-            "gloo": lambda size, r: gloo_broadcast(cluster, size),
-        }
-        for size_mib in args.sizes:
-            for name in args.systems:
-                for r in range(args.repeats):
-                    row = systems[name](size_mib << 20, r)
-                    row["measured_link_bps"] = link
-                    rows.append(row)
-                    console.print(f"{row['system']}: broadcast {size_mib} MiB to {args.hosts - 1}: "
-                                  f"{row['seconds']:.3f} s = {row['ratio_to_bound']:.2f} x S/B")
-    table = Table(title=f"broadcast on {args.hosts} emulated hosts, {args.gbit:g} Gbit/s links")
-    for col in ("system", "size", "median (s)", "S/B (s)", "ratio to bound", "hoplite-gpu faster by"):
+
+        def run_one(op: str, name: str, size: int, r: int) -> dict:
+            if name == "gloo":
+                return gloo_broadcast(cluster, size, op)
+            if op == "broadcast":
+                fanout = args.hosts - 1 if name == "star" else 1
+                return hoplite_broadcast(cluster, size, f"{name}{size}-{r}", fanout=fanout)
+            return hoplite_collective(cluster, op, size, f"{op}{size}-{r}")
+
+        for op in args.ops:
+            systems = [s for s in args.systems if op == "broadcast" or s != "star"]
+            for size_mib in args.sizes:
+                for name in systems:
+                    for r in range(args.repeats):
+                        row = run_one(op, name, size_mib << 20, r)
+                        row.update(measured_link_bps=link, label=name)
+                        rows.append(row)
+                        console.print(f"{name}: {op} {size_mib} MiB, {args.hosts} hosts: "
+                                      f"{row['seconds']:.3f} s = {row['ratio_to_bound']:.2f} x bound")
+    console.print(_emulated_table(rows, args))
+    return {"benchmark": "collectives-emulated", "rows": rows}
+
+
+def _emulated_table(rows: list[dict], args: argparse.Namespace) -> Table:
+    table = Table(title=f"{args.hosts} emulated hosts, {args.gbit:g} Gbit/s links (medians)")
+    for col in ("op", "system", "size", "seconds", "bound (s)", "ratio to bound", "hoplite-gpu faster by"):
         table.add_column(col, justify="right")
-    for size_mib in args.sizes:
-        med = {}
-        for name in args.systems:
-            mine = [r for r in rows if r["size_bytes"] == size_mib << 20 and
-                    r["system"].split(" ")[0] == ("hoplite-gpu" if name == "hoplite-gpu" else name)]
-            med[name] = (statistics.median(r["seconds"] for r in mine), mine[0]["lower_bound_s"])
-        for name, (m, bound) in med.items():
-            ours = med.get("hoplite-gpu", (m, bound))[0]
-            table.add_row(name, f"{size_mib} MiB", f"{m:.3f}", f"{bound:.3f}", f"{m / bound:.2f}",
-                          "-" if name == "hoplite-gpu" else f"{m / ours:.2f} x")
-    console.print(table)
-    return {"benchmark": "broadcast-emulated", "rows": rows}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["size_bytes"], r["label"]), []).append(r)
+    for (op, size, label), rs in groups.items():
+        med = statistics.median(r["seconds"] for r in rs)
+        ours = groups.get((op, size, "hoplite-gpu"))
+        mine = statistics.median(r["seconds"] for r in ours) if ours else None
+        table.add_row(op, label, f"{size >> 20} MiB", f"{med:.3f}", f"{rs[0]['lower_bound_s']:.3f}",
+                      f"{med / rs[0]['lower_bound_s']:.2f}",
+                      "-" if label == "hoplite-gpu" or mine is None else f"{med / mine:.2f} x")
+    return table
 
 
 def plot(args: argparse.Namespace, console: Console) -> dict:
@@ -207,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--systems", nargs="+", default=["hoplite-gpu", "star", "gloo"],
                    choices=["hoplite-gpu", "star", "gloo"])
+    e.add_argument("--ops", nargs="+", default=["broadcast", "reduce", "allreduce"],
+                   choices=["broadcast", "reduce", "allreduce"])
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

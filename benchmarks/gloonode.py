@@ -19,6 +19,7 @@ def main() -> None:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True)
     p.add_argument("--size", type=int, required=True)
+    p.add_argument("--op", choices=["broadcast", "reduce", "allreduce"], default="broadcast")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # the shaped link, never loopback
     import torch
@@ -26,17 +27,27 @@ def main() -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29555", rank=args.rank,
                             world_size=args.world)
-    if args.rank == 0:
-        data = np.frombuffer(np.random.default_rng(args.size).bytes(args.size), dtype=np.uint8).copy()
+    if args.op == "broadcast":
+        if args.rank == 0:
+            data = np.frombuffer(np.random.default_rng(args.size).bytes(args.size), dtype=np.uint8).copy()
+        else:
+            data = np.empty(args.size, dtype=np.uint8)
     else:
-        data = np.empty(args.size, dtype=np.uint8)
+        data = np.random.default_rng(args.rank).standard_normal(args.size // 4).astype(np.float32)
     tensor = torch.from_numpy(data)
     dist.barrier()
     t0 = time.time()
-    dist.broadcast(tensor, src=0)
+    if args.op == "broadcast":
+        dist.broadcast(tensor, src=0)
+    elif args.op == "reduce":
+        dist.reduce(tensor, dst=0)
+    else:
+        dist.all_reduce(tensor)
     t1 = time.time()
     dist.barrier()
-    print(json.dumps({"start": t0, "end": t1, "crc": zlib.crc32(data)}), flush=True)
+    check = zlib.crc32(data) if args.op == "broadcast" else (
+        float(data[:4096].astype(np.float64).sum()) if args.op == "allreduce" or args.rank == 0 else None)
+    print(json.dumps({"start": t0, "end": t1, "crc": check}), flush=True)
     dist.destroy_process_group()
 
 

@@ -56,18 +56,24 @@ def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | Non
     if any(r["crc"] != crc for r in results):
         raise AssertionError("a receiver's copy differs from the sender's")
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    bound = size * 8 / c.bandwidth_bps
+    bound = lower_bound("broadcast", size, c.hosts, c.bandwidth_bps)
     return {"system": "hoplite-gpu" if fanout == 1 else f"star (hoplite-gpu, fan-out {fanout})",
             "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
             "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound}
 
 
-def gloo_broadcast(c: EmulatedCluster, size: int) -> dict:
-    """Gloo's broadcast (torch.distributed defaults) from host 0 to every host."""
+def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
+    """S/B for broadcast and reduce; 2(N-1)/N * S/B for allreduce."""
+    t = size * 8 / bandwidth_bps
+    return 2 * (hosts - 1) / hosts * t if op == "allreduce" else t
+
+
+def gloo_broadcast(c: EmulatedCluster, size: int, op: str = "broadcast") -> dict:
+    """Gloo (torch.distributed defaults) on every host: broadcast, reduce or allreduce."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     procs = [c.popen(i, [PY, "-m", "benchmarks.gloonode", "--rank", str(i), "--world", str(c.hosts),
-                         "--master", c.address(0), "--size", str(size)],
+                         "--master", c.address(0), "--size", str(size), "--op", op],
                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(c.hosts)]
     try:
         results = [json.loads(p.communicate(timeout=900)[0]) for p in procs]
@@ -76,10 +82,51 @@ def gloo_broadcast(c: EmulatedCluster, size: int) -> dict:
             if p.poll() is None:
                 p.kill()
             p.wait(30)
-    if len({r["crc"] for r in results}) != 1:
-        raise AssertionError("Gloo ranks disagree on the broadcast bytes")
+    if op != "reduce" and len({r["crc"] for r in results}) != 1:
+        raise AssertionError(f"Gloo ranks disagree on the {op} result")
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    bound = size * 8 / c.bandwidth_bps
-    return {"system": "gloo", "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
+    bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
+    return {"system": "gloo", "op": op, "hosts": c.hosts, "size_bytes": size,
+            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
+            "ratio_to_bound": seconds / bound}
+
+
+def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str) -> dict:
+    """hoplite-gpu's reduce (result on host 0) or allreduce across every host."""
+    token = new_token()
+    env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token}
+    directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
+                            "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
+    procs: list[subprocess.Popen] = []
+    try:
+        directory.stdout.readline()
+        start_at = time.time() + 2.5
+        for i in range(c.hosts):
+            procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
+                                     "--token", token, "--name", name, "--size", str(size),
+                                     "--role", op, "--rank", str(i), "--world", str(c.hosts),
+                                     "--node-host", c.address(i), "--start-at", str(start_at)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=env, cwd=ROOT))
+        results = [json.loads(p.stdout.readline()) for p in procs]
+    finally:
+        directory.terminate()
+        for p in [*procs, directory]:
+            if p.stdin is not None:
+                p.stdin.close()  # the nodes stop serving and exit
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+    checks = {r["check"] for r in results if r["check"] is not None}
+    if len(checks) != 1:
+        raise AssertionError(f"ranks disagree on the {op} result: {checks}")
+    ends = [r["end"] for r in results] if op == "allreduce" else [results[0]["end"]]
+    seconds = max(ends) - min(r["start"] for r in results)
+    bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
+    return {"system": "hoplite-gpu", "op": op, "hosts": c.hosts, "size_bytes": size,
             "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound}

@@ -17,8 +17,12 @@ def plot_all(results: Path) -> list[Path]:
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
         kind = data.get("benchmark", "")
-        if kind == "broadcast-emulated":
-            made.append(_emulated(data, path.with_suffix(".png")))
+        if kind in ("broadcast-emulated", "collectives-emulated"):
+            ops = sorted({r.get("op", "broadcast") for r in data["rows"]})
+            for op in ops:
+                rows = [r for r in data["rows"] if r.get("op", "broadcast") == op]
+                out = path.with_name(f"{path.stem}-{op}.png") if len(ops) > 1 else path.with_suffix(".png")
+                made.append(_emulated({"rows": rows, "op": op}, out))
         elif kind == "broadcast-loopback":
             made.append(_loopback(data, path.with_suffix(".png")))
     return made
@@ -44,7 +48,7 @@ def _emulated(data: dict, out: Path) -> Path:
     hosts = data["rows"][0]["hosts"]
     gbit = data["rows"][0]["bandwidth_bps"] / 1e9
     ax.set_ylabel("time / (S/B)  (lower is better)")
-    ax.set_title(f"broadcast to {hosts - 1} emulated hosts, {gbit:g} Gbit/s links")
+    ax.set_title(f"{data.get('op', 'broadcast')} on {hosts} emulated hosts, {gbit:g} Gbit/s links")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)

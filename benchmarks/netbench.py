@@ -29,7 +29,7 @@ def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | Non
     try:
         directory.stdout.readline()
         address = f"{c.address(0)}:7777"
-        common = ["--address", address, "--token", token, "--name", name, "--size", str(size)]
+        common = ["--address", address, f"--token={token}", "--name", name, "--size", str(size)]
         if chunk:
             common += ["--chunk-size", str(chunk)]
         sender = c.popen(0, [PY, "-m", "benchmarks.netnode", *common, "--role", "put",
@@ -103,7 +103,7 @@ def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str) -> dic
         start_at = time.time() + 2.5
         for i in range(c.hosts):
             procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
-                                     "--token", token, "--name", name, "--size", str(size),
+                                     f"--token={token}", "--name", name, "--size", str(size),
                                      "--role", op, "--rank", str(i), "--world", str(c.hosts),
                                      "--node-host", c.address(i), "--start-at", str(start_at)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

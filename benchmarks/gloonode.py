@@ -20,6 +20,8 @@ def main() -> None:
     p.add_argument("--master", required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--op", choices=["broadcast", "reduce", "allreduce"], default="broadcast")
+    p.add_argument("--ready-after", type=float, default=0.0,
+                   help="seconds after the first barrier that this rank's input becomes ready")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # the shaped link, never loopback
     import torch
@@ -36,6 +38,7 @@ def main() -> None:
         data = np.random.default_rng(args.rank).standard_normal(args.size // 4).astype(np.float32)
     tensor = torch.from_numpy(data)
     dist.barrier()
+    time.sleep(args.ready_after)
     t0 = time.time()
     if args.op == "broadcast":
         dist.broadcast(tensor, src=0)

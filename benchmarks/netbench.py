@@ -69,11 +69,13 @@ def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
     return 2 * (hosts - 1) / hosts * t if op == "allreduce" else t
 
 
-def gloo_broadcast(c: EmulatedCluster, size: int, op: str = "broadcast") -> dict:
+def gloo_broadcast(c: EmulatedCluster, size: int, op: str = "broadcast",
+                   ready: list[float] | None = None) -> dict:
     """Gloo (torch.distributed defaults) on every host: broadcast, reduce or allreduce."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     procs = [c.popen(i, [PY, "-m", "benchmarks.gloonode", "--rank", str(i), "--world", str(c.hosts),
-                         "--master", c.address(0), "--size", str(size), "--op", op],
+                         "--master", c.address(0), "--size", str(size), "--op", op,
+                         "--ready-after", str(ready[i] if ready else 0.0)],
                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(c.hosts)]
     try:
         results = [json.loads(p.communicate(timeout=900)[0]) for p in procs]
@@ -86,12 +88,14 @@ def gloo_broadcast(c: EmulatedCluster, size: int, op: str = "broadcast") -> dict
         raise AssertionError(f"Gloo ranks disagree on the {op} result")
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
-    return {"system": "gloo", "op": op, "hosts": c.hosts, "size_bytes": size,
+    return {"system": "gloo", "op": op, "end_max": max(r["end"] for r in results),
+            "start_max": max(r["start"] for r in results), "hosts": c.hosts, "size_bytes": size,
             "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound}
 
 
-def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str) -> dict:
+def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str,
+                       ready: list[float] | None = None) -> dict:
     """hoplite-gpu's reduce (result on host 0) or allreduce across every host."""
     token = new_token()
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token}
@@ -105,7 +109,8 @@ def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str) -> dic
             procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
                                      f"--token={token}", "--name", name, "--size", str(size),
                                      "--role", op, "--rank", str(i), "--world", str(c.hosts),
-                                     "--node-host", c.address(i), "--start-at", str(start_at)],
+                                     "--node-host", c.address(i), "--start-at", str(start_at),
+                                     "--ready-at", str(ready[i] if ready else 0.0)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env=env, cwd=ROOT))
         results = [json.loads(p.stdout.readline()) for p in procs]
@@ -127,6 +132,21 @@ def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str) -> dic
     ends = [r["end"] for r in results] if op == "allreduce" else [results[0]["end"]]
     seconds = max(ends) - min(r["start"] for r in results)
     bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
-    return {"system": "hoplite-gpu", "op": op, "hosts": c.hosts, "size_bytes": size,
+    return {"system": "hoplite-gpu", "op": op, "end_max": max(ends),
+            "start_max": max(r["start"] for r in results), "hosts": c.hosts, "size_bytes": size,
             "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound}
+
+
+def dynamic_allreduce(c: EmulatedCluster, size: int, gap: float, system: str, tag: str) -> dict:
+    """Inputs become ready one every `gap` seconds, as tasks finish; the time that
+    matters is from the last input's readiness to the allreduce's end everywhere."""
+    if system == "gloo":  # ready times count from Gloo's first barrier (torch starts slowly)
+        row = gloo_broadcast(c, size, "allreduce", [gap * i for i in range(c.hosts)])
+    else:
+        first = time.time() + 4.0  # after every node has started and joined
+        row = hoplite_collective(c, "allreduce", size, tag, [first + gap * i for i in range(c.hosts)])
+    # each rank reports when its input was ready (its "start"): measured, not assumed
+    row["seconds_after_last_ready"] = row["end_max"] - row["start_max"]
+    row.update(op="allreduce-dynamic", gap_s=gap)
+    return row

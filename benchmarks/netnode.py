@@ -27,6 +27,8 @@ def main() -> int:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--ready-at", type=float, default=0.0,
+                   help="wall time this rank's input becomes ready (dynamic arrival)")
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
@@ -57,7 +59,7 @@ def _collective(args: argparse.Namespace) -> int:
     from hoplite_gpu import collectives
 
     value = np.random.default_rng(args.rank).standard_normal(args.size // 4).astype(np.float32)
-    delay = args.start_at - time.time()
+    delay = max(args.start_at, args.ready_at) - time.time()
     if delay > 0:
         time.sleep(delay)
     t0 = time.time()

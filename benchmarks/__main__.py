@@ -159,7 +159,8 @@ def emulated(args: argparse.Namespace, console: Console) -> dict:
                             console.print(f"{name}: {op} {size_mib} MiB, {args.hosts} hosts: "
                                           f"{row['seconds']:.3f} s = {row['ratio_to_bound']:.2f} x bound")
     console.print(_emulated_table(rows, args))
-    return {"benchmark": "collectives-emulated", "rows": rows}
+    name = "allreduce-dynamic-emulated" if args.ops == ["allreduce-dynamic"] else "collectives-emulated"
+    return {"benchmark": name, "rows": rows}
 
 
 def _emulated_table(rows: list[dict], args: argparse.Namespace) -> Table:

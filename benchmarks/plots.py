@@ -25,6 +25,8 @@ def plot_all(results: Path) -> list[Path]:
                 made.append(_emulated({"rows": rows, "op": op}, out))
         elif kind == "broadcast-loopback":
             made.append(_loopback(data, path.with_suffix(".png")))
+        elif kind == "allreduce-dynamic-emulated":
+            made.append(_dynamic(data, path.with_suffix(".png")))
     return made
 
 
@@ -67,6 +69,31 @@ def _loopback(data: dict, out: Path) -> Path:
                label="a star's ratio")
     ax.set_ylabel("broadcast time / point-to-point time")
     ax.set_title("loopback, one 2-core machine (CPU-bound)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _dynamic(data: dict, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    by: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in data["rows"]:
+        by[(r["system"], r["size_bytes"] >> 20)].append(r["seconds_after_last_ready"])
+    systems = sorted({s for s, _ in by}, key=lambda s: (s != "hoplite-gpu", s))
+    sizes = sorted({m for _, m in by})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(sizes))]
+        ax.bar(xs, [statistics.median(by[(system, m)]) for m in sizes], width, label=system)
+    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(sizes))],
+                  [f"{m} MiB" for m in sizes])
+    gap = data["rows"][0].get("gap_s", 0)
+    ax.set_ylabel("seconds after the last input was ready")
+    ax.set_title(f"allreduce, inputs ready {gap:g} s apart, {data['rows'][0]['hosts']} emulated hosts")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -37,16 +37,8 @@ def _emulated(data: dict, out: Path) -> Path:
     for r in data["rows"]:
         system = r["system"].split(" (")[0]
         by[(system, r["size_bytes"] >> 20)].append(r["ratio_to_bound"])
-    systems = sorted({s for s, _ in by}, key=lambda s: (s != "hoplite-gpu", s))
-    sizes = sorted({m for _, m in by})
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        xs = [j + i * width for j in range(len(sizes))]
-        ax.bar(xs, [statistics.median(by[(system, m)]) for m in sizes], width, label=system)
+    fig, ax = _grouped_bars(by)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(sizes))],
-                  [f"{m} MiB" for m in sizes])
     hosts = data["rows"][0]["hosts"]
     gbit = data["rows"][0]["bandwidth_bps"] / 1e9
     ax.set_ylabel("time / (S/B)  (lower is better)")
@@ -82,6 +74,21 @@ def _dynamic(data: dict, out: Path) -> Path:
     by: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in data["rows"]:
         by[(r["system"], r["size_bytes"] >> 20)].append(r["seconds_after_last_ready"])
+    fig, ax = _grouped_bars(by)
+    gap = data["rows"][0].get("gap_s", 0)
+    ax.set_ylabel("seconds after the last input was ready")
+    ax.set_title(f"allreduce, inputs ready {gap:g} s apart, {data['rows'][0]['hosts']} emulated hosts")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _grouped_bars(by: dict[tuple[str, int], list[float]]):
+    """One group of bars per size (MiB), one bar per system (medians); ours first."""
+    import matplotlib.pyplot as plt
+
     systems = sorted({s for s, _ in by}, key=lambda s: (s != "hoplite-gpu", s))
     sizes = sorted({m for _, m in by})
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -91,11 +98,4 @@ def _dynamic(data: dict, out: Path) -> Path:
         ax.bar(xs, [statistics.median(by[(system, m)]) for m in sizes], width, label=system)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(sizes))],
                   [f"{m} MiB" for m in sizes])
-    gap = data["rows"][0].get("gap_s", 0)
-    ax.set_ylabel("seconds after the last input was ready")
-    ax.set_title(f"allreduce, inputs ready {gap:g} s apart, {data['rows'][0]['hosts']} emulated hosts")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig, ax

@@ -29,10 +29,13 @@ class _Peer:
         self.node = node
         self.stream = stream
         self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.disconnecting = False
 
     async def write_loop(self) -> None:
         while (msg := await self.outbox.get()) is not None:
             await send_msg(self.stream, msg)
+        if self.disconnecting:  # a lease expired: closing ends the read loop too
+            await self.stream.close()
 
 
 def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
@@ -105,8 +108,8 @@ class DirectoryServer:
                 continue  # the node left; the state machine has forgotten it too
             if isinstance(cmd, state.Disconnect):
                 log.warning("node %s declared dead: %s", cmd.node, cmd.reason)
-                peer.outbox.put_nowait(None)  # the writer stops; then close the stream
-                asyncio.get_running_loop().create_task(peer.stream.close())
+                peer.disconnecting = True
+                peer.outbox.put_nowait(None)  # its writer stops and closes the stream
                 continue
             if isinstance(cmd, state.Reply):
                 peer.outbox.put_nowait({"rid": cmd.request, **cmd.body})

@@ -10,6 +10,7 @@ from .base import Backend, Listener, Stream, split_address
 # cost nothing when unused.
 _KNOWN = {
     "tcp": "hoplite_gpu.transports.tcp:TCPBackend",
+    "ucx": "hoplite_gpu.transports.ucx:UCXBackend",
 }
 _loaded: dict[str, Backend] = {}
 
@@ -34,7 +35,11 @@ def get_backend(scheme: str) -> Backend:
             f"transport {scheme!r} is not usable here: {exc}. "
             f"Install its extra (pip install 'hoplite-gpu[{scheme}]')."
         ) from exc
-    _loaded[scheme] = backend = cls()
+    try:
+        backend = cls()
+    except Exception as exc:  # e.g. the UCX library is present but cannot start
+        raise ConfigError(f"transport {scheme!r} is not usable here: {exc}") from exc
+    _loaded[scheme] = backend
     return backend
 
 

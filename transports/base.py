@@ -63,6 +63,8 @@ class Backend(abc.ABC):
     """One transport family, selected by URI scheme through the registry."""
 
     scheme: str
+    #: Whether listen/connect accept IPv6 addresses.
+    ipv6: bool = True
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...

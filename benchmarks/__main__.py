@@ -124,63 +124,9 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
 
 def emulated(args: argparse.Namespace, console: Console) -> dict:
     """Collectives across network namespaces with tc-shaped links (root only)."""
-    from .emulated import EmulatedCluster
-    from .netbench import dynamic_allreduce, gloo_broadcast, hoplite_broadcast, hoplite_collective
+    from .emurun import run
 
-    rows = []
-    with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
-        link = cluster.measure_link()
-        console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
-                      f"(measured host 0 -> 1: {link / 1e9:.3f} Gbit/s; "
-                      f"{'netem delay' if cluster.netem else 'no netem on this kernel: no added delay'})")
-
-        def run_one(op: str, name: str, size: int, r: int) -> dict:
-            if op == "allreduce-dynamic":
-                return dynamic_allreduce(cluster, size, args.gap, name, f"dyn{size}-{r}")
-            if name == "gloo":
-                return gloo_broadcast(cluster, size, op)
-            if op == "broadcast":
-                fanout = args.hosts - 1 if name == "star" else 1
-                return hoplite_broadcast(cluster, size, f"{name}{size}-{r}", fanout=fanout)
-            return hoplite_collective(cluster, op, size, f"{op}{size}-{r}")
-
-        for op in args.ops:
-            systems = [s for s in args.systems if op == "broadcast" or s != "star"]
-            for size_mib in args.sizes:
-                for name in systems:
-                    for r in range(args.repeats):
-                        row = run_one(op, name, size_mib << 20, r)
-                        row.update(measured_link_bps=link, label=name)
-                        rows.append(row)
-                        if op == "allreduce-dynamic":
-                            console.print(f"{name}: allreduce, inputs {args.gap:g} s apart, {size_mib} MiB: "
-                                          f"{row['seconds_after_last_ready']:.3f} s after the last input")
-                        else:
-                            console.print(f"{name}: {op} {size_mib} MiB, {args.hosts} hosts: "
-                                          f"{row['seconds']:.3f} s = {row['ratio_to_bound']:.2f} x bound")
-    console.print(_emulated_table(rows, args))
-    name = "allreduce-dynamic-emulated" if args.ops == ["allreduce-dynamic"] else "collectives-emulated"
-    return {"benchmark": name, "rows": rows}
-
-
-def _emulated_table(rows: list[dict], args: argparse.Namespace) -> Table:
-    table = Table(title=f"{args.hosts} emulated hosts, {args.gbit:g} Gbit/s links (medians)")
-    for col in ("op", "system", "size", "seconds", "bound (s)", "ratio to bound", "hoplite-gpu faster by"):
-        table.add_column(col, justify="right")
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["size_bytes"], r["label"]), []).append(r)
-    def secs(r: dict) -> float:
-        return r.get("seconds_after_last_ready", r["seconds"])
-
-    for (op, size, label), rs in groups.items():
-        med = statistics.median(secs(r) for r in rs)
-        ours = groups.get((op, size, "hoplite-gpu"))
-        mine = statistics.median(secs(r) for r in ours) if ours else None
-        table.add_row(op, label, f"{size >> 20} MiB", f"{med:.3f}", f"{rs[0]['lower_bound_s']:.3f}",
-                      f"{med / rs[0]['lower_bound_s']:.2f}",
-                      "-" if label == "hoplite-gpu" or mine is None else f"{med / mine:.2f} x")
-    return table
+    return run(args, console)
 
 
 def plot(args: argparse.Namespace, console: Console) -> dict:
@@ -219,17 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--runs", type=int, default=20)
     k.add_argument("--no-save", action="store_true")
     k.set_defaults(func=soak)
-    e = sub.add_parser("emulated", help="broadcast on emulated hosts (network namespaces + tc; root)")
-    e.add_argument("--hosts", type=int, default=8)
-    e.add_argument("--gbit", type=float, default=1.0)
-    e.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
-    e.add_argument("--repeats", type=int, default=3)
-    e.add_argument("--systems", nargs="+", default=["hoplite-gpu", "star", "gloo"],
-                   choices=["hoplite-gpu", "star", "gloo"])
-    e.add_argument("--ops", nargs="+", default=["broadcast", "reduce", "allreduce"],
-                   choices=["broadcast", "reduce", "allreduce", "allreduce-dynamic"])
-    e.add_argument("--gap", type=float, default=0.5,
-                   help="seconds between inputs becoming ready (allreduce-dynamic)")
+    e = sub.add_parser("emulated", help="collectives on emulated hosts (network namespaces + tc; "
+                       "root): hoplite-gpu, a star, Gloo, OpenMPI")
+    from .emurun import add_arguments
+
+    add_arguments(e)
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")
@@ -242,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                   machine=_machine())
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"{result['benchmark']}-{dt.date.today().isoformat()}.json"
+        stem = result.pop("file_stem", None) or result["benchmark"]
+        out = RESULTS / f"{stem}-{dt.date.today().isoformat()}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
     return 0 if result.get("byte_identical", True) and all(

@@ -9,6 +9,7 @@ without them. Everything is torn down on exit, on error and on Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -104,6 +105,14 @@ class EmulatedCluster:
     def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
         """Start a process on host `i`."""
         return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """(downlink, uplink) bytes so far for every host, counted on the bridge's
+        side of each host's link (what the switch sent to / got from the host)."""
+        out = _sh("ip", "netns", "exec", self.switch, "ip", "-j", "-s", "link", "show").stdout
+        stats = {d["ifname"]: d["stats64"] for d in json.loads(out)}
+        return [(stats[f"{self.prefix}s{i}"]["tx"]["bytes"], stats[f"{self.prefix}s{i}"]["rx"]["bytes"])
+                for i in range(self.hosts)]
 
     def measure_link(self, nbytes: int = 32 << 20) -> float:
         """Bits per second from host 0 to host 1, measured with a plain TCP stream."""

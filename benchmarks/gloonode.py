@@ -1,6 +1,7 @@
 """One rank of the Gloo baseline (torch.distributed on the CPU), run inside an
-emulated host's namespace: a broadcast of S bytes from rank 0, timed between
-two barriers; prints one JSON line."""
+emulated host's network namespace: after a barrier rank 0 fixes the common
+start time, then the collective runs `warmup + iters` times (one call per time
+slot); prints one JSON line with every rank's starts and ends (rank 0) ."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import argparse
 import json
 import os
 import time
-import zlib
 
-import numpy as np
+from .payload import OPS, check, eth0_address, make_input
 
 
 def main() -> None:
@@ -18,39 +18,60 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--op", choices=["broadcast", "reduce", "allreduce"], default="broadcast")
+    p.add_argument("--port", type=int, default=29555)
+    p.add_argument("--size", type=int, required=True, help="bytes per rank")
+    p.add_argument("--op", choices=OPS, default="broadcast")
+    p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--period", type=float, default=0.0)
     p.add_argument("--ready-after", type=float, default=0.0,
-                   help="seconds after the first barrier that this rank's input becomes ready")
+                   help="seconds after each slot that this rank's input becomes ready")
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")  # the shaped link, never loopback
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29555", rank=args.rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world)
-    if args.op == "broadcast":
-        if args.rank == 0:
-            data = np.frombuffer(np.random.default_rng(args.size).bytes(args.size), dtype=np.uint8).copy()
+    rank, world, n = args.rank, args.world, args.size // 4
+    x = torch.from_numpy(make_input(rank, args.size)) if args.op != "broadcast" or rank == 0 else None
+    work = torch.empty(n, dtype=torch.float32)
+    pieces = [torch.empty(n, dtype=torch.float32) for _ in range(world)] \
+        if args.op == "allgather" or (args.op == "gather" and rank == 0) else None
+    dist.barrier()
+    t = torch.tensor([time.time() + 0.3], dtype=torch.float64)
+    dist.broadcast(t, src=0)
+    t0 = float(t[0])
+    starts, ends = [], []
+    for k in range(args.warmup + args.iters):
+        if args.op in ("reduce", "allreduce") or (args.op == "broadcast" and rank == 0):
+            work.copy_(x)  # these work in place: start every call from the input
+        delay = t0 + k * args.period + args.ready_after - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        start = time.time()
+        if args.op == "broadcast":
+            dist.broadcast(work, src=0)
+        elif args.op == "reduce":
+            dist.reduce(work, dst=0)
+        elif args.op == "allreduce":
+            dist.all_reduce(work)
+        elif args.op == "gather":
+            dist.gather(x, gather_list=pieces, dst=0)
         else:
-            data = np.empty(args.size, dtype=np.uint8)
-    else:
-        data = np.random.default_rng(args.rank).standard_normal(args.size // 4).astype(np.float32)
-    tensor = torch.from_numpy(data)
-    dist.barrier()
-    time.sleep(args.ready_after)
-    t0 = time.time()
-    if args.op == "broadcast":
-        dist.broadcast(tensor, src=0)
-    elif args.op == "reduce":
-        dist.reduce(tensor, dst=0)
-    else:
-        dist.all_reduce(tensor)
-    t1 = time.time()
-    dist.barrier()
-    check = zlib.crc32(data) if args.op == "broadcast" else (
-        float(data[:4096].astype(np.float64).sum()) if args.op == "allreduce" or args.rank == 0 else None)
-    print(json.dumps({"start": t0, "end": t1, "crc": check}), flush=True)
+            dist.all_gather(pieces, x)
+        end = time.time()
+        if k >= args.warmup:
+            starts.append(start)
+            ends.append(end)
+    out = [q.numpy() for q in pieces] if pieces is not None else work.numpy()
+    ok, crc = check(args.op, world, out, args.size, rank)
+    reports = [None] * world
+    dist.gather_object({"rank": rank, "t0": t0, "starts": starts, "ends": ends, "ok": ok, "crc": crc,
+                        "host": eth0_address()},
+                       reports if rank == 0 else None, dst=0)
+    if rank == 0:
+        print(json.dumps({"ranks": reports}), flush=True)
     dist.destroy_process_group()
 
 

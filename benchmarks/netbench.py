@@ -1,25 +1,79 @@
-"""Broadcast on the emulated cluster: host 0 puts S bytes, hosts 1..N-1 get it
-at the same moment; time from the first get to the last byte, against the
-lower bound S/B (every receiver's downlink must carry S)."""
+"""Collectives on the emulated cluster, one launch of a system at a time.
+
+Systems: hoplite-gpu (its `collectives` module: put/get/reduce), star
+(hoplite-gpu with every receiver of an object served by its owner, fan-out
+N-1: a naive broadcast), gloo (torch.distributed defaults), openmpi (mpi4py,
+OpenMPI's defaults) and openmpi-tuned (mpi4py, the MCA settings in
+`benchmarks.mpi.TUNED_MCA`).
+
+Every launch does the same thing on every system: every rank makes its input,
+the ranks agree on a start time t0, then call the collective `warmup + iters`
+times, call k at wall time t0 + k * period (+ the rank's ready offset in the
+dynamic-arrival runs). One call's time is from the first rank's start to the
+last end that matters (every rank's for broadcast, allreduce and allgather;
+the root's for reduce and gather). All namespaces share one kernel clock, so
+starts and ends from different hosts compare directly. Results are checked
+exactly (`benchmarks.payload`), and the bytes that crossed the shaped links are
+counted and must reach the floor that the op needs (`payload.link_volume`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 
 from hoplite_gpu.auth import new_token
 
 from .emulated import PY, EmulatedCluster
+from .payload import holds_result, link_volume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned")
 
 
-def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None,
-                      fanout: int = 1) -> dict:
-    """hoplite-gpu's receiver-driven broadcast; `fanout` = receivers per sender
-    (1: the pipelined chain; hosts - 1: the naive star, every receiver on the root)."""
+def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
+    """S/B for broadcast, reduce and the dynamic allreduce after its last input
+    (that input's S bytes must leave its host); 2(N-1)/N S/B for allreduce;
+    (N-1) S/B for gather (the root's downlink) and allgather (every downlink)."""
+    t = size * 8 / bandwidth_bps
+    if op == "allreduce":
+        return 2 * (hosts - 1) / hosts * t
+    if op in ("gather", "allgather"):
+        return (hosts - 1) * t
+    return t
+
+
+def _close(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.stdin is not None and not p.stdin.closed:
+            try:
+                p.stdin.close()  # hoplite nodes stop serving and exit
+            except BrokenPipeError:
+                pass
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def _readline(p: subprocess.Popen, what: str) -> dict:
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what} exited (code {p.wait(10)}) without reporting")
+    return json.loads(line)
+
+
+def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: int = 1,
+                iters: int = 1, warmup: int = 0, period: float = 0.0,
+                ready: list[float] | None = None, chunk: int | None = None) -> list[dict]:
+    """hoplite-gpu: a directory on host 0 and one node per host; every rank
+    calls `hoplite_gpu.collectives.<op>`. Returns every rank's report."""
     token = new_token()
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
            "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout)}
@@ -28,125 +82,130 @@ def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | Non
     procs: list[subprocess.Popen] = []
     try:
         directory.stdout.readline()
-        address = f"{c.address(0)}:7777"
-        common = ["--address", address, f"--token={token}", "--name", name, "--size", str(size)]
-        if chunk:
-            common += ["--chunk-size", str(chunk)]
-        sender = c.popen(0, [PY, "-m", "benchmarks.netnode", *common, "--role", "put",
-                             "--node-host", c.address(0)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        procs.append(sender)
-        crc = json.loads(sender.stdout.readline())["crc"]
-        start_at = time.time() + 2.0  # every receiver has joined by then
-        for i in range(1, c.hosts):
-            procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", *common, "--role", "get",
-                                     "--node-host", c.address(i), "--start-at", str(start_at)],
-                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
-        results = [json.loads(p.communicate(timeout=900)[0]) for p in procs[1:]]
-        sender.stdin.close()
-        sender.wait(60)
+        for i in range(c.hosts):
+            procs.append(c.popen(i, [
+                PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
+                f"--token={token}", "--name", name, "--size", str(size), "--op", op,
+                "--rank", str(i), "--world", str(c.hosts), "--node-host", c.address(i),
+                "--iters", str(iters), "--warmup", str(warmup), "--period", str(period),
+                "--ready-after", str(ready[i] if ready else 0.0),
+                *(["--chunk-size", str(chunk)] if chunk else [])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        for i, p in enumerate(procs):  # a barrier: every node has joined and made its input
+            _readline(p, f"hoplite-gpu node {i}")
+        t0 = json.dumps({"t0": time.time() + 0.3}) + "\n"
+        for p in procs:
+            p.stdin.write(t0)
+            p.stdin.flush()
+        return [_readline(p, f"hoplite-gpu node {i}") for i, p in enumerate(procs)]
     finally:
-        for p in [*procs, directory]:
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
-            for pipe in (p.stdin, p.stdout):
-                if pipe is not None:
-                    pipe.close()
-    if any(r["crc"] != crc for r in results):
-        raise AssertionError("a receiver's copy differs from the sender's")
-    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    bound = lower_bound("broadcast", size, c.hosts, c.bandwidth_bps)
-    return {"system": "hoplite-gpu" if fanout == 1 else f"star (hoplite-gpu, fan-out {fanout})",
-            "op": "broadcast", "hosts": c.hosts, "size_bytes": size,
-            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
-            "ratio_to_bound": seconds / bound}
+        _close(procs)  # the nodes leave first, then the directory stops
+        directory.terminate()
+        _close([directory])
 
 
-def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
-    """S/B for broadcast and reduce; 2(N-1)/N * S/B for allreduce."""
-    t = size * 8 / bandwidth_bps
-    return 2 * (hosts - 1) / hosts * t if op == "allreduce" else t
+_GLOO_PORT = [29555]
 
 
-def gloo_broadcast(c: EmulatedCluster, size: int, op: str = "broadcast",
-                   ready: list[float] | None = None) -> dict:
-    """Gloo (torch.distributed defaults) on every host: broadcast, reduce or allreduce."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def gloo_run(c: EmulatedCluster, op: str, size: int, *, iters: int = 1, warmup: int = 0,
+             period: float = 0.0, ready: list[float] | None = None) -> list[dict]:
+    """Gloo (torch.distributed defaults, bound to the shaped eth0) on every host."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    _GLOO_PORT[0] = 29555 + (_GLOO_PORT[0] - 29555 + 1) % 200  # no TIME_WAIT clash between runs
     procs = [c.popen(i, [PY, "-m", "benchmarks.gloonode", "--rank", str(i), "--world", str(c.hosts),
-                         "--master", c.address(0), "--size", str(size), "--op", op,
-                         "--ready-after", str(ready[i] if ready else 0.0)],
+                         "--master", c.address(0), "--port", str(_GLOO_PORT[0]), "--size", str(size),
+                         "--op", op, "--iters", str(iters), "--warmup", str(warmup),
+                         "--period", str(period), "--ready-after", str(ready[i] if ready else 0.0)],
                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(c.hosts)]
     try:
-        results = [json.loads(p.communicate(timeout=900)[0]) for p in procs]
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(30)
-    if op != "reduce" and len({r["crc"] for r in results}) != 1:
-        raise AssertionError(f"Gloo ranks disagree on the {op} result")
-    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
-    return {"system": "gloo", "op": op, "end_max": max(r["end"] for r in results),
-            "start_max": max(r["start"] for r in results), "hosts": c.hosts, "size_bytes": size,
-            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
-            "ratio_to_bound": seconds / bound}
+        _close(procs)
+    if procs[0].returncode != 0 or not outs[0].strip():
+        raise RuntimeError(f"gloo rank 0 failed (exit {procs[0].returncode})")
+    return json.loads(outs[0].strip().splitlines()[-1])["ranks"]
 
 
-def hoplite_collective(c: EmulatedCluster, op: str, size: int, name: str,
-                       ready: list[float] | None = None) -> dict:
-    """hoplite-gpu's reduce (result on host 0) or allreduce across every host."""
-    token = new_token()
-    env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token}
-    directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
-                            "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
-    procs: list[subprocess.Popen] = []
-    try:
-        directory.stdout.readline()
-        start_at = time.time() + 2.5
-        for i in range(c.hosts):
-            procs.append(c.popen(i, [PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
-                                     f"--token={token}", "--name", name, "--size", str(size),
-                                     "--role", op, "--rank", str(i), "--world", str(c.hosts),
-                                     "--node-host", c.address(i), "--start-at", str(start_at),
-                                     "--ready-at", str(ready[i] if ready else 0.0)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=env, cwd=ROOT))
-        results = [json.loads(p.stdout.readline()) for p in procs]
-    finally:
-        directory.terminate()
-        for p in [*procs, directory]:
-            if p.stdin is not None:
-                p.stdin.close()  # the nodes stop serving and exit
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-            if p.stdout is not None:
-                p.stdout.close()
-    checks = {r["check"] for r in results if r["check"] is not None}
-    if len(checks) != 1:
-        raise AssertionError(f"ranks disagree on the {op} result: {checks}")
-    ends = [r["end"] for r in results] if op == "allreduce" else [results[0]["end"]]
-    seconds = max(ends) - min(r["start"] for r in results)
+def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int = 1,
+               warmup: int = 0, period: float = 0.0, ready: list[float] | None = None) -> dict:
+    """One launch of `system`: returns a row with every measured call's time
+    (`samples_s`), checked results and the bytes that crossed the links."""
+    before = c.link_bytes()
+    extra: dict = {}
+    if system in ("hoplite-gpu", "star"):
+        fanout = c.hosts - 1 if system == "star" else 1
+        ranks = hoplite_run(c, op, size, tag, fanout=fanout, iters=iters, warmup=warmup,
+                            period=period, ready=ready)
+    elif system == "gloo":
+        ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready)
+    elif system in ("openmpi", "openmpi-tuned"):
+        from .mpi import mpi_run
+
+        report = mpi_run(c, op, size, tuned=system == "openmpi-tuned", iters=iters, warmup=warmup,
+                         period=period, ready=ready)
+        ranks = report["ranks"]
+        extra = {"mca": report["mca"], "library": report["library"]}
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    after = c.link_bytes()
+    row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
+    down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    floor = link_volume(op, c.hosts, size) * (iters + warmup)
+    row.update(extra, link_bytes_down=down, link_bytes_floor=floor)
+    if down < floor:
+        raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "
+                             f"{floor} the op needs: some traffic went another way")
+    return row
+
+
+def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict], *, iters: int,
+         warmup: int, period: float) -> dict:
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    wrong = [r["rank"] for r in ranks if not r["ok"]]
+    if wrong:
+        raise AssertionError(f"{system} {op}: wrong result on rank(s) {wrong}")
+    crcs = {r["crc"] for r in ranks if holds_result(op, r["rank"])}
+    if len(crcs) != 1 or None in crcs:
+        raise AssertionError(f"{system} {op}: ranks disagree on the result: {crcs}")
+    hosts = [r["host"] for r in ranks]
+    if hosts != [c.address(i) for i in range(c.hosts)]:
+        raise AssertionError(f"{system}: ranks ran on {hosts}, not one per emulated host")
+    ending = ranks if op in ("broadcast", "allreduce", "allgather") else ranks[:1]
+    samples = [max(r["ends"][k] for r in ending) - min(r["starts"][k] for r in ranks)
+               for k in range(iters)]
+    late = sum(1 for k in range(iters) if period and max(
+        r["starts"][k] - (r["t0"] + (warmup + k) * period) for r in ranks) > period / 2)
     bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
-    return {"system": "hoplite-gpu", "op": op, "end_max": max(ends),
-            "start_max": max(r["start"] for r in results), "hosts": c.hosts, "size_bytes": size,
-            "bandwidth_bps": c.bandwidth_bps, "seconds": seconds, "lower_bound_s": bound,
-            "ratio_to_bound": seconds / bound}
+    seconds = statistics.median(samples)
+    return {"system": system, "label": system, "op": op, "hosts": c.hosts, "size_bytes": size,
+            "bandwidth_bps": c.bandwidth_bps, "iters": iters, "warmup": warmup, "period_s": period,
+            "late_calls": late, "samples_s": samples, "seconds": seconds, "lower_bound_s": bound,
+            "ratio_to_bound": seconds / bound, "check": "exact", "crc": crcs.pop(),
+            "start_max": [max(r["starts"][k] for r in ranks) for k in range(iters)],
+            "end_max": [max(r["ends"][k] for r in ending) for k in range(iters)]}
+
+
+def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None,
+                      fanout: int = 1) -> dict:
+    """One broadcast from host 0 with hoplite-gpu (`fanout` receivers per sender:
+    1 is the pipelined chain, hosts - 1 the naive star)."""
+    system = "hoplite-gpu" if fanout == 1 else "star"
+    before = c.link_bytes()
+    ranks = hoplite_run(c, "broadcast", size, name, fanout=fanout, chunk=chunk)
+    row = _row(c, system, "broadcast", size, ranks, iters=1, warmup=0, period=0.0)
+    row["link_bytes_down"] = sum(a[0] - b[0] for a, b in zip(c.link_bytes(), before, strict=True))
+    return row
 
 
 def dynamic_allreduce(c: EmulatedCluster, size: int, gap: float, system: str, tag: str) -> dict:
     """Inputs become ready one every `gap` seconds, as tasks finish; the time that
-    matters is from the last input's readiness to the allreduce's end everywhere."""
-    if system == "gloo":  # ready times count from Gloo's first barrier (torch starts slowly)
-        row = gloo_broadcast(c, size, "allreduce", [gap * i for i in range(c.hosts)])
-    else:
-        first = time.time() + 4.0  # after every node has started and joined
-        row = hoplite_collective(c, "allreduce", size, tag, [first + gap * i for i in range(c.hosts)])
-    # each rank reports when its input was ready (its "start"): measured, not assumed
-    row["seconds_after_last_ready"] = row["end_max"] - row["start_max"]
-    row.update(op="allreduce-dynamic", gap_s=gap)
+    matters is from the last input's readiness to the allreduce's end everywhere.
+    Each rank's start is when it called the allreduce: measured, not assumed."""
+    ready = [gap * i for i in range(c.hosts)]
+    row = run_launch(c, system, "allreduce", size, tag=tag, ready=ready)
+    row["seconds_after_last_ready"] = row["end_max"][0] - row["start_max"][0]
+    bound = lower_bound("allreduce-dynamic", size, c.hosts, c.bandwidth_bps)
+    row.update(op="allreduce-dynamic", gap_s=gap, seconds_total=row["seconds"],
+               seconds=row["seconds_after_last_ready"], samples_s=[row["seconds_after_last_ready"]],
+               lower_bound_s=bound, ratio_to_bound=row["seconds_after_last_ready"] / bound)
     return row

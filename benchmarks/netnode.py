@@ -1,6 +1,12 @@
-"""One host's part in an emulated-cluster benchmark: join the directory, then
-put or get, and print one JSON line of timings. Run by benchmarks/emulated runs
-inside a host's network namespace."""
+"""One host's part in an emulated-cluster benchmark of hoplite-gpu: join the
+directory, make this rank's input, say ready, wait for the common start time,
+run the collective `warmup + iters` times (one call per time slot), check the
+result, print one JSON line, and keep serving objects until stdin closes.
+
+Protocol with the harness (benchmarks/netbench.py), one JSON line each way:
+node -> {"ready": true}; harness -> {"t0": wall time of the first slot};
+node -> report (start and end of every measured call, check, crc).
+Run inside a host's network namespace."""
 
 from __future__ import annotations
 
@@ -8,11 +14,11 @@ import argparse
 import json
 import sys
 import time
-import zlib
-
-import numpy as np
 
 import hoplite_gpu as hg
+from hoplite_gpu import collectives
+
+from .payload import OPS, check, eth0_address, make_input
 
 
 def main() -> int:
@@ -20,56 +26,43 @@ def main() -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--token", required=True)
     p.add_argument("--node-host", required=True)
-    p.add_argument("--role", choices=["put", "get", "reduce", "allreduce"], required=True)
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--op", choices=OPS, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
     p.add_argument("--name", required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--size", type=int, required=True, help="bytes per rank")
+    p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--period", type=float, default=0.0, help="seconds between call slots")
+    p.add_argument("--ready-after", type=float, default=0.0,
+                   help="seconds after each slot that this rank's input becomes ready")
     p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--ready-at", type=float, default=0.0,
-                   help="wall time this rank's input becomes ready (dynamic arrival)")
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
-    oid = hg.ObjectID.from_name(args.name)
     try:
-        if args.role == "put":
-            data = np.frombuffer(np.random.default_rng(args.size).bytes(args.size), dtype=np.uint8)
-            hg.put(data, oid)
-            print(json.dumps({"crc": zlib.crc32(data)}), flush=True)
-            sys.stdin.read()  # serve until the harness closes our stdin
-            return 0
-        if args.role in ("reduce", "allreduce"):
-            return _collective(args)
-        delay = args.start_at - time.time()
-        if delay > 0:
-            time.sleep(delay)
-        t0 = time.time()
-        value = hg.get(oid, timeout=600)
-        t1 = time.time()
-        print(json.dumps({"start": t0, "end": t1, "crc": zlib.crc32(value)}), flush=True)
+        value = make_input(args.rank, args.size) if args.op != "broadcast" or args.rank == 0 else None
+        fn = getattr(collectives, args.op)
+        print(json.dumps({"ready": True}), flush=True)
+        t0 = json.loads(sys.stdin.readline())["t0"]
+        starts, ends, out = [], [], None
+        for k in range(args.warmup + args.iters):
+            delay = t0 + k * args.period + args.ready_after - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            start = time.time()
+            out = fn(value, name=f"{args.name}/{k}", rank=args.rank, size=args.world, timeout=600)
+            end = time.time()
+            if k >= args.warmup:
+                starts.append(start)
+                ends.append(end)
+        ok, crc = check(args.op, args.world, out, args.size, args.rank)
+        print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends,
+                          "ok": ok, "crc": crc, "host": eth0_address()}), flush=True)
+        sys.stdin.read()  # keep serving our objects until the harness closes stdin
         return 0
     finally:
         hg.shutdown()
-
-
-def _collective(args: argparse.Namespace) -> int:
-    """Every rank contributes a float32 array; reduce (result on rank 0) or allreduce."""
-    from hoplite_gpu import collectives
-
-    value = np.random.default_rng(args.rank).standard_normal(args.size // 4).astype(np.float32)
-    delay = max(args.start_at, args.ready_at) - time.time()
-    if delay > 0:
-        time.sleep(delay)
-    t0 = time.time()
-    fn = collectives.allreduce if args.role == "allreduce" else collectives.reduce
-    out = fn(value, name=args.name, rank=args.rank, size=args.world, timeout=600)
-    t1 = time.time()
-    checksum = float(out[:4096].astype(np.float64).sum()) if out is not None else None
-    print(json.dumps({"start": t0, "end": t1, "check": checksum}), flush=True)
-    sys.stdin.read()  # keep serving our input and partial results until told to stop
-    return 0
 
 
 if __name__ == "__main__":

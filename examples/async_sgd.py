@@ -6,24 +6,35 @@ the server + `ray.put` of the weights. With --kill, a worker is killed halfway
 and the job goes on with the others.
 
     python examples/async_sgd.py --workers 6 --k 4 --size-mib 16 --steps 8
+
+`run` also places the server (the driver) on emulated host 0 and the workers on
+the other hosts (benchmarks/rayemu.py, `python -m benchmarks.rayemu sgd`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
 import numpy as np
-from common import local_ray, ray, report
+from common import local_ray, on_host, ray, report, summary
 
 import hoplite_gpu as hg
 import hoplite_gpu.ray as hray
 from hoplite_gpu.channel import WeightChannel
 
+LR = 0.1
+
 
 def gradient(rank: int, step: int, n: int) -> np.ndarray:
     return np.full(n, (rank + 1) * 1e-3, dtype=np.float32) * (step + 1)
+
+
+def _expected_update(ranks, step: int) -> float:
+    """What the sum of these ranks' gradients holds in every element."""
+    return float(sum(gradient(r, step, 1)[0] for r in ranks))
 
 
 @ray.remote(num_cpus=0)
@@ -35,7 +46,7 @@ class Worker:
         self.channel = WeightChannel("sgd")
 
     def step_hoplite(self, step: int) -> None:
-        self.channel.fetch(newer_than=step - 1, timeout=120)  # the weights of this step
+        self.channel.fetch(newer_than=step - 1, timeout=300)  # the weights of this step
         time.sleep(self.rng.uniform(0, self.max_delay))  # "compute"
         hg.put(gradient(self.rank, step, self.n), hg.ObjectID.from_name(f"grad/{step}/{self.rank}"))
 
@@ -43,6 +54,14 @@ class Worker:
         ray.get(weights[0])
         time.sleep(self.rng.uniform(0, self.max_delay))
         return gradient(self.rank, step, self.n)
+
+
+def make_workers(count: int, n: int, max_delay: float, hosts: int | None = None) -> list:
+    """`count` workers; with `hosts`, worker r sits on emulated host 1 + r mod (hosts - 1)."""
+    workers = [Worker.options(**on_host(1 + r % (hosts - 1) if hosts else None)).remote(r, n, max_delay)
+               for r in range(count)]
+    ray.get([w.__ray_ready__.remote() for w in workers])
+    return workers
 
 
 def run_hoplite(workers, n: int, k: int, steps: int, kill_at: int | None) -> list[float]:
@@ -60,10 +79,16 @@ def run_hoplite(workers, n: int, k: int, steps: int, kill_at: int | None) -> lis
         ids = [hg.ObjectID.from_name(f"grad/{step}/{r}") for r in range(len(workers) + (kill_at == step))]
         rid = hg.reduce(ids, "sum", num_objects=min(k, len(workers)),
                         object_id=hg.ObjectID.from_name(f"grad/{step}/sum"))
-        w = w - 0.1 * hg.get(rid, timeout=120)
+        update = hg.get(rid, timeout=300)
+        w = w - LR * update
         channel.publish({"w": w}, version=step + 1)
         times.append(time.perf_counter() - t0)
-        ray.get(calls, timeout=120)  # let stragglers finish before the next step
+        chosen = [ids.index(i) for i in hg.reduced_inputs(rid)]
+        assert np.isclose(update[0], _expected_update(chosen, step), rtol=1e-5), "wrong reduce"
+        del update  # a view of the result's copy in this node's store, freed next
+        ray.get(calls, timeout=300)  # let stragglers finish before the next step
+        for oid in [*ids, rid]:  # the gradients of this step are spent: free every copy
+            hg.delete(oid)
     return times
 
 
@@ -79,11 +104,43 @@ def run_ray(workers, n: int, k: int, steps: int, kill_at: int | None) -> list[fl
             ray.kill(workers.pop())
             calls.pop()
             print(f"Ray step {step}: killed a worker; {len(workers)} go on")
-        ready, _ = ray.wait(calls, num_returns=min(k, len(calls)), timeout=120)
-        w = w - 0.1 * sum(ray.get(ready))
+        # fetch_local=False: wait for the first K to finish without pulling every
+        # result here; then pull just those K (in parallel)
+        ready, _ = ray.wait(calls, num_returns=min(k, len(calls)), timeout=300, fetch_local=False)
+        update = sum(ray.get(ready))
+        w = w - LR * update
         times.append(time.perf_counter() - t0)
-        ray.get(calls, timeout=120)
+        chosen = [calls.index(r) for r in ready]
+        assert np.isclose(update[0], _expected_update(chosen, step), rtol=1e-5), "wrong sum"
+        # stragglers finish before the next step, their results are not pulled here
+        ray.wait(calls, num_returns=len(calls), timeout=300, fetch_local=False)
+        del ref, calls, ready, update
     return times
+
+
+def run(workers: int, k: int, size: int, steps: int, max_delay: float = 0.2,
+        kill: bool = False, hosts: int | None = None, meter=None) -> dict:
+    """Both variants, `steps` steps each; step 0 warms up and is not counted.
+    `meter(variant)`, a context manager, wraps each variant (benchmarks/rayemu.py
+    counts the bytes on every link)."""
+    span = meter or (lambda variant: contextlib.nullcontext())
+    n = size // 4
+    kill_at = steps // 2 if kill else None
+    hop_workers = make_workers(workers, n, max_delay, hosts)
+    with span("hoplite-gpu"):
+        hop = run_hoplite(hop_workers, n, k, steps, kill_at)
+    for wk in hop_workers:
+        ray.kill(wk)
+    ray_workers = make_workers(workers, n, max_delay, hosts)
+    with span("ray"):
+        base = run_ray(ray_workers, n, k, steps, kill_at)
+    for wk in ray_workers:
+        ray.kill(wk)
+    res = {"workers": workers, "k": k, "size_bytes": size, "steps": steps - 1,
+           "max_delay_s": max_delay, **summary(hop[1:], base[1:])}
+    res["hoplite_steps_per_s"] = 1 / res["hoplite_median_s"]
+    res["ray_steps_per_s"] = 1 / res["ray_median_s"]
+    return res
 
 
 def main() -> None:
@@ -95,17 +152,12 @@ def main() -> None:
     p.add_argument("--max-delay", type=float, default=0.2)
     p.add_argument("--kill", action="store_true", help="kill one worker halfway")
     args = p.parse_args()
-    n = (args.size_mib << 20) // 4
-    kill_at = args.steps // 2 if args.kill else None
     with local_ray():
-        hop_workers = [Worker.remote(r, n, args.max_delay) for r in range(args.workers)]
-        ray_workers = [Worker.remote(r, n, args.max_delay) for r in range(args.workers)]
-        hop = run_hoplite(hop_workers, n, args.k, args.steps, kill_at)
-        base = run_ray(ray_workers, n, args.k, args.steps, kill_at)
+        res = run(args.workers, args.k, args.size_mib << 20, args.steps, args.max_delay, args.kill)
     report(f"async SGD step (reduce first {args.k} of {args.workers} gradients of "
-           f"{args.size_mib} MiB, then new weights)", hop[1:], base[1:])
-    print(f"  throughput: hoplite-gpu {1 / np.median(hop[1:]):.2f} steps/s, "
-          f"Ray {1 / np.median(base[1:]):.2f} steps/s")
+           f"{args.size_mib} MiB, then new weights)", res["hoplite_s"], res["ray_s"])
+    print(f"  throughput: hoplite-gpu {res['hoplite_steps_per_s']:.2f} steps/s, "
+          f"Ray {res['ray_steps_per_s']:.2f} steps/s")
 
 
 if __name__ == "__main__":

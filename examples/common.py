@@ -1,5 +1,7 @@
 """Shared set-up for the examples: a local Ray on loopback with its own temp dir,
-the hoplite directory actor, and small timing helpers."""
+the hoplite directory actor, actor placement on emulated hosts, and small timing
+helpers. The examples' `run` functions also run across emulated hosts, one Ray
+node per network namespace (benchmarks/rayemu.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,13 @@ def local_ray(num_cpus: int = 32):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def on_host(host: int | None) -> dict:
+    """Ray actor options that place an actor on emulated host `host` (every Ray
+    node there has a custom resource ``host_<i>``: 1, see benchmarks/rayemu.py);
+    None: anywhere (one machine)."""
+    return {} if host is None else {"resources": {f"host_{host}": 0.001}}
+
+
 def crc(arrays) -> int:
     c = 0
     for a in arrays:
@@ -46,7 +55,14 @@ def crc(arrays) -> int:
     return c
 
 
-def report(title: str, hoplite_s: list[float], ray_s: list[float], unit: str = "s") -> None:
+def summary(hoplite_s: list[float], ray_s: list[float]) -> dict:
+    """Medians of both variants and their ratio (Ray / hoplite-gpu: > 1 means hoplite-gpu is faster)."""
+    h, r = statistics.median(hoplite_s), statistics.median(ray_s)
+    return {"hoplite_s": hoplite_s, "ray_s": ray_s, "hoplite_median_s": h, "ray_median_s": r,
+            "ratio_ray_to_hoplite": r / h}
+
+
+def report(title: str, hoplite_s: list[float], ray_s: list[float]) -> None:
     h, r = statistics.median(hoplite_s), statistics.median(ray_s)
     print(f"\n{title}")
     print(f"  hoplite-gpu : median {h * 1e3:8.1f} ms over {len(hoplite_s)} runs")

@@ -3,15 +3,19 @@ rollout actors fetch them; hoplite-gpu's weight channel beside `ray.put` + ref
 fan-out. With --kill, one rollout actor is killed halfway and the others go on.
 
     python examples/rl_weights.py --actors 4 --size-mib 64 --iterations 6
+
+`run` also places the learner on emulated host 0 and the rollouts on the other
+hosts (benchmarks/rayemu.py, `python -m benchmarks.rayemu rl`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
-from common import crc, local_ray, ray, report
+from common import crc, local_ray, on_host, ray, report, summary
 
 import hoplite_gpu.ray as hray
 from hoplite_gpu.channel import WeightChannel
@@ -39,48 +43,68 @@ class Learner:
 
 @ray.remote(num_cpus=0)
 class Rollout:
+    """Each fetch returns when this actor held the weights (wall clock, taken before
+    the checksum, so the time measured is the broadcast's), and their checksum."""
+
     def __init__(self) -> None:
         hray.join()
         self.channel = WeightChannel("policy")
 
-    def fetch_hoplite(self, version: int) -> tuple[int, int]:
-        got, weights = self.channel.fetch(newer_than=version - 1, timeout=120)
-        return got, crc(weights.values())
+    def fetch_hoplite(self, version: int) -> tuple[int, float, int]:
+        got, weights = self.channel.fetch(newer_than=version - 1, timeout=300)
+        done = time.time()
+        return got, done, crc(weights.values())
 
-    def fetch_ray(self, refs: list) -> int:
-        return crc(ray.get(refs[0]).values())
+    def fetch_ray(self, refs: list) -> tuple[float, int]:
+        weights = ray.get(refs[0])
+        done = time.time()
+        return done, crc(weights.values())
 
 
-def run(actors: int, size: int, iterations: int, kill: bool) -> None:
-    learner = Learner.remote(size)
-    rollouts = [Rollout.remote() for _ in range(actors)]
-    ray.get([r.__ray_ready__.remote() for r in rollouts])
+def run(actors: int, size: int, iterations: int, kill: bool = False,
+        hosts: int | None = None, meter=None) -> dict:
+    """Time `iterations` broadcasts (after one untimed warm-up) with each system:
+    from the learner's publish until every rollout actor holds the new weights.
+    With `hosts`, the learner sits on emulated host 0 and rollout j on host
+    1 + j mod (hosts - 1). `meter(variant)`, a context manager, wraps each
+    variant's broadcasts (benchmarks/rayemu.py counts the bytes on every link)."""
+    span = meter or (lambda variant: contextlib.nullcontext())
+    learner = Learner.options(**on_host(0 if hosts else None)).remote(size)
+    rollouts = [Rollout.options(**on_host(1 + j % (hosts - 1) if hosts else None)).remote()
+                for j in range(actors)]
+    ray.get([a.__ray_ready__.remote() for a in [learner, *rollouts]])
     hop, base = [], []
     for it in range(iterations + 1):  # iteration 0 warms up both paths, untimed
         expected = crc(make_weights(it, size).values())
-        t0 = time.perf_counter()
-        ray.get(learner.publish_hoplite.remote(it))
-        futures = [r.fetch_hoplite.remote(it) for r in rollouts]
-        if kill and it == iterations // 2:
-            time.sleep(0.02)
-            victim = rollouts.pop()
-            ray.kill(victim)
-            futures.pop()
-            print(f"iteration {it}: killed one rollout actor mid-fetch; {len(rollouts)} go on")
-        got = ray.get(futures, timeout=300)
-        t_hop = time.perf_counter() - t0
-        assert all(g == (it, expected) for g in got), "a rollout got wrong weights"
-        t0 = time.perf_counter()
-        refs = ray.get(learner.publish_ray.remote(it))
-        sums = ray.get([r.fetch_ray.remote(refs) for r in rollouts], timeout=300)
-        t_ray = time.perf_counter() - t0
-        assert all(s == expected for s in sums)
+        with span("hoplite-gpu"):
+            t0 = time.time()
+            ray.get(learner.publish_hoplite.remote(it))
+            futures = [r.fetch_hoplite.remote(it) for r in rollouts]
+            if kill and it == iterations // 2:
+                time.sleep(0.02)
+                victim = rollouts.pop()
+                ray.kill(victim)
+                futures.pop()
+                print(f"iteration {it}: killed one rollout actor mid-fetch; {len(rollouts)} go on")
+            got = ray.get(futures, timeout=600)
+        t_hop = max(done for _, done, _ in got) - t0
+        assert all((v, c) == (it, expected) for v, _, c in got), "a rollout got wrong weights"
+        with span("ray"):
+            t0 = time.time()
+            refs = ray.get(learner.publish_ray.remote(it))
+            got = ray.get([r.fetch_ray.remote(refs) for r in rollouts], timeout=600)
+        t_ray = max(done for done, _ in got) - t0
+        assert all(c == expected for _, c in got), "a rollout got wrong weights from Ray"
+        del refs
         if it > 0:
             hop.append(t_hop)
             base.append(t_ray)
-            print(f"iteration {it}: hoplite-gpu {t_hop * 1e3:.0f} ms, Ray {t_ray * 1e3:.0f} ms")
-    report(f"broadcast of {size >> 20} MiB of weights to {len(rollouts)} rollout actors "
-           "(publish -> every actor holds the new version)", hop, base)
+            print(f"iteration {it}: hoplite-gpu {t_hop * 1e3:.0f} ms, Ray {t_ray * 1e3:.0f} ms",
+                  flush=True)
+    for a in [learner, *rollouts]:
+        ray.kill(a)
+    return {"actors": len(rollouts), "size_bytes": size, "iterations": iterations,
+            **summary(hop, base)}
 
 
 def main() -> None:
@@ -91,7 +115,9 @@ def main() -> None:
     p.add_argument("--kill", action="store_true", help="kill one rollout actor halfway")
     args = p.parse_args()
     with local_ray():
-        run(args.actors, args.size_mib << 20, args.iterations, args.kill)
+        res = run(args.actors, args.size_mib << 20, args.iterations, args.kill)
+    report(f"broadcast of {args.size_mib} MiB of weights to {res['actors']} rollout actors "
+           "(publish -> every actor holds the new version)", res["hoplite_s"], res["ray_s"])
 
 
 if __name__ == "__main__":

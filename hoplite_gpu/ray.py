@@ -55,13 +55,17 @@ class DirectoryActor:
 
 def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
                     host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                    detached: bool = False, **settings: Any) -> dict[str, str]:
+                    detached: bool = False, actor_options: dict[str, Any] | None = None,
+                    **settings: Any) -> dict[str, str]:
     """Start the directory actor (or attach to a running one of that name);
-    returns its address and token."""
+    returns its address and token. `actor_options` go to the actor's
+    ``.options()``, e.g. ``resources`` or ``scheduling_strategy`` to place the
+    directory on a chosen node of a multi-node cluster."""
     try:
         actor = ray.get_actor(name, namespace=namespace)  # attach to a running one
     except ValueError:
-        options: dict[str, Any] = {"name": name, "namespace": namespace, "get_if_exists": True}
+        options: dict[str, Any] = {**(actor_options or {}), "name": name, "namespace": namespace,
+                                   "get_if_exists": True}
         if detached:
             options["lifetime"] = "detached"
         actor = DirectoryActor.options(**options).remote(token or new_token(), host, port, settings)

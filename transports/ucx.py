@@ -51,6 +51,9 @@ UCX_DEFAULTS = {
     # UCX's default 8 KB TCP segments cap a stream near 1 GB/s; 512k gave 3-4 GB/s.
     "UCX_TCP_TX_SEG_SIZE": "512k",
     "UCX_TCP_RX_SEG_SIZE": "512k",
+    # A restarted directory listens again on its old port at once, as over TCP.
+    "UCX_TCP_CM_REUSEADDR": "y",
+    "UCX_RDMA_CM_REUSEADDR": "y",
 }
 
 _HEAD_TAG = None  # the endpoint's own message tag

@@ -1,0 +1,134 @@
+"""The OpenMPI baseline on the emulated hosts: install it when missing, then run
+one `mpirun` whose ranks each live in their own host's network namespace.
+
+How the ranks end up on different "hosts": `mpirun` runs inside host 0's
+namespace and starts every rank locally (all ranks look like one node to it),
+but through a wrapper script that enters the namespace of the rank's host
+(`ip netns exec <ns>`, picked from OMPI_COMM_WORLD_RANK) before running Python.
+The ranks' PMIx clients reach mpirun's PMIx server over host 0's eth0
+(PMIX_MCA_ptl_tcp_remote_connections=1, PMIX_MCA_ptl_tcp_if_include=eth0).
+Data moves only through the TCP BTL bound to eth0 (`--mca btl self,tcp`): the
+shared-memory BTL is off, so every byte crosses the shaped links, which the
+harness checks by counting the bytes on the links (see `LinkCounters`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+from .emulated import PY, EmulatedCluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every run, both variants: the ranks talk TCP over the shaped eth0 only.
+TRANSPORT_MCA = {"btl": "self,tcp", "btl_tcp_if_include": "eth0", "pml": "ob1",
+                 "oob_tcp_if_include": "eth0"}
+
+# openmpi-tuned: the bandwidth-optimal algorithm of coll/tuned for each op, with
+# 1 MiB segments (OpenMPI 4.1 numbering, see `ompi_info --param coll tuned --level 9`).
+TUNED_MCA = {
+    "coll_tuned_use_dynamic_rules": "1",
+    "coll_tuned_bcast_algorithm": "3",               # pipeline (a chain)
+    "coll_tuned_bcast_algorithm_segmentsize": "1048576",
+    "coll_tuned_reduce_algorithm": "3",              # pipeline (a chain)
+    "coll_tuned_reduce_algorithm_segmentsize": "1048576",
+    "coll_tuned_allreduce_algorithm": "5",           # segmented ring
+    "coll_tuned_allreduce_algorithm_segmentsize": "1048576",
+    "coll_tuned_gather_algorithm": "1",              # basic linear (the root's downlink is the limit)
+    "coll_tuned_allgather_algorithm": "4",           # ring
+}
+
+
+class MPIUnavailable(RuntimeError):
+    """OpenMPI or mpi4py is missing and could not be installed."""
+
+
+def have_mpi() -> bool:
+    if shutil.which("mpirun") is None:
+        return False
+    probe = subprocess.run([PY, "-c", "import mpi4py"], capture_output=True)
+    return probe.returncode == 0
+
+
+def ensure_mpi(log=print) -> str:
+    """Install OpenMPI (apt) and mpi4py (pip, into this interpreter) if missing;
+    return OpenMPI's version. Raises MPIUnavailable with the failing step."""
+    if shutil.which("mpirun") is None:
+        if shutil.which("apt-get") is None or os.geteuid() != 0:
+            raise MPIUnavailable("mpirun not found and cannot install it here (needs root and apt-get): "
+                                 "install OpenMPI (apt-get install -y openmpi-bin libopenmpi-dev)")
+        log("installing OpenMPI: apt-get install -y openmpi-bin libopenmpi-dev")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        steps = (["apt-get", "update"],
+                 ["apt-get", "install", "-y", "--no-install-recommends", "openmpi-bin", "libopenmpi-dev"])
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1200)
+            if done.returncode != 0:
+                raise MPIUnavailable(f"{' '.join(argv)} failed (exit {done.returncode}):\n"
+                                     f"{done.stderr[-2000:]}")
+        if shutil.which("mpirun") is None:
+            raise MPIUnavailable("apt-get installed openmpi-bin but mpirun is still not on PATH")
+    probe = subprocess.run([PY, "-c", "import mpi4py"], capture_output=True)
+    if probe.returncode != 0:
+        log(f"installing mpi4py into {sys.executable} (pip install mpi4py)")
+        done = subprocess.run([PY, "-m", "pip", "install", "-q", "mpi4py"], capture_output=True,
+                              text=True, timeout=1200)
+        if done.returncode != 0:
+            raise MPIUnavailable(f"pip install mpi4py failed (exit {done.returncode}); it builds "
+                                 f"against libopenmpi-dev's mpicc:\n{done.stderr[-2000:]}")
+        probe = subprocess.run([PY, "-c", "from mpi4py import MPI"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise MPIUnavailable(f"mpi4py installed but does not load: {probe.stderr[-1000:]}")
+    return mpi_version()
+
+
+def mpi_version() -> str:
+    out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+_WRAPPER = """#!/bin/sh
+# Enter the network namespace of this rank's host, then run the rank.
+exec ip netns exec "{prefix}$OMPI_COMM_WORLD_RANK" "$@"
+"""
+
+
+def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int = 1,
+            warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
+            timeout: float = 900) -> dict:
+    """One mpirun across the emulated hosts doing `warmup + iters` iterations of
+    `op`; returns rank 0's JSON report (every rank's start and end per iteration)."""
+    if shutil.which("mpirun") is None:
+        raise MPIUnavailable("mpirun not found: run ensure_mpi() first")
+    mca = {**TRANSPORT_MCA, **(TUNED_MCA if tuned else {})}
+    with tempfile.TemporaryDirectory(prefix="hg-mpi-") as tmp:
+        wrapper = os.path.join(tmp, "inns.sh")
+        with open(wrapper, "w") as f:
+            f.write(_WRAPPER.format(prefix=c.ns(0)[:-1]))
+        os.chmod(wrapper, stat.S_IRWXU)
+        argv = ["ip", "netns", "exec", c.ns(0), "mpirun", "--allow-run-as-root", "--oversubscribe",
+                "-np", str(c.hosts), "--bind-to", "none"]
+        for k, v in mca.items():
+            argv += ["--mca", k, v]
+        argv += [wrapper, PY, "-m", "benchmarks.mpinode", "--op", op, "--size", str(size),
+                 "--iters", str(iters), "--warmup", str(warmup), "--period", str(period)]
+        if ready:
+            argv += ["--ready-after", ",".join(f"{x:g}" for x in ready)]
+        env = {**os.environ, "PYTHONPATH": ROOT,
+               "PMIX_MCA_ptl_tcp_remote_connections": "1", "PMIX_MCA_ptl_tcp_if_include": "eth0",
+               "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+               "OMPI_MCA_rmaps_base_oversubscribe": "1", "TMPDIR": tmp}
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"mpirun failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-3000:]}")
+    report = json.loads(lines[-1])
+    report["mca"] = mca
+    return report

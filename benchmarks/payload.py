@@ -1,0 +1,112 @@
+"""Inputs and result checks shared by every system in the emulated benchmark.
+
+Rank r's input is a float32 array of integer values in [-1000, 1000], given by
+a hash of r and of the element index modulo a prime, so any process can compute
+any slice of any rank's input without holding it. Sums of up to 16 000 such inputs are exact in
+float32, so a reduce's result is checked exactly, not within a tolerance.
+
+Ops: broadcast (rank 0's input on every rank), reduce (the sum on rank 0),
+allreduce (the sum everywhere), gather (every input, in rank order, on rank 0),
+allgather (every input everywhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
+_PERIOD = 262147  # a prime number of elements: a chunk copied to a wrong offset shows
+
+
+@functools.lru_cache(maxsize=64)
+def _base(rank: int) -> np.ndarray:
+    j = np.arange(_PERIOD, dtype=np.uint64)
+    v = (j * np.uint64(2654435761) + np.uint64(rank * 97531 + 12345)) % np.uint64(1 << 32)
+    return ((v >> np.uint64(13)) % np.uint64(2001)).astype(np.float32) - np.float32(1000)
+
+
+def values(rank: int, lo: int, hi: int) -> np.ndarray:
+    """Elements lo..hi-1 of rank `rank`'s input (periodic with a prime period)."""
+    return _base(rank)[np.arange(lo, hi, dtype=np.int64) % _PERIOD]
+
+
+def make_input(rank: int, nbytes: int) -> np.ndarray:
+    n = nbytes // 4
+    base = _base(rank)
+    out = np.empty(n, dtype=np.float32)
+    for lo in range(0, n, _PERIOD):
+        out[lo:lo + _PERIOD] = base[:min(_PERIOD, n - lo)]
+    return out
+
+
+def _windows(n: int) -> list[tuple[int, int]]:
+    k = min(n, 1 << 14)
+    return sorted({(0, k), (n // 2 - k // 2, n // 2 - k // 2 + k), (n - k, n)})
+
+
+def expected(op: str, world: int, lo: int, hi: int) -> np.ndarray:
+    if op == "broadcast":
+        return values(0, lo, hi)
+    total = np.zeros(hi - lo, dtype=np.float32)
+    for r in range(world):
+        total += values(r, lo, hi)
+    return total
+
+
+def holds_result(op: str, rank: int) -> bool:
+    return rank == 0 or op in ("broadcast", "allreduce", "allgather")
+
+
+def check(op: str, world: int, result: np.ndarray | Sequence[np.ndarray] | None, nbytes: int,
+          rank: int) -> tuple[bool, int | None]:
+    """(exact match on three windows of every piece, CRC32 of the whole result);
+    ranks that hold no result return (True, None)."""
+    if not holds_result(op, rank):
+        return True, None
+    if result is None:
+        return False, None
+    n = nbytes // 4
+    if op in ("gather", "allgather"):
+        pieces = [np.asarray(p) for p in result]  # a list of arrays or an N x n array
+        if len(pieces) != world:
+            return False, None
+        crc, ok = 0, True
+        for r, piece in enumerate(pieces):
+            piece = np.asarray(piece).reshape(-1)
+            ok = ok and piece.size == n and all(
+                np.array_equal(piece[a:b], values(r, a, b)) for a, b in _windows(n))
+            crc = zlib.crc32(piece, crc)
+        return ok, crc
+    arr = np.asarray(result).reshape(-1)
+    ok = arr.size == n and all(np.array_equal(arr[a:b], expected(op, world, a, b))
+                               for a, b in _windows(n))
+    return ok, zlib.crc32(arr)
+
+
+def link_volume(op: str, world: int, nbytes: int) -> int:
+    """A floor on the bytes that one call must carry over the hosts' downlinks
+    (summed over hosts; headers excluded), whatever the algorithm: a broadcast's
+    receivers need S each; in a reduce every non-root's data must leave it (a
+    reduce-scatter sends at least (N-1)/N S of it); an allreduce sends at least
+    2(N-1)/N S per rank; a gather brings (N-1) S to the root and an allgather
+    (N-1) S to every rank. If fewer bytes crossed the links, some went another
+    way (shared memory, loopback)."""
+    s, n = nbytes, world
+    return {"broadcast": (n - 1) * s,           # every receiver's downlink carries S
+            "reduce": (n - 1) * s * (n - 1) // n,  # every non-root's data must leave it
+            "allreduce": 2 * (n - 1) * s * (n - 1) // n,
+            "gather": (n - 1) * s,              # the root's downlink
+            "allgather": n * (n - 1) * s}[op]
+
+
+def eth0_address() -> str:
+    """This process's address on the emulated link (proves which host it runs on)."""
+    import subprocess
+
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", "eth0"], capture_output=True,
+                         text=True, check=False).stdout.split()
+    return out[out.index("inet") + 1].split("/")[0] if "inet" in out else ""

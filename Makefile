@@ -13,6 +13,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	@# CPU torch lets the tests cover torch tensors; they skip if it cannot be installed.
 	$(BIN)/python -m pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will skip"
+	@# UCX (ucxx) runs the UCX transport's tests; they skip if it cannot be installed.
+	$(BIN)/python -m pip install -q -e '.[ucx]' || echo "ucxx not installed: UCX tests will skip"
 	@# Ray runs the Ray integration tests and examples; they skip if it cannot be installed.
 	$(BIN)/python -m pip install -q 'ray>=2.40' || echo "ray not installed: Ray tests will skip"
 	rm -f $(VENV)/.installed-*
@@ -25,6 +27,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+	@# The whole suite again over UCX, where ucxx is installed.
+	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
+	    echo "== again with HOPLITE_TRANSPORT=ucx"; HOPLITE_TRANSPORT=ucx $(BIN)/python -m pytest -q; \
+	else echo "ucxx not installed: the UCX pass is skipped"; fi
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -49,7 +49,10 @@ class DirectoryClient:
                 raise_for_error(await recv_msg(stream))
         except TimeoutError as exc:
             await stream.close()
-            raise Timeout(f"the directory at {address} did not accept us within {timeout:g}s") from exc
+            raise Timeout(
+                f"the directory at {address} did not accept us within {timeout:g}s (if it "
+                "serves another transport, use its full address, e.g. ucx://host:port, or "
+                "the same HOPLITE_TRANSPORT)") from exc
         except BaseException:
             await stream.close()
             raise

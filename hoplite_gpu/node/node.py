@@ -49,7 +49,10 @@ class Node:
     def __init__(self, config: Config, token: str, directory_address: str) -> None:
         self.config = config
         self.token = token
-        self.directory_address = directory_address
+        # A bare "host:port" means the configured transport (HOPLITE_TRANSPORT).
+        scheme, host, port = split_address(directory_address, config.transport)
+        self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
+            f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         self.store = ChunkStore(config.pool_bytes)
         self.server = DataServer(self.store, token, config)

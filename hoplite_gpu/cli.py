@@ -87,9 +87,15 @@ def _info(args: argparse.Namespace) -> int:
     for scheme in sorted(_KNOWN):
         try:
             get_backend(scheme)
-            print(f"transport {scheme}: usable")
         except HopliteError as exc:
             print(f"transport {scheme}: not usable ({exc})")
+            continue
+        detail = ""
+        if scheme == "ucx":
+            from .transports.ucx import describe
+
+            detail = f" ({describe()})"
+        print(f"transport {scheme}: usable{detail}")
     try:
         import cupy  # noqa: F401
         print("cupy: installed")
@@ -100,24 +106,9 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _gpu_summary() -> str:
-    try:
-        import pynvml
-    except ImportError:
-        return "GPUs: unknown (nvidia-ml-py is not installed: pip install 'hoplite-gpu[gpu]')"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return f"GPUs: none usable (no NVIDIA driver found: {exc}); the CPU path (NumPy + TCP) works"
-    try:
-        n = pynvml.nvmlDeviceGetCount()
-        lines = [f"GPUs: {n}, driver {pynvml.nvmlSystemGetDriverVersion()}"]
-        for i in range(n):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            lines.append(f"  [{i}] {pynvml.nvmlDeviceGetName(h)}  {mem.total / 2**30:.1f} GiB")
-        return "\n".join(lines)
-    finally:
-        pynvml.nvmlShutdown()
+    from .gpu import discover
+
+    return "\n".join(discover().lines())
 
 
 def _parse_size(text: str) -> int:

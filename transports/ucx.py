@@ -130,6 +130,16 @@ def _closed_error(peer: str, what: str, exc: BaseException | None) -> TransportC
     return TransportClosed(f"UCX connection to {peer} closed during {what}{reason}")
 
 
+def describe() -> str:
+    """UCX's version, and the UCX transports it found (for `hoplite-gpu info`)."""
+    ucxx = _load()
+    tls = sorted(ucxx.get_active_transports())
+    device = [t for t in tls if t.startswith("cuda") or t in ("rc", "dc", "ud", "gdr_copy")]
+    tls_env = os.environ.get("UCX_TLS", "all (UCX_TLS unset)")
+    return (f"UCX {ucxx.__ucx_version__}, ucxx {ucxx.__version__}; UCX_TLS={tls_env}; "
+            f"available: {', '.join(tls)}; device-capable: {', '.join(device) or 'none'}")
+
+
 class UCXStream(Stream):
     #: Device buffers may be passed to send/recv_into as they are.
     supports_device = True

@@ -17,7 +17,9 @@ def plot_all(results: Path) -> list[Path]:
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
         kind = data.get("benchmark", "")
-        if kind in ("broadcast-emulated", "collectives-emulated"):
+        if "summary" in data:  # the schema of benchmarks/README.md
+            made.extend(_summary_plots(data, path))
+        elif kind in ("broadcast-emulated", "collectives-emulated"):
             ops = sorted({r.get("op", "broadcast") for r in data["rows"]})
             for op in ops:
                 rows = [r for r in data["rows"] if r.get("op", "broadcast") == op]
@@ -79,6 +81,87 @@ def _dynamic(data: dict, out: Path) -> Path:
     ax.set_ylabel("seconds after the last input was ready")
     ax.set_title(f"allreduce, inputs ready {gap:g} s apart, {data['rows'][0]['hosts']} emulated hosts")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+_ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned")
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _summary_plots(data: dict, path: Path) -> list[Path]:
+    """Per op: time / lower bound for the large sizes; one figure of per-call
+    latency for the small ones; the dynamic allreduce: seconds after the last input."""
+    settings = data.get("settings", {})
+    small = settings.get("latency_max_bytes", 1 << 20)
+    entries = data["summary"]
+    made = []
+    ops = list(dict.fromkeys(e["op"] for e in entries))
+    for op in ops:
+        mine = [e for e in entries if e["op"] == op and (e["size_bytes"] > small or op == "allreduce-dynamic")]
+        if not mine:
+            continue
+        dynamic = op == "allreduce-dynamic"
+        key = "median_s" if dynamic else "ratio_to_bound"
+        fig, ax = _bars(mine, lambda e: _size(e["size_bytes"]), key, scale=1.0 if dynamic else None)
+        if dynamic:
+            ax.set_ylabel("seconds after the last input was ready")
+            ax.set_title(f"allreduce, inputs ready {settings.get('gap_s', 0):g} s apart, "
+                         f"{mine[0]['hosts']} emulated hosts, {mine[0]['bandwidth_bps'] / 1e9:g} Gbit/s")
+        else:
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_ylabel("time / lower bound  (lower is better)")
+            ax.set_title(f"{op} on {mine[0]['hosts']} emulated hosts, "
+                         f"{mine[0]['bandwidth_bps'] / 1e9:g} Gbit/s links")
+        made.append(_save(fig, path.with_name(f"{path.stem}-{op}.png")))
+    lat = [e for e in entries if e["size_bytes"] <= small and e["op"] != "allreduce-dynamic"]
+    if lat:
+        fig, ax = _bars(lat, lambda e: f"{e['op']}\n{_size(e['size_bytes'])}", "median_s", scale=1e3)
+        ax.set_yscale("log")
+        ax.set_ylabel("per-call latency, ms (median; bars: p25-p75)")
+        ax.set_title(f"small collectives on {lat[0]['hosts']} emulated hosts")
+        made.append(_save(fig, path.with_name(f"{path.stem}-latency.png")))
+    return made
+
+
+def _bars(entries: list[dict], group, key: str, scale: float | None):
+    """Grouped bars: one group per `group(entry)`, one bar per system, with the
+    spread (p25-p75 of the calls) as error bars; `scale` None: ratios to the bound."""
+    import matplotlib.pyplot as plt
+
+    systems = sorted({e["system"] for e in entries}, key=lambda s: (_ORDER + (s,)).index(s))
+    groups = list(dict.fromkeys(group(e) for e in sorted(entries, key=lambda e: e["size_bytes"])))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) + 3), 3.8))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs, ys, lo, hi = [], [], [], []
+        for j, g in enumerate(groups):
+            e = next((e for e in entries if e["system"] == system and group(e) == g), None)
+            if e is None:
+                continue
+            f = (1 / e["lower_bound_s"]) if scale is None else scale
+            y = e[key] * (scale if scale is not None else 1)
+            xs.append(j + i * width)
+            ys.append(y)
+            lo.append(max(0.0, y - e["p25_s"] * f))
+            hi.append(max(0.0, e["p75_s"] * f - y))
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=system)
+    ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(groups))], groups)
+    ax.legend(fontsize=8)
+    return fig, ax
+
+
+def _save(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

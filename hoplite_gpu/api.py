@@ -70,14 +70,25 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     return rt.call(rt.node.put(value, oid), rt.config.timeout_s)
 
 
-def get(object_id: ObjectID, *, timeout: float | None = None) -> Any:
+def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = "cupy") -> Any:
     """Return the object's value, pulling it if needed; waits for a later put.
 
-    NumPy values come back as read-only arrays that share the node's copy.
+    NumPy values come back as read-only arrays that share the node's copy. Device
+    objects (put from CuPy / torch CUDA arrays) come back as a fresh array on this
+    process's GPU, of `array_type` "cupy" (default) or "torch", or as a host copy
+    with "numpy" (always NumPy where this process has no GPU).
     """
     rt = runtime()
     oid, limit = as_object_id(object_id), _timeout(rt, timeout)
-    return rt.call(rt.node.get(oid, limit), limit)
+    _check_array_type(array_type)
+    return rt.call(rt.node.get(oid, limit, array_type), limit)
+
+
+def _check_array_type(array_type: str) -> None:
+    from .device import AS_CHOICES
+
+    if array_type not in AS_CHOICES:
+        raise InvalidArgument(f"array_type must be one of {AS_CHOICES}; got {array_type!r}")
 
 
 def delete(object_id: ObjectID) -> None:
@@ -135,9 +146,12 @@ async def put_async(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     return await rt.call_async(rt.node.put(value, _new_id(object_id)))
 
 
-async def get_async(object_id: ObjectID, *, timeout: float | None = None) -> Any:
+async def get_async(object_id: ObjectID, *, timeout: float | None = None,
+                    array_type: str = "cupy") -> Any:
     rt = runtime()
-    return await rt.call_async(rt.node.get(as_object_id(object_id), _timeout(rt, timeout)))
+    _check_array_type(array_type)
+    return await rt.call_async(rt.node.get(as_object_id(object_id), _timeout(rt, timeout),
+                                           array_type))
 
 
 async def delete_async(object_id: ObjectID) -> None:

@@ -13,9 +13,10 @@ from numpy.lib.format import descr_to_dtype
 
 from .errors import InvalidArgument, ProtocolError, UnsupportedValue
 
-KINDS = ("bytes", "numpy", "torch")
+KINDS = ("bytes", "numpy", "torch", "device")
 ACCEPTED = (
-    "put() takes a NumPy array, a CPU torch tensor, bytes or any DLPack/buffer-protocol object"
+    "put() takes a NumPy array, a torch tensor, a CuPy (or any CUDA) array, bytes or any "
+    "DLPack/buffer-protocol object"
 )
 _WIRE_KEYS = frozenset({"kind", "dtype", "shape", "nbytes"})
 _MAX_NDIM = 64  # numpy's own limit
@@ -66,14 +67,14 @@ def to_buffer(value: Any) -> tuple[memoryview, Layout]:
     if isinstance(value, bytes | bytearray | memoryview):
         flat = _flat_bytes(value)
         return flat, Layout("bytes", "uint8", (flat.nbytes,), flat.nbytes)
-    if _is_torch_tensor(value):
+    if _is_torch_tensor(value) and not getattr(value, "is_cuda", False):
         return _torch_to_buffer(value)
-    # cupy arrays also have __dlpack__, so this check must come before the DLPack one
-    if hasattr(value, "__cuda_array_interface__"):
-        raise UnsupportedValue(
-            f"got a device array ({_type_name(value)}); the GPU path is not enabled on this "
-            "node. Copy it to host memory first, e.g. cupy.asnumpy(...)"
-        )
+    # device arrays also have __dlpack__, so this check must come before the DLPack one
+    from . import device
+
+    if device.is_device_array(value):
+        buf, code, shape = device.to_device_buffer(value)
+        return buf, Layout("device", code, shape, int(buf.nbytes))
     if hasattr(value, "__dlpack__"):
         return _numpy_to_buffer(_from_dlpack(value))
     try:
@@ -83,11 +84,20 @@ def to_buffer(value: Any) -> tuple[memoryview, Layout]:
     return _buffer_protocol_to_buffer(view)
 
 
-def from_buffer(buf: Any, layout: Layout) -> object:
+def from_buffer(buf: Any, layout: Layout, array_type: str = "cupy") -> object:
     """Rebuild the value described by `layout` from `buf`, a flat buffer of layout.nbytes bytes.
 
-    "numpy" gives a read-only zero-copy view of `buf`; "bytes" and "torch" give fresh copies.
+    "numpy" gives a read-only zero-copy view of `buf`; "bytes" and "torch" give fresh copies;
+    "device" gives a fresh array of `array_type` ("cupy", "torch" or "numpy"; NumPy where
+    this process has no GPU).
     """
+    if layout.kind == "device":
+        from . import device
+
+        if int(buf.nbytes) != layout.nbytes:
+            raise InvalidArgument(
+                f"the buffer holds {buf.nbytes} bytes but the layout needs {layout.nbytes}")
+        return device.materialize(buf, _wire_numpy_dtype(layout.dtype), layout.shape, array_type)
     view = memoryview(buf)
     if view.nbytes != layout.nbytes:
         raise InvalidArgument(
@@ -106,9 +116,10 @@ def from_buffer(buf: Any, layout: Layout) -> object:
 
 
 def numpy_dtype(layout: Layout) -> np.dtype:
-    """The element type of a NumPy layout (for reductions over its raw bytes)."""
-    if layout.kind != "numpy":
-        raise UnsupportedValue(f"reduce works on NumPy arrays; this object is of kind {layout.kind!r}")
+    """The element type of a NumPy or device layout (for reductions over its raw bytes)."""
+    if layout.kind not in ("numpy", "device"):
+        raise UnsupportedValue(
+            f"reduce works on NumPy and device arrays; this object is of kind {layout.kind!r}")
     return _wire_numpy_dtype(layout.dtype)
 
 
@@ -311,7 +322,7 @@ def _check_layout(layout: Layout) -> None:
     count = math.prod(layout.shape)
     if layout.kind == "bytes":
         ok = layout.dtype == "uint8" and layout.shape == (layout.nbytes,)
-    elif layout.kind == "numpy":
+    elif layout.kind in ("numpy", "device"):
         ok = layout.nbytes == count * _wire_numpy_dtype(layout.dtype).itemsize
     else:
         ok = layout.dtype.startswith(_TORCH_PREFIX) and _torch_size_ok(count, layout.nbytes)

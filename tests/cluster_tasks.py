@@ -166,3 +166,47 @@ def fetch_latest(channel: str) -> int:
     version, weights = WeightChannel(channel).fetch(timeout=30)
     assert all(a.min() == a.max() == version for a in weights.values())
     return version
+
+
+# --- device (GPU) objects: used by test_gpu_objects.py, only where CuPy sees a GPU ---
+
+
+def device_values(seed: int, n: int, dtype: str):
+    """Deterministic values (as NumPy float64 and as the device array that is put)."""
+    import cupy
+
+    host = np.random.default_rng(seed).uniform(0.5, 1.5, n)
+    if dtype == "bfloat16":
+        import torch
+
+        dev = torch.tensor(host, dtype=torch.bfloat16, device="cuda")
+        return dev.float().cpu().double().numpy(), dev
+    dev = cupy.asarray(host.astype(dtype))
+    return cupy.asnumpy(dev).astype(np.float64), dev
+
+
+def put_device(name: str, seed: int, n: int, dtype: str) -> None:
+    _, dev = device_values(seed, n, dtype)
+    hg.put(dev, hg.ObjectID.from_name(name))
+    dev[...] = 0  # put copied it: this must not change what peers receive
+
+
+def get_device(name: str, array_type: str = "cupy") -> dict:
+    """Get a device object; report where it lives and its values as float64."""
+    value = hg.get(hg.ObjectID.from_name(name), array_type=array_type)
+    kind = type(value).__module__.split(".")[0]
+    if kind == "torch":
+        on_gpu, host = value.is_cuda, value.float().cpu().double().numpy()
+    elif kind == "cupy":
+        import cupy
+
+        on_gpu, host = True, cupy.asnumpy(value).astype(np.float64)
+    else:
+        on_gpu, host = False, np.asarray(value, dtype=np.float64)
+    return {"kind": kind, "on_gpu": on_gpu, "values": host}
+
+
+def reduce_device(names: list[str], op: str, target: str, array_type: str = "cupy") -> dict:
+    ids = [hg.ObjectID.from_name(n) for n in names]
+    hg.reduce(ids, op, object_id=hg.ObjectID.from_name(target))
+    return get_device(target, array_type)

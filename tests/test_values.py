@@ -269,8 +269,15 @@ def test_dlpack_object_round_trips_as_numpy():
     assert_same_array(out, value)
 
 
-def test_dlpack_object_on_a_device_is_unsupported():
-    with pytest.raises(UnsupportedValue, match="GPU path"):
+def _no_usable_gpu() -> bool:
+    from hoplite_gpu.gpu import cuda_available
+
+    return not cuda_available()
+
+
+@pytest.mark.skipif(not _no_usable_gpu(), reason="a GPU is present: device arrays are stored")
+def test_dlpack_object_on_a_device_without_a_gpu_is_a_clear_error():
+    with pytest.raises(UnsupportedValue, match="device array"):
         to_buffer(DLPackOnly(np.zeros(2), device=(2, 0)))
 
 
@@ -303,8 +310,9 @@ class FakeCupyArray:
         raise AssertionError("must not be called")
 
 
-def test_cuda_array_interface_objects_are_unsupported():
-    with pytest.raises(UnsupportedValue, match="GPU path is not enabled"):
+@pytest.mark.skipif(not _no_usable_gpu(), reason="a GPU is present: device arrays are stored")
+def test_cuda_array_interface_objects_without_a_gpu_are_a_clear_error():
+    with pytest.raises(UnsupportedValue, match="device array"):
         to_buffer(FakeCupyArray())
 
 
@@ -495,11 +503,14 @@ def test_torch_device_tensor_is_unsupported(torch):
         to_buffer(torch.ones(2, device="meta"))
 
 
-def test_torch_cuda_tensor_is_unsupported(torch):
+@pytest.mark.gpu
+def test_torch_cuda_tensor_is_a_device_object(torch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    with pytest.raises(UnsupportedValue, match=r"\.cpu\(\)"):
-        to_buffer(torch.ones(2, device="cuda"))
+    buf, layout = to_buffer(torch.arange(6, dtype=torch.float32, device="cuda").reshape(2, 3))
+    assert layout.kind == "device" and layout.shape == (2, 3) and layout.nbytes == 24
+    out = from_buffer(buf, layout, "torch")
+    assert out.is_cuda and torch.equal(out.cpu(), torch.arange(6.0).reshape(2, 3))
 
 
 def test_torch_sparse_tensor_is_unsupported(torch):

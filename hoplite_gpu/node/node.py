@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hoplite_gpu import device
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
@@ -150,6 +151,8 @@ class Node:
                 raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
             return oid
         inline = layout.nbytes <= self.config.inline_threshold
+        if inline and device.is_device_buffer(buf):
+            buf = memoryview(device.to_host(buf))
         data = np.frombuffer(bytearray(buf), dtype=np.uint8) if inline else None
         obj = self.store.create(oid, layout, data)
         if inline:
@@ -170,7 +173,9 @@ class Node:
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
         """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""
         dst, chunk = obj.buffer, self.config.chunk_size
-        srcarr = np.frombuffer(src, dtype=np.uint8)
+        # A device value is copied on the device, queued on this thread's stream
+        # after the work that produced it (see hoplite_gpu.device on stream order).
+        srcarr = src if device.is_device_buffer(src) else np.frombuffer(src, dtype=np.uint8)
         for start in range(0, obj.size, chunk):
             stop = min(start + chunk, obj.size)
             dst[start:stop] = srcarr[start:stop]
@@ -178,11 +183,11 @@ class Node:
             await asyncio.sleep(0)
 
     # ---------------------------------------------------------------- get ---
-    async def get(self, oid: ObjectID, timeout: float) -> Any:
+    async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy") -> Any:
         obj = await self.fetch(oid, timeout)
         if obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
             raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
-        return from_buffer(obj.buffer, obj.layout)
+        return from_buffer(obj.buffer, obj.layout, array_type)
 
     async def fetch(self, oid: ObjectID, timeout: float) -> StoredObject:
         """Make `oid` complete in the local store (pulling it if needed) and return it."""

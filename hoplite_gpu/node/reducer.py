@@ -12,6 +12,7 @@ import numpy as np
 
 from hoplite_gpu import kernels
 from hoplite_gpu.config import Config
+from hoplite_gpu.device import element_view
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, numpy_dtype
 
@@ -45,7 +46,7 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
             copy = inplace = StoredObject(oid, layout, out.buffer)
         else:
             # A private copy: not in the store, so the directory never routes anyone to it.
-            copy = StoredObject(oid, layout, store.pool.acquire(layout.nbytes))
+            copy = StoredObject(oid, layout, store.alloc(layout))
         kids.append(copy)
         pulls.append(loop.create_task(
             fetch_range(pool, child["address"], copy, copy.size, config, lambda _pos: None)))
@@ -70,16 +71,19 @@ async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObje
         end = min(pos + chunk, out.size)
         for src in (own, *kids):
             await _ready_or_failed(src, end, timeout, pulls)
-        acc = out.buffer[pos:end].view(dtype)
+        # On a GPU node these are CuPy views and the kernels run on the device,
+        # queued on the current stream before the watermark moves.
+        acc, kind = element_view(out.buffer[pos:end], dtype)
         if inplace is None:
-            acc[...] = own.buffer[pos:end].view(dtype)
+            acc[...] = element_view(own.buffer[pos:end], dtype)[0]
         else:  # acc already holds the in-place child's bytes
-            kernels.reduce_into(acc, own.buffer[pos:end].view(dtype), op)
+            kernels.reduce_into(acc, element_view(own.buffer[pos:end], dtype)[0], op, dtype=kind)
         for kid in kids:
             if kid is not inplace:
-                kernels.reduce_into(acc, kid.buffer[pos:end].view(dtype), op)
+                kernels.reduce_into(acc, element_view(kid.buffer[pos:end], dtype)[0], op,
+                                    dtype=kind)
         if count:
-            kernels.finalize(acc, op, count)
+            kernels.finalize(acc, op, count, dtype=kind)
         out.advance(end)
         await asyncio.sleep(0)  # let the parent's pull send what is ready
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from hoplite_gpu import device
 from hoplite_gpu.errors import ObjectNotFound, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout
@@ -23,7 +25,7 @@ from .pool import BufferPool
 class StoredObject:
     oid: ObjectID
     layout: Layout
-    buffer: np.ndarray                      # 1-D uint8, layout.nbytes long
+    buffer: Any  # 1-D uint8, layout.nbytes long: a NumPy array, or CuPy for device objects
     ready: int = 0
     error: BaseException | None = None
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
@@ -101,7 +103,8 @@ class ChunkStore:
         The object is left with an empty buffer, so a late reader fails loudly
         instead of seeing another object's bytes."""
         buffer, obj.buffer = obj.buffer, _RELEASED
-        self.pool.release(buffer)
+        if not device.is_device_buffer(buffer):  # CuPy's memory pool reuses device memory
+            self.pool.release(buffer)
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects
@@ -115,9 +118,19 @@ class ChunkStore:
     def get(self, oid: ObjectID) -> StoredObject | None:
         return self._objects.get(oid)
 
-    def create(self, oid: ObjectID, layout: Layout, buffer: np.ndarray | None = None) -> StoredObject:
+    def alloc(self, layout: Layout) -> Any:
+        """A buffer for an object of `layout`: device memory for a device object
+        when this process has a GPU, else a (pooled) host buffer."""
+        if layout.kind == "device" and device.gpu_present():
+            return device.empty(layout.nbytes)
+        return self.pool.acquire(layout.nbytes)
+
+    def create(self, oid: ObjectID, layout: Layout, buffer: Any = None) -> StoredObject:
         if buffer is None:
-            buffer = self.pool.acquire(layout.nbytes)
+            buffer = self.alloc(layout)
+        elif layout.kind == "device" and device.gpu_present() and \
+                not device.is_device_buffer(buffer):
+            buffer = device.from_host(buffer)  # an inline device object: back on the GPU
         obj = StoredObject(oid, layout, buffer)
         self._objects[oid] = obj
         for fut in self._appear.pop(oid, []):

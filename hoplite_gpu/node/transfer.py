@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
+from hoplite_gpu import device
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.wire import raise_for_error
@@ -93,7 +95,8 @@ class DataServer:
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
         chunk = self.config.chunk_size
-        view = memoryview(obj.buffer)
+        src = _sendable(obj.buffer, stream)
+        staging = device.staging(chunk) if src is None else None  # device bytes over TCP
         while pos < end:
             if not await self._wait_or_keepalive(stream, obj, min(pos + chunk, end)):
                 return
@@ -101,7 +104,11 @@ class DataServer:
             upto = min(obj.ready, end)
             while pos < upto:
                 n = min(chunk, upto - pos)
-                await stream.send(FRAME.pack(FRAME_DATA, n), view[pos:pos + n])
+                if staging is None:
+                    payload = src[pos:pos + n]
+                else:
+                    payload = device.download(obj.buffer[pos:pos + n], staging)
+                await stream.send(FRAME.pack(FRAME_DATA, n), payload)
                 pos += n
                 await asyncio.sleep(0)  # let other pulls of this node progress too
 
@@ -178,7 +185,8 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     try:
         pos = obj.ready
         await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end})
-        view = memoryview(obj.buffer)
+        view = _sendable(obj.buffer, stream)
+        staging = device.staging(config.chunk_size) if view is None else None
         stall = config.stall_timeout_s
         while pos < end:
             try:
@@ -190,7 +198,13 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                         raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
                     if n == 0:
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
-                    await stream.recv_into(view[pos:pos + n])
+                    if staging is None:
+                        await stream.recv_into(view[pos:pos + n])
+                    else:  # device bytes over a host-only transport
+                        if n > len(staging):
+                            staging = device.staging(n)
+                        await stream.recv_into(memoryview(staging)[:n])
+                        device.upload(obj.buffer[pos:pos + n], staging)
             except Timeout:
                 raise  # the peer reported its own timeout in an error frame
             except TimeoutError:
@@ -209,6 +223,15 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         else:
             with contextlib.suppress(Exception):
                 await stream.close()
+
+
+def _sendable(buffer: Any, stream: Stream) -> Any:
+    """What to hand `stream` for `buffer`'s bytes: a memoryview of host memory,
+    the device array itself where the transport moves device memory (UCX), or
+    None: device memory over a host-only transport, staged through pinned memory."""
+    if not device.is_device_buffer(buffer):
+        return memoryview(buffer)
+    return buffer if getattr(stream, "supports_device", False) else None
 
 
 def _raise_peer_error(address: str, body: dict) -> None:

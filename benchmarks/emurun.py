@@ -114,6 +114,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                                    launch_wall_s=time.monotonic() - t)
                         row.pop("start_max", None)
                         row.pop("end_max", None)
+                        row.pop("start_min", None)
                         rows.append(row)
                         _say(console, row, args)
     summary = summarize(rows)
@@ -162,7 +163,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "p25_s": q[0], "p75_s": q[2],
                     "stdev_s": statistics.stdev(samples) if len(samples) > 1 else 0.0,
                     "lower_bound_s": rs[0]["lower_bound_s"],
-                    "ratio_to_bound": med / rs[0]["lower_bound_s"]})
+                    "ratio_to_bound": med / rs[0]["lower_bound_s"],
+                    "cpu_busy": statistics.median(busy) if (busy := [
+                        r["cpu"]["busy"] for r in rs if r.get("cpu")]) else None})
     for e in out:
         e["ratio_to"] = {o["system"]: e["median_s"] / o["median_s"] for o in out
                          if (o["op"], o["size_bytes"]) == (e["op"], e["size_bytes"])
@@ -174,7 +177,7 @@ def table(summary: list[dict], hosts: int, gbit: float) -> Table:
     t = Table(title=f"{hosts} emulated hosts, {gbit:g} Gbit/s links: medians over every call "
                     f"(x sys = this time / that system's time; > 1: that system is faster)")
     for col in ("op", "size", "system", "n", "median", "min .. max", "bound", "x bound",
-                "x hoplite-gpu", "x openmpi-tuned", "x gloo"):
+                "x hoplite-gpu", "x openmpi-tuned", "x gloo", "CPU busy"):
         t.add_column(col, justify="right", no_wrap=True)
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for e in sorted(summary, key=lambda e: (OPS.index(e["op"]) if e["op"] in OPS else 99,
@@ -183,7 +186,8 @@ def table(summary: list[dict], hosts: int, gbit: float) -> Table:
                   f"{fmt_s(e['min_s'])} .. {fmt_s(e['max_s'])}", fmt_s(e["lower_bound_s"]),
                   f"{e['ratio_to_bound']:.2f}",
                   *(f"{e['ratio_to'][s]:.2f}" if s in e["ratio_to"] else "-"
-                    for s in ("hoplite-gpu", "openmpi-tuned", "gloo")))
+                    for s in ("hoplite-gpu", "openmpi-tuned", "gloo")),
+                  "-" if e.get("cpu_busy") is None else f"{e['cpu_busy']:.0%}")
     return t
 
 

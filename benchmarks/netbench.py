@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import subprocess
+import threading
 import time
 
 from hoplite_gpu.auth import new_token
@@ -126,10 +127,68 @@ def gloo_run(c: EmulatedCluster, op: str, size: int, *, iters: int = 1, warmup: 
     return json.loads(outs[0].strip().splitlines()[-1])["ranks"]
 
 
+class CpuSampler:
+    """Samples /proc/stat (the whole machine: every emulated host shares its
+    cores) every 20 ms, to tell how busy the CPUs were while calls ran."""
+
+    def __init__(self, every: float = 0.02) -> None:
+        self.every, self.samples = every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _read() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:8]]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._read()))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def window(self, t_a: float, t_b: float) -> dict | None:
+        """Fractions of all cores' time between t_a and t_b: busy, and its user,
+        system and softirq (packet forwarding, shaping) parts."""
+        if len(self.samples) < 2:
+            return None
+        before = [s for s in self.samples if s[0] <= t_a] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= t_b] or self.samples[-1:]
+        a, b = before[-1][1], after[0][1]
+        d = [y - x for x, y in zip(a, b, strict=True)]  # user nice system idle iowait irq softirq
+        total = sum(d) or 1
+        return {"busy": 1 - (d[3] + d[4]) / total, "user": (d[0] + d[1]) / total,
+                "system": d[2] / total, "softirq": (d[5] + d[6]) / total,
+                "cores": os.cpu_count()}
+
+
 def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int = 1,
                warmup: int = 0, period: float = 0.0, ready: list[float] | None = None) -> dict:
     """One launch of `system`: returns a row with every measured call's time
     (`samples_s`), checked results and the bytes that crossed the links."""
+    with CpuSampler() as cpu:
+        ranks, extra, before, after = _launch(c, system, op, size, tag=tag, iters=iters,
+                                              warmup=warmup, period=period, ready=ready)
+    row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
+    down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    floor = link_volume(op, c.hosts, size) * (iters + warmup)
+    row.update(extra, link_bytes_down=down, link_bytes_floor=floor,
+               cpu=cpu.window(min(row["start_min"]), max(row["end_max"])))
+    if down < floor:
+        raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "
+                             f"{floor} the op needs: some traffic went another way")
+    return row
+
+
+def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int,
+            warmup: int, period: float, ready: list[float] | None):
     before = c.link_bytes()
     extra: dict = {}
     if system in ("hoplite-gpu", "star"):
@@ -147,15 +206,7 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
         extra = {"mca": report["mca"], "library": report["library"]}
     else:
         raise ValueError(f"unknown system {system!r}")
-    after = c.link_bytes()
-    row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
-    down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    floor = link_volume(op, c.hosts, size) * (iters + warmup)
-    row.update(extra, link_bytes_down=down, link_bytes_floor=floor)
-    if down < floor:
-        raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "
-                             f"{floor} the op needs: some traffic went another way")
-    return row
+    return ranks, extra, before, c.link_bytes()
 
 
 def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict], *, iters: int,
@@ -182,6 +233,7 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
             "late_calls": late, "samples_s": samples, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound, "check": "exact", "crc": crcs.pop(),
             "start_max": [max(r["starts"][k] for r in ranks) for k in range(iters)],
+            "start_min": [min(r["starts"][k] for r in ranks) for k in range(iters)],
             "end_max": [max(r["ends"][k] for r in ending) for k in range(iters)]}
 
 

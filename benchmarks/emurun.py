@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import statistics
 import time
 
@@ -67,10 +68,21 @@ def footprint(op: str, size: int, hosts: int) -> int:
     return int(per * 1.1) + hosts * (200 << 20)
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM, and SIGINT even where a background shell ignores it, raise
+    KeyboardInterrupt, so the namespaces and every started process are cleaned up."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
 def run(args: argparse.Namespace, console: Console) -> dict:
     from .emulated import EmulatedCluster
     from .netbench import dynamic_allreduce, run_launch
 
+    _stop_on_signals()
     sizes = [parse_size(s) for s in (FULL_SIZES if args.full else args.sizes)]
     systems = list(dict.fromkeys(args.systems))
     mpi_version = None

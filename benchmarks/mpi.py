@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import uuid
 
 from .emulated import PY, EmulatedCluster
 
@@ -116,7 +118,9 @@ def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int =
                 "-np", str(c.hosts), "--bind-to", "none"]
         for k, v in mca.items():
             argv += ["--mca", k, v]
-        argv += [wrapper, PY, "-m", "benchmarks.mpinode", "--op", op, "--size", str(size),
+        run_id = uuid.uuid4().hex
+        argv += [wrapper, PY, "-m", "benchmarks.mpinode", f"--run-id={run_id}", "--op", op,
+                 "--size", str(size),
                  "--iters", str(iters), "--warmup", str(warmup), "--period", str(period)]
         if ready:
             argv += ["--ready-after", ",".join(f"{x:g}" for x in ready)]
@@ -124,11 +128,37 @@ def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int =
                "PMIX_MCA_ptl_tcp_remote_connections": "1", "PMIX_MCA_ptl_tcp_if_include": "eth0",
                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                "OMPI_MCA_rmaps_base_oversubscribe": "1", "TMPDIR": tmp}
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"mpirun failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
-                           f"{done.stderr[-3000:]}")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=ROOT)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            _stop(proc, run_id)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"mpirun failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
     report = json.loads(lines[-1])
     report["mca"] = mca
     return report
+
+
+def _stop(proc: subprocess.Popen, run_id: str) -> None:
+    """If mpirun is still running (timeout, Ctrl-C), let it end its ranks
+    (SIGTERM), then kill it and any rank of this run that outlived it (found by
+    the run id on its command line)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"--run-id={run_id}".encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass

@@ -18,6 +18,7 @@ from .payload import OPS, check, eth0_address, make_input
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--op", choices=OPS, required=True)
+    p.add_argument("--run-id", default="", help="marks this run's ranks (for clean-up)")
     p.add_argument("--size", type=int, required=True, help="bytes per rank")
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--warmup", type=int, default=0)

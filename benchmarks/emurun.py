@@ -8,6 +8,7 @@ import argparse
 import re
 import signal
 import statistics
+import subprocess
 import time
 
 from rich.console import Console
@@ -80,7 +81,6 @@ def _stop_on_signals() -> None:
 
 def run(args: argparse.Namespace, console: Console) -> dict:
     from .emulated import EmulatedCluster
-    from .netbench import dynamic_allreduce, run_launch
 
     _stop_on_signals()
     sizes = [parse_size(s) for s in (FULL_SIZES if args.full else args.sizes)]
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         mpi_version = ensure_mpi(log=console.print)
     rows: list[dict] = []
     skipped: list[dict] = []
+    failed: list[dict] = []
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
         link = cluster.measure_link()
         console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
@@ -111,17 +112,22 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 for r in range(launches):
                     for system in names:  # systems interleaved, so drift hits all alike
                         t = time.monotonic()
-                        tag = f"{op}-{size}-{r}-{system}"
-                        if op == "allreduce-dynamic":
-                            row = dynamic_allreduce(cluster, size, args.gap, system, tag)
-                        elif small:
-                            bound = lower_bound(op, size, args.hosts, args.gbit * 1e9)
-                            period = max(args.period, 12 * bound)
-                            iters = max(5, min(args.iters, int(args.latency_budget / period)))
-                            row = run_launch(cluster, system, op, size, tag=tag, iters=iters,
-                                             warmup=args.warmup, period=period)
+                        errors = []
+                        for attempt in range(1 + args.retries):
+                            tag = f"{op}-{size}-{r}-{system}-{attempt}"
+                            try:
+                                row = _measure(cluster, system, op, size, tag, args)
+                                break
+                            except (RuntimeError, AssertionError, subprocess.SubprocessError,
+                                    ValueError) as exc:  # a launch that failed: said, kept, retried
+                                errors.append(f"{type(exc).__name__}: {str(exc)[-600:]}")
+                                console.print(f"[red]{system} {op} {human(size)} launch {r} "
+                                              f"attempt {attempt + 1} failed: {errors[-1][:300]}[/]")
                         else:
-                            row = run_launch(cluster, system, op, size, tag=tag)
+                            failed.append({"system": system, "op": op, "size_bytes": size,
+                                           "launch": r, "errors": errors})
+                            continue
+                        row["failed_attempts"] = errors
                         row.update(measured_link_bps=link, launch=r,
                                    launch_wall_s=time.monotonic() - t)
                         row.pop("start_max", None)
@@ -143,7 +149,21 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     dynamic_only = args.ops == ["allreduce-dynamic"]
     return {"benchmark": "allreduce-dynamic-emulated" if dynamic_only else "collectives-emulated",
             "file_stem": args.tag, "settings": settings, "rows": rows, "summary": summary,
-            "skipped": skipped}
+            "skipped": skipped, "failed": failed, "byte_identical": not failed}
+
+
+def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.Namespace) -> dict:
+    from .netbench import dynamic_allreduce, run_launch
+
+    if op == "allreduce-dynamic":
+        return dynamic_allreduce(cluster, size, args.gap, system, tag)
+    if size <= args.latency_max:
+        bound = lower_bound(op, size, args.hosts, args.gbit * 1e9)
+        period = max(args.period, 12 * bound)
+        iters = max(5, min(args.iters, int(args.latency_budget / period)))
+        return run_launch(cluster, system, op, size, tag=tag, iters=iters, warmup=args.warmup,
+                          period=period)
+    return run_launch(cluster, system, op, size, tag=tag)
 
 
 def _say(console: Console, row: dict, args: argparse.Namespace) -> None:
@@ -225,5 +245,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--ops", nargs="+", default=OPS, choices=[*OPS, "allreduce-dynamic"])
     e.add_argument("--gap", type=float, default=0.5,
                    help="seconds between inputs becoming ready (allreduce-dynamic)")
+    e.add_argument("--retries", type=int, default=1,
+                   help="relaunches of a launch that failed (its error is kept in the row)")
     e.add_argument("--tag", default=None,
                    help="results file name stem (default: the benchmark name)")

@@ -229,6 +229,7 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
     bound = lower_bound(op, size, c.hosts, c.bandwidth_bps)
     seconds = statistics.median(samples)
     return {"system": system, "label": system, "op": op, "hosts": c.hosts, "size_bytes": size,
+            "init_retries": sum(r.get("init_retries", 0) for r in ranks),
             "bandwidth_bps": c.bandwidth_bps, "iters": iters, "warmup": warmup, "period_s": period,
             "late_calls": late, "samples_s": samples, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound, "check": "exact", "crc": crcs.pop(),

@@ -39,7 +39,19 @@ def main() -> int:
     p.add_argument("--chunk-size", type=int, default=None)
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
+    init_retries = 0
+    while True:
+        try:
+            hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
+            break
+        except hg.RuntimeClosed:
+            # Runtime.__init__ submits its first call before its loop thread runs
+            # the loop; on a loaded machine that can refuse it. Try again.
+            init_retries += 1
+            if init_retries > 3:
+                raise
+            hg.shutdown()
+            time.sleep(0.2)
     try:
         value = make_input(args.rank, args.size) if args.op != "broadcast" or args.rank == 0 else None
         fn = getattr(collectives, args.op)
@@ -58,7 +70,8 @@ def main() -> int:
                 ends.append(end)
         ok, crc = check(args.op, args.world, out, args.size, args.rank)
         print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends,
-                          "ok": ok, "crc": crc, "host": eth0_address()}), flush=True)
+                          "ok": ok, "crc": crc, "host": eth0_address(),
+                          "init_retries": init_retries}), flush=True)
         sys.stdin.read()  # keep serving our objects until the harness closes stdin
         return 0
     finally:

@@ -197,7 +197,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "lower_bound_s": rs[0]["lower_bound_s"],
                     "ratio_to_bound": med / rs[0]["lower_bound_s"],
                     "cpu_busy": statistics.median(busy) if (busy := [
-                        r["cpu"]["busy"] for r in rs if r.get("cpu")]) else None})
+                        r["cpu"]["busy"] for r in rs if r.get("cpu")]) else None,
+                    "cpu_s_per_call": statistics.median(cs) if (cs := [
+                        r["cpu_s_per_call"] for r in rs if r.get("cpu_s_per_call") is not None])
+                    else None})
     for e in out:
         e["ratio_to"] = {o["system"]: e["median_s"] / o["median_s"] for o in out
                          if (o["op"], o["size_bytes"]) == (e["op"], e["size_bytes"])
@@ -209,7 +212,7 @@ def table(summary: list[dict], hosts: int, gbit: float) -> Table:
     t = Table(title=f"{hosts} emulated hosts, {gbit:g} Gbit/s links: medians over every call "
                     f"(x sys = this time / that system's time; > 1: that system is faster)")
     for col in ("op", "size", "system", "n", "median", "min .. max", "bound", "x bound",
-                "x hoplite-gpu", "x openmpi-tuned", "x gloo", "CPU busy"):
+                "x hoplite-gpu", "x openmpi-tuned", "x gloo", "CPU busy", "CPU s/call"):
         t.add_column(col, justify="right", no_wrap=True)
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for e in sorted(summary, key=lambda e: (OPS.index(e["op"]) if e["op"] in OPS else 99,
@@ -219,7 +222,8 @@ def table(summary: list[dict], hosts: int, gbit: float) -> Table:
                   f"{e['ratio_to_bound']:.2f}",
                   *(f"{e['ratio_to'][s]:.2f}" if s in e["ratio_to"] else "-"
                     for s in ("hoplite-gpu", "openmpi-tuned", "gloo")),
-                  "-" if e.get("cpu_busy") is None else f"{e['cpu_busy']:.0%}")
+                  "-" if e.get("cpu_busy") is None else f"{e['cpu_busy']:.0%}",
+                  "-" if e.get("cpu_s_per_call") is None else f"{e['cpu_s_per_call']:.3g}")
     return t
 
 

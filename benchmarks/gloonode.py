@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from .payload import OPS, check, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input
 
 
 def main() -> None:
@@ -43,6 +43,7 @@ def main() -> None:
     dist.broadcast(t, src=0)
     t0 = float(t[0])
     starts, ends = [], []
+    cpu0 = cpu_seconds()
     for k in range(args.warmup + args.iters):
         if args.op in ("reduce", "allreduce") or (args.op == "broadcast" and rank == 0):
             work.copy_(x)  # these work in place: start every call from the input
@@ -64,11 +65,12 @@ def main() -> None:
         if k >= args.warmup:
             starts.append(start)
             ends.append(end)
+    cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
     out = [q.numpy() for q in pieces] if pieces is not None else work.numpy()
     ok, crc = check(args.op, world, out, args.size, rank)
     reports = [None] * world
     dist.gather_object({"rank": rank, "t0": t0, "starts": starts, "ends": ends, "ok": ok, "crc": crc,
-                        "host": eth0_address()},
+                        "host": eth0_address(), "cpu_s": cpu_s},
                        reports if rank == 0 else None, dst=0)
     if rank == 0:
         print(json.dumps({"ranks": reports}), flush=True)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .payload import OPS, check, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input
 
 
 def main() -> None:
@@ -41,6 +41,7 @@ def main() -> None:
     comm.Barrier()
     t0 = comm.bcast(time.time() + 0.3 if rank == 0 else None, root=0)
     starts, ends = [], []
+    cpu0 = cpu_seconds()
     for k in range(args.warmup + args.iters):
         delay = t0 + k * args.period + ready[rank] - time.time()
         if delay > 0:
@@ -60,9 +61,10 @@ def main() -> None:
         if k >= args.warmup:
             starts.append(start)
             ends.append(end)
+    cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
     ok, crc = check(op, world, x if op == "broadcast" else out, args.size, rank)
     report = {"rank": rank, "t0": t0, "starts": starts, "ends": ends, "ok": ok, "crc": crc,
-              "host": eth0_address()}
+              "host": eth0_address(), "cpu_s": cpu_s}
     reports = comm.gather(report, root=0)
     if rank == 0:
         print(json.dumps({"ranks": reports, "library": MPI.Get_library_version().strip()}), flush=True)

@@ -230,6 +230,9 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
     seconds = statistics.median(samples)
     return {"system": system, "label": system, "op": op, "hosts": c.hosts, "size_bytes": size,
             "init_retries": sum(r.get("init_retries", 0) for r in ranks),
+            "cpu_s_ranks": [r.get("cpu_s") for r in ranks],
+            "cpu_s_per_call": (sum(r["cpu_s"] for r in ranks) / (iters + warmup)
+                               if all(r.get("cpu_s") is not None for r in ranks) else None),
             "bandwidth_bps": c.bandwidth_bps, "iters": iters, "warmup": warmup, "period_s": period,
             "late_calls": late, "samples_s": samples, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound, "check": "exact", "crc": crcs.pop(),

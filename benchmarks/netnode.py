@@ -18,7 +18,7 @@ import time
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
 
-from .payload import OPS, check, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input
 
 
 def main() -> int:
@@ -58,6 +58,7 @@ def main() -> int:
         print(json.dumps({"ready": True}), flush=True)
         t0 = json.loads(sys.stdin.readline())["t0"]
         starts, ends, out = [], [], None
+        cpu0 = cpu_seconds()
         for k in range(args.warmup + args.iters):
             delay = t0 + k * args.period + args.ready_after - time.time()
             if delay > 0:
@@ -68,9 +69,10 @@ def main() -> int:
             if k >= args.warmup:
                 starts.append(start)
                 ends.append(end)
+        cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
         ok, crc = check(args.op, args.world, out, args.size, args.rank)
         print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends,
-                          "ok": ok, "crc": crc, "host": eth0_address(),
+                          "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s,
                           "init_retries": init_retries}), flush=True)
         sys.stdin.read()  # keep serving our objects until the harness closes stdin
         return 0

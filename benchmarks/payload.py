@@ -110,3 +110,11 @@ def eth0_address() -> str:
     out = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", "eth0"], capture_output=True,
                          text=True, check=False).stdout.split()
     return out[out.index("inet") + 1].split("/")[0] if "inet" in out else ""
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread included."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime

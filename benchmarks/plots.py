@@ -153,7 +153,8 @@ def _bars(entries: list[dict], group, key: str, scale: float | None):
             ys.append(y)
             lo.append(max(0.0, y - e["p25_s"] * f))
             hi.append(max(0.0, e["p75_s"] * f - y))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=system)
+        color = f"C{_ORDER.index(system)}" if system in _ORDER else None  # one colour per system
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=system, color=color)
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(groups))], groups)
     ax.legend(fontsize=8)
     return fig, ax

@@ -180,6 +180,7 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
     down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     floor = link_volume(op, c.hosts, size) * (iters + warmup)
     row.update(extra, link_bytes_down=down, link_bytes_floor=floor,
+               link_bytes_hosts=[[a[0] - b[0], a[1] - b[1]] for a, b in zip(after, before, strict=True)],
                cpu=cpu.window(min(row["start_min"]), max(row["end_max"])))
     if down < floor:
         raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "

@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench bench-emulated clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ lint: setup
 bench: setup
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks broadcast
+	$(BIN)/python -m benchmarks plot
+
+bench-emulated: setup
+	$(BIN)/python -m pip install -q -e '.[bench]' 'torch==2.13.0'
+	$(BIN)/python -m benchmarks emulated
 	$(BIN)/python -m benchmarks plot
 
 clean:

@@ -41,7 +41,13 @@ class Runtime:
         self.token = token
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="hoplite-gpu-loop", daemon=True)
+        # `submit` refuses work while the loop is not running: wait until it runs,
+        # or a loaded machine makes init fail with RuntimeClosed.
+        running = threading.Event()
+        self._loop.call_soon(running.set)
         self._thread.start()
+        if not running.wait(30):
+            raise RuntimeClosed("the hoplite-gpu loop thread did not start within 30s")
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
         try:

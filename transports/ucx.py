@@ -135,9 +135,10 @@ def _sync_device(buf: Any) -> None:
     stream = buf.__cuda_array_interface__.get("stream")
     import cupy  # noqa: PLC0415 - only with device buffers
 
-    if stream in (None, 1, 2):  # legacy/per-thread default stream or unspecified
-        cupy.cuda.runtime.deviceSynchronize() if stream is None else \
-            cupy.cuda.Stream.null.synchronize()
+    if stream is None:  # the producer did not say: wait for the whole device
+        cupy.cuda.runtime.deviceSynchronize()
+    elif stream in (1, 2):  # the legacy / per-thread default stream
+        cupy.cuda.Stream.null.synchronize()
     else:
         cupy.cuda.ExternalStream(stream).synchronize()
 

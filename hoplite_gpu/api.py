@@ -98,11 +98,16 @@ def delete(object_id: ObjectID) -> None:
 
 
 def reduce(object_ids: list[ObjectID], op: str = "sum", *, num_objects: int | None = None,
-           object_id: ObjectID | None = None) -> ObjectID:
+           object_id: ObjectID | None = None, root_input: ObjectID | None = None) -> ObjectID:
     """Start reducing the first `num_objects` (default: all) inputs to become
-    ready; returns the result's id at once. The tree is built as inputs arrive."""
+    ready; returns the result's id at once. The tree is built as inputs arrive.
+
+    `root_input`, one of the inputs, puts the tree's root (where the result is
+    produced) on the node that holds it, if it arrives among the first
+    `num_objects`: pass your own input when you will get the result, and it is
+    reduced where you are instead of being pulled from the last arrival."""
     rt = runtime()
-    args = _reduce_args(object_ids, op, num_objects, object_id)
+    args = _reduce_args(object_ids, op, num_objects, object_id, root_input)
     return rt.call(rt.node.reduce(*args), rt.config.timeout_s)
 
 
@@ -113,7 +118,7 @@ def reduced_inputs(object_id: ObjectID, *, timeout: float | None = None) -> list
     return rt.call(rt.node.reduced_inputs(as_object_id(object_id), limit), limit)
 
 
-def _reduce_args(object_ids, op, num_objects, object_id):
+def _reduce_args(object_ids, op, num_objects, object_id, root_input=None):
     from .kernels import check_op
 
     check_op(op)
@@ -127,7 +132,11 @@ def _reduce_args(object_ids, op, num_objects, object_id):
     k = len(inputs) if num_objects is None else num_objects
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(inputs):
         raise InvalidArgument(f"num_objects must be an int from 1 to {len(inputs)}; got {num_objects!r}")
-    return inputs, op, k, _new_id(object_id)
+    if root_input is not None:
+        root_input = as_object_id(root_input)
+        if root_input not in inputs:
+            raise InvalidArgument(f"root_input {root_input} is not one of the reduce's inputs")
+    return inputs, op, k, _new_id(object_id), root_input
 
 
 def object_info(object_id: ObjectID) -> dict[str, Any]:
@@ -161,9 +170,11 @@ async def delete_async(object_id: ObjectID) -> None:
 
 async def reduce_async(object_ids: list[ObjectID], op: str = "sum", *,
                        num_objects: int | None = None,
-                       object_id: ObjectID | None = None) -> ObjectID:
+                       object_id: ObjectID | None = None,
+                       root_input: ObjectID | None = None) -> ObjectID:
     rt = runtime()
-    return await rt.call_async(rt.node.reduce(*_reduce_args(object_ids, op, num_objects, object_id)))
+    return await rt.call_async(rt.node.reduce(*_reduce_args(object_ids, op, num_objects, object_id,
+                                                            root_input)))
 
 
 async def reduced_inputs_async(object_id: ObjectID, *, timeout: float | None = None) -> list[ObjectID]:

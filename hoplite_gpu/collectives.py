@@ -49,7 +49,9 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     """The reduction of the first `num_objects` ready values, returned on `root` (None elsewhere)."""
     _check(rank, size, root)
     ids, target = _reduce_ids(name, size, op, num_objects)
-    api.reduce(ids, op, num_objects=num_objects, object_id=target)  # idempotent across ranks
+    # Idempotent across ranks; the root's own input takes the tree's root, so
+    # the result is produced where it is wanted (no extra hop to fetch it).
+    api.reduce(ids, op, num_objects=num_objects, object_id=target, root_input=ids[root])
     api.put(value, ids[rank])
     return api.get(target, timeout=timeout) if rank == root else None
 

@@ -115,6 +115,21 @@ def allreduce_worker(name: str, rank: int, size: int, n: int, delay: float, op: 
     return zlib.crc32(np.ascontiguousarray(out)), float(out[:1000].astype(np.float64).sum())
 
 
+def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: float):
+    """collectives.reduce of float32 values after `delay`; the root reports the
+    result's checksum and which nodes produced it (the reduce tree's root)."""
+    from hoplite_gpu import collectives
+
+    time.sleep(delay)
+    value = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    out = collectives.reduce(value, name=name, rank=rank, size=size, root=root, timeout=120)
+    if out is None:
+        return None
+    target = hg.ObjectID.from_name(f"{name}/reduce/sum/{size}")
+    origins = [h["node"] for h in hg.object_info(target)["holders"] if h["origin"]]
+    return float(out[:1000].astype(np.float64).sum()), origins, node_id()
+
+
 def collective_worker(kind: str, name: str, rank: int, size: int):
     from hoplite_gpu import collectives
 

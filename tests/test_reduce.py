@@ -65,6 +65,21 @@ def test_mismatched_inputs_fail_every_waiter(cluster):
     assert msg.startswith("ReduceFailed") and "same dtype and shape" in msg
 
 
+@pytest.mark.parametrize("root_delay", [0.0, 0.3], ids=["root-first", "root-middle"])
+def test_reduce_result_is_produced_on_the_root(cluster, root_delay):
+    """The root's own input takes the tree's root, whenever it arrives, so the
+    result is reduced where it is wanted instead of pulled from the last arrival."""
+    root, n = 2, 300_000
+    delays = [0.1 * r for r in range(RANKS)]
+    delays[root] = root_delay
+    got = cluster.map(t.reduce_worker, [("red-root-" + str(root_delay), r, RANKS, root, n,
+                                         delays[r]) for r in range(RANKS)], timeout=120)
+    assert [g is None for g in got] == [r != root for r in range(RANKS)]
+    total, origins, me = got[root]
+    assert origins == [me]
+    assert total == pytest.approx(oracle(range(RANKS), 1000).sum(), rel=1e-4, abs=1e-3)
+
+
 @pytest.mark.parametrize("kind", ["broadcast", "gather", "allgather"])
 def test_collectives(cluster, kind):
     got = cluster.map(t.collective_worker, [(kind, f"coll-{kind}", r, RANKS) for r in range(RANKS)])

@@ -115,6 +115,53 @@ def test_chain_steps_follow_arrival_order():
     assert d.reduces[target].chosen == [oid(i) for i in arrival]
 
 
+@pytest.mark.parametrize("root_first", [True, False])
+def test_root_input_takes_the_chain_root_whenever_it_arrives(root_first):
+    d = directory(bytes_per_s=1.25e8)
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(4)), "sum", 4,
+                               root_input=oid(0)))
+    arrival = [0, 2, 3, 1] if root_first else [2, 3, 0, 1]
+    started = []
+    for i in arrival:
+        started += steps(put_complete(d, f"n{i + 1}", oid(i)))
+    root = started[-1]
+    assert root.node == "n1" and root.step["output"] == target and root.step["input"] == oid(0)
+    assert d.objects[target].holders["n1"].origin
+    # the others keep the in-order rule: the first arrival other than the root is the leaf
+    assert [c["oid"] for c in started[0].step["children"]] == [oid(2)]
+    assert d.reduces[target].chosen == [oid(i) for i in arrival]
+
+
+def test_root_input_that_comes_too_late_for_a_subset_reduce_is_not_waited_for():
+    d = directory(bytes_per_s=1.25e8)
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(5)), "sum", 3,
+                               root_input=oid(4)))
+    started = []
+    for i in [0, 1, 2]:
+        started += steps(put_complete(d, f"n{i + 1}", oid(i)))
+    assert started and started[-1].step["output"] == target
+    assert d.reduces[target].chosen == [oid(0), oid(1), oid(2)]
+    put_complete(d, "n5", oid(4))
+    assert d.reduces[target].backups == [oid(4)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(2, 12), d=st.integers(1, 4), data=st.data())
+def test_root_input_tree_is_complete_and_rooted_there(k, d, data):
+    arrival = data.draw(st.permutations(range(k)))
+    want = data.draw(st.integers(0, k - 1))
+    task = s.ReduceTask(oid(100), tuple(oid(i) for i in range(k)), "sum", k, degree=d,
+                        root_input=oid(want))
+    for i in arrival:
+        pos = task.place(oid(i))
+        assert 0 <= pos < k and pos not in task.at
+        task.at[pos] = len(task.slots)
+        task.slots.append((oid(i), f"n{i}"))
+    assert task.slot(tree_root(k, d))[0] == oid(want)
+
+
 def test_subset_reduce_keeps_backups_and_answers_reduced_inputs():
     d = directory()
     target = oid(100)

@@ -50,6 +50,7 @@ def inorder_tree(k: int, d: int) -> tuple[tuple[int | None, ...], tuple[tuple[in
     return tuple(parent), tuple(tuple(c) for c in children)
 
 
+@functools.lru_cache(maxsize=4096)
 def tree_root(k: int, d: int) -> int:
     parent, _ = inorder_tree(k, d)
     return parent.index(None)

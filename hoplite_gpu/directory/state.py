@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .reduce_plan import broadcast_fanout, choose_degree, inorder_tree
+from .reduce_plan import broadcast_fanout, choose_degree, inorder_tree, tree_root
 
 NodeId = str
 Key = bytes  # an ObjectID's 20 raw bytes
@@ -164,6 +164,9 @@ class ReduceRequested:
     inputs: tuple[Key, ...]
     op: str
     num_objects: int
+    #: An input whose node should hold the result (the tree's root): the node
+    #: that will get the result, so it need not pull it from elsewhere.
+    root_input: Key | None = None
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,10 @@ class ReduceTask:
     degree: int = 1
     #: (input, node hosting it) in arrival order; the first k fill tree positions.
     slots: list[tuple[Key, NodeId]] = field(default_factory=list)
+    #: tree position -> index into `slots`
+    at: dict[int, int] = field(default_factory=dict)
+    #: the input that takes the tree's root when it arrives among the first k
+    root_input: Key | None = None
     inline_data: list[bytes] = field(default_factory=list)
     backups: list[Key] = field(default_factory=list)
     started: set[int] = field(default_factory=set)
@@ -310,6 +317,24 @@ class ReduceTask:
     @property
     def chosen(self) -> list[Key]:
         return [oid for oid, _ in self.slots]
+
+    def slot(self, pos: int) -> tuple[Key, NodeId]:
+        return self.slots[self.at[pos]]
+
+    def place(self, oid: Key) -> int:
+        """The tree position for the next arrival: the lowest free one (the
+        in-order rule), except that the root waits for `root_input` while
+        another position is still free."""
+        root = tree_root(self.k, self.degree)
+        if oid == self.root_input and root not in self.at:
+            return root
+        skip = root if self.root_input is not None and root not in self.at else None
+        # Positions fill from 0 up with at most the root out of order, so the
+        # lowest free one is next to len(at).
+        p = max(0, len(self.at) - 1)
+        while p < self.k and (p in self.at or p == skip):
+            p += 1
+        return p if p < self.k else root
 
 
 def step_id(target: Key, position: int, tag: bytes = b"") -> Key:
@@ -541,6 +566,8 @@ class Directory:
         old = self.reduces.get(ev.target)
         if old is not None:
             if (old.inputs, old.op, old.k) == (ev.inputs, ev.op, ev.num_objects):
+                if old.root_input is None and ev.root_input in old.inputs:
+                    old.root_input = ev.root_input  # still honoured if the root is free
                 out.append(Reply(ev.node, ev.request, {"ok": True}))  # same reduce asked twice
             else:
                 out.append(Reply(ev.node, ev.request, error_body(
@@ -552,6 +579,7 @@ class Directory:
                 "InvalidArgument", problem or f"object {ev.target.hex()} already exists")))
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
+        task.root_input = ev.root_input if ev.root_input in ev.inputs else None
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
@@ -629,7 +657,7 @@ class Directory:
         parent, _ = inorder_tree(task.k, task.degree)
         for pos in task.started:
             if parent[pos] is not None:
-                out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag), reason))
+                out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), reason))
         entry = self.objects.pop(task.target, None)
         if entry is not None:
             for node in entry.holders:
@@ -637,7 +665,7 @@ class Directory:
             if entry.waiting:
                 self.pending.setdefault(task.target, deque()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
-        task.slots, task.backups, task.started = [], [], set()
+        task.slots, task.at, task.backups, task.started = [], {}, [], set()
         task.tag = self._next_tag()
         for oid in order:
             holder = self._ready_holder(oid)
@@ -671,6 +699,7 @@ class Directory:
         if problem:
             self._fail_reduce(task, problem, out)
             return
+        task.at[task.place(oid)] = len(task.slots)
         task.slots.append((oid, node))
         if task.inline:
             task.inline_data.append(entry.inline or b"")
@@ -702,25 +731,24 @@ class Directory:
     def _start_ready_steps(self, task: ReduceTask, out: list[Command]) -> None:
         """Start every tree position whose input and children's inputs have arrived."""
         parent, children = inorder_tree(task.k, task.degree)
-        filled = len(task.slots)
-        for pos in range(filled):
-            if pos in task.started or any(c >= filled for c in children[pos]):
+        for pos in sorted(task.at):
+            if pos in task.started or any(c not in task.at for c in children[pos]):
                 continue
             is_root = parent[pos] is None
             if children[pos] or is_root:
                 task.started.add(pos)
-                out.append(StartReduceStep(task.slots[pos][1], self._step(task, pos, is_root)))
+                out.append(StartReduceStep(task.slot(pos)[1], self._step(task, pos, is_root)))
             if is_root:
-                self._register_result(task, task.slots[pos][1], out)
+                self._register_result(task, task.slot(pos)[1], out)
 
     def _step(self, task: ReduceTask, pos: int, is_root: bool) -> dict[str, Any]:
         _, children = inorder_tree(task.k, task.degree)
         kids = []
         for c in children[pos]:
-            source = step_id(task.target, c, task.tag) if children[c] else task.slots[c][0]
-            kids.append({"oid": source, "address": self.nodes.get(task.slots[c][1], "")})
+            source = step_id(task.target, c, task.tag) if children[c] else task.slot(c)[0]
+            kids.append({"oid": source, "address": self.nodes.get(task.slot(c)[1], "")})
         return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos, task.tag),
-                "input": task.slots[pos][0], "children": kids, "reduce_op": task.op,
+                "input": task.slot(pos)[0], "children": kids, "reduce_op": task.op,
                 "count": task.k if is_root else 0, "size": task.size, "layout": task.layout}
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
@@ -734,8 +762,8 @@ class Directory:
         """The result is complete: intermediate partial results can go."""
         parent, children = inorder_tree(task.k, task.degree)
         for pos in task.started:
-            if parent[pos] is not None and pos < len(task.slots):
-                out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag),
+            if parent[pos] is not None and pos in task.at:
+                out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag),
                                 "the reduce finished; its partial results are freed"))
         self._forget_watch(task)
 
@@ -764,7 +792,7 @@ class Directory:
             for node, request in entry.waiting:
                 out.append(Reply(node, request, error_body("ReduceFailed", message)))
         for pos in task.started:
-            out.append(Drop(task.slots[pos][1], step_id(task.target, pos, task.tag), message))
+            out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
 
     # ------------------------------------------------------------ helpers ---
     def _holder(self, oid: Key, node: NodeId) -> Holder | None:

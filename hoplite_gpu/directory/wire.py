@@ -49,9 +49,12 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         inputs = field(msg, "inputs", list)
         if not all(isinstance(i, bytes) and len(i) == 20 for i in inputs):
             raise ProtocolError("reduce inputs must be 20-byte object ids")
+        root_input = msg.get("root_input")
+        if root_input is not None and not (isinstance(root_input, bytes) and len(root_input) == 20):
+            raise ProtocolError("reduce root_input must be a 20-byte object id")
         return state.ReduceRequested(node, field(msg, "rid", int), field(msg, "target", bytes),
                                      tuple(inputs), field(msg, "op_name", str),
-                                     field(msg, "num_objects", int))
+                                     field(msg, "num_objects", int), root_input)
     if op == "reduce_failed":
         return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
     if op == "step_lost":

@@ -357,9 +357,11 @@ class Node:
 
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
-                     target: ObjectID) -> ObjectID:
+                     target: ObjectID, root_input: ObjectID | None = None) -> ObjectID:
         msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
                "op_name": op, "num_objects": num_objects}
+        if root_input is not None:
+            msg["root_input"] = root_input.binary
         await self._request(msg, self.config.timeout_s)
         self._my_reduces[target] = msg  # asked again of a restarted directory
         return target

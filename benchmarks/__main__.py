@@ -139,6 +139,11 @@ def plot(args: argparse.Namespace, console: Console) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rayemu"]:  # its own options: python -m benchmarks rayemu --help
+        from .rayemu import main as rayemu_main
+
+        return rayemu_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
     b = sub.add_parser("broadcast", help="loopback broadcast vs point-to-point")
@@ -172,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(e)
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
+    sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
+                   "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")
     g.set_defaults(func=plot, no_save=True)
     args = p.parse_args(argv)

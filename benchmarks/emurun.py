@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                     skipped.append({"op": op, "size_bytes": size, "reason": why})
                     continue
                 names = [s for s in systems if s != "star" or op in STAR_OPS]
-                launches = 1 if small else args.repeats
+                launches = 1 if small or args.steady else args.repeats
                 for r in range(launches):
                     for system in names:  # systems interleaved, so drift hits all alike
                         t = time.monotonic()
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     settings = {"hosts": args.hosts, "bandwidth_bps": args.gbit * 1e9, "measured_link_bps": link,
                 "sizes_bytes": sizes, "ops": args.ops, "systems": systems,
                 "repeats": args.repeats, "iters": args.iters, "warmup": args.warmup,
+                "steady_calls": args.steady,
                 "latency_max_bytes": args.latency_max, "gap_s": args.gap,
                 "openmpi": {"version": mpi_version, "mca_both": TRANSPORT_MCA,
                             "mca_tuned": TUNED_MCA} if mpi_version else None,
@@ -163,6 +164,9 @@ def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.
         iters = max(5, min(args.iters, int(args.latency_budget / period)))
         return run_launch(cluster, system, op, size, tag=tag, iters=iters, warmup=args.warmup,
                           period=period)
+    if args.steady:  # one launch: a warm-up call, then the timed calls, each after a barrier
+        return run_launch(cluster, system, op, size, tag=tag, iters=args.steady, warmup=1,
+                          sync=True)
     return run_launch(cluster, system, op, size, tag=tag)
 
 
@@ -234,6 +238,11 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="per-rank sizes with binary units: 1K 64M 256M 1G (a bare number is MiB); "
                         f"default {' '.join(QUICK_SIZES)}")
     e.add_argument("--full", action="store_true", help=f"sizes {' '.join(FULL_SIZES)}")
+    e.add_argument("--steady", type=int, default=0, metavar="CALLS",
+                   help="large sizes: one launch per system with a warm-up call and CALLS timed "
+                        "calls, each after an untimed barrier, buffers reused between calls (a "
+                        "training loop's steady state; hoplite-gpu deletes the previous call's "
+                        "objects); default: --repeats fresh launches of one call each")
     e.add_argument("--repeats", type=int, default=3,
                    help="launches per (op, size, system) above --latency-max")
     e.add_argument("--iters", type=int, default=50,

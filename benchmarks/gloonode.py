@@ -24,6 +24,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--period", type=float, default=0.0)
+    p.add_argument("--sync", action="store_true",
+                   help="steady state: an untimed barrier and a new common start before every call")
     p.add_argument("--ready-after", type=float, default=0.0,
                    help="seconds after each slot that this rank's input becomes ready")
     args = p.parse_args()
@@ -47,6 +49,11 @@ def main() -> None:
     for k in range(args.warmup + args.iters):
         if args.op in ("reduce", "allreduce") or (args.op == "broadcast" and rank == 0):
             work.copy_(x)  # these work in place: start every call from the input
+        if args.sync:
+            dist.barrier()
+            t = torch.tensor([time.time() + 0.05], dtype=torch.float64)
+            dist.broadcast(t, src=0)
+            t0 = float(t[0]) - k * args.period
         delay = t0 + k * args.period + args.ready_after - time.time()
         if delay > 0:
             time.sleep(delay)

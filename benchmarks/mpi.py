@@ -103,7 +103,7 @@ exec ip netns exec "{prefix}$OMPI_COMM_WORLD_RANK" "$@"
 
 def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int = 1,
             warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
-            timeout: float = 900) -> dict:
+            timeout: float = 900, sync: bool = False) -> dict:
     """One mpirun across the emulated hosts doing `warmup + iters` iterations of
     `op`; returns rank 0's JSON report (every rank's start and end per iteration)."""
     if shutil.which("mpirun") is None:
@@ -122,6 +122,8 @@ def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int =
         argv += [wrapper, PY, "-m", "benchmarks.mpinode", f"--run-id={run_id}", "--op", op,
                  "--size", str(size),
                  "--iters", str(iters), "--warmup", str(warmup), "--period", str(period)]
+        if sync:
+            argv.append("--sync")
         if ready:
             argv += ["--ready-after", ",".join(f"{x:g}" for x in ready)]
         env = {**os.environ, "PYTHONPATH": ROOT,

@@ -23,6 +23,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--period", type=float, default=0.0)
+    p.add_argument("--sync", action="store_true",
+                   help="steady state: an untimed barrier and a new common start before every call")
     p.add_argument("--ready-after", default="",
                    help="comma-separated seconds after each slot that each rank's input is ready")
     args = p.parse_args()
@@ -43,6 +45,9 @@ def main() -> None:
     starts, ends = [], []
     cpu0 = cpu_seconds()
     for k in range(args.warmup + args.iters):
+        if args.sync:
+            comm.Barrier()
+            t0 = comm.bcast(time.time() + 0.05 if rank == 0 else None, root=0) - k * args.period
         delay = t0 + k * args.period + ready[rank] - time.time()
         if delay > 0:
             time.sleep(delay)

@@ -72,7 +72,8 @@ def _readline(p: subprocess.Popen, what: str) -> dict:
 
 def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: int = 1,
                 iters: int = 1, warmup: int = 0, period: float = 0.0,
-                ready: list[float] | None = None, chunk: int | None = None) -> list[dict]:
+                ready: list[float] | None = None, chunk: int | None = None,
+                sync: bool = False) -> list[dict]:
     """hoplite-gpu: a directory on host 0 and one node per host; every rank
     calls `hoplite_gpu.collectives.<op>`. Returns every rank's report."""
     token = new_token()
@@ -90,7 +91,7 @@ def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: in
                 "--rank", str(i), "--world", str(c.hosts), "--node-host", c.address(i),
                 "--iters", str(iters), "--warmup", str(warmup), "--period", str(period),
                 "--ready-after", str(ready[i] if ready else 0.0),
-                *(["--chunk-size", str(chunk)] if chunk else [])],
+                *(["--chunk-size", str(chunk)] if chunk else []), *(["--sync"] if sync else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
         for i, p in enumerate(procs):  # a barrier: every node has joined and made its input
             _readline(p, f"hoplite-gpu node {i}")
@@ -109,14 +110,16 @@ _GLOO_PORT = [29555]
 
 
 def gloo_run(c: EmulatedCluster, op: str, size: int, *, iters: int = 1, warmup: int = 0,
-             period: float = 0.0, ready: list[float] | None = None) -> list[dict]:
+             period: float = 0.0, ready: list[float] | None = None,
+             sync: bool = False) -> list[dict]:
     """Gloo (torch.distributed defaults, bound to the shaped eth0) on every host."""
     env = {**os.environ, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR"}
     _GLOO_PORT[0] = 29555 + (_GLOO_PORT[0] - 29555 + 1) % 200  # no TIME_WAIT clash between runs
     procs = [c.popen(i, [PY, "-m", "benchmarks.gloonode", "--rank", str(i), "--world", str(c.hosts),
                          "--master", c.address(0), "--port", str(_GLOO_PORT[0]), "--size", str(size),
                          "--op", op, "--iters", str(iters), "--warmup", str(warmup),
-                         "--period", str(period), "--ready-after", str(ready[i] if ready else 0.0)],
+                         "--period", str(period), "--ready-after", str(ready[i] if ready else 0.0),
+                         *(["--sync"] if sync else [])],
                      stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(c.hosts)]
     try:
         outs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -170,16 +173,17 @@ class CpuSampler:
 
 
 def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int = 1,
-               warmup: int = 0, period: float = 0.0, ready: list[float] | None = None) -> dict:
+               warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
+               sync: bool = False) -> dict:
     """One launch of `system`: returns a row with every measured call's time
     (`samples_s`), checked results and the bytes that crossed the links."""
     with CpuSampler() as cpu:
         ranks, extra, before, after = _launch(c, system, op, size, tag=tag, iters=iters,
-                                              warmup=warmup, period=period, ready=ready)
+                                              warmup=warmup, period=period, ready=ready, sync=sync)
     row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
     down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     floor = link_volume(op, c.hosts, size) * (iters + warmup)
-    row.update(extra, link_bytes_down=down, link_bytes_floor=floor,
+    row.update(extra, sync=sync, link_bytes_down=down, link_bytes_floor=floor,
                link_bytes_hosts=[[a[0] - b[0], a[1] - b[1]] for a, b in zip(after, before, strict=True)],
                cpu=cpu.window(min(row["start_min"]), max(row["end_max"])))
     if down < floor:
@@ -189,20 +193,21 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
 
 
 def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int,
-            warmup: int, period: float, ready: list[float] | None):
+            warmup: int, period: float, ready: list[float] | None, sync: bool = False):
     before = c.link_bytes()
     extra: dict = {}
     if system in ("hoplite-gpu", "star"):
         fanout = c.hosts - 1 if system == "star" else 1
         ranks = hoplite_run(c, op, size, tag, fanout=fanout, iters=iters, warmup=warmup,
-                            period=period, ready=ready)
+                            period=period, ready=ready, sync=sync)
     elif system == "gloo":
-        ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready)
+        ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready,
+                         sync=sync)
     elif system in ("openmpi", "openmpi-tuned"):
         from .mpi import mpi_run
 
         report = mpi_run(c, op, size, tuned=system == "openmpi-tuned", iters=iters, warmup=warmup,
-                         period=period, ready=ready)
+                         period=period, ready=ready, sync=sync)
         ranks = report["ranks"]
         extra = {"mca": report["mca"], "library": report["library"]}
     else:

@@ -37,6 +37,9 @@ def main() -> int:
     p.add_argument("--ready-after", type=float, default=0.0,
                    help="seconds after each slot that this rank's input becomes ready")
     p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--sync", action="store_true",
+                   help="steady state: an untimed barrier before every call, after which rank 0 "
+                        "deletes the previous call's objects (as a training loop would)")
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     init_retries = 0
@@ -60,6 +63,9 @@ def main() -> int:
         starts, ends, out = [], [], None
         cpu0 = cpu_seconds()
         for k in range(args.warmup + args.iters):
+            if args.sync:
+                out = None  # our view of the last result: its buffer can then be reused
+                t0 = _barrier(args, k) - k * args.period
             delay = t0 + k * args.period + args.ready_after - time.time()
             if delay > 0:
                 time.sleep(delay)
@@ -78,6 +84,23 @@ def main() -> int:
         return 0
     finally:
         hg.shutdown()
+
+
+def _barrier(args: argparse.Namespace, k: int) -> float:
+    """Untimed: wait until every rank has finished call k-1, free that call's
+    objects (rank 0), and agree on when call k starts."""
+    import numpy as np
+
+    sync = f"{args.name}/sync/{k}"
+    collectives.allgather(np.zeros(1), name=sync, rank=args.rank, size=args.world, timeout=600)
+    start = None
+    if args.rank == 0:
+        if k:
+            collectives.delete(f"{args.name}/{k - 1}", size=args.world)
+        start = np.array([time.time() + 0.05])
+    start = collectives.broadcast(start, name=f"{sync}/t", rank=args.rank, size=args.world,
+                                  timeout=600)
+    return float(start[0])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@
 nodes cross the tc-shaped links, beside hoplite-gpu running inside the same Ray
 actors.
 
-    python -m benchmarks.rayemu all            # rl, sgd, collectives; 8 hosts, 1 Gbit/s
-    python -m benchmarks.rayemu rl --rl-size-mib 256 --iterations 5
-    python -m benchmarks.rayemu sgd --sgd-size-mib 64 --k 4 --steps 6
-    python -m benchmarks.rayemu collectives --coll-size-mib 256 --repeats 3
-    python -m benchmarks.rayemu sweep --coll-size-mib 256 --repeats 2
+    python -m benchmarks rayemu all            # rl, sgd, collectives; 8 hosts, 1 Gbit/s
+    python -m benchmarks rayemu rl --rl-size-mib 256 --iterations 5
+    python -m benchmarks rayemu sgd --sgd-size-mib 64 --k 4 --steps 6
+    python -m benchmarks rayemu collectives --coll-size-mib 256 --repeats 3
+    python -m benchmarks rayemu sweep --coll-size-mib 256 --repeats 2
 
 Every workload runs once per Ray configuration (`--configs`): "ray", Ray as
 installed (only the object store sized), and "ray-tuned", with `TUNED` (or
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(rayemu._driver(json.loads(argv[1]))), flush=True)
         return 0
-    p = argparse.ArgumentParser(prog="python -m benchmarks.rayemu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks rayemu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=["all", "rl", "sgd", "collectives", "sweep"],
                    help="sweep: Ray's broadcast and reduce under each setting in SWEEP")
@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     out = run_workloads(args)
     print(_table(out))
     today = dt.date.today().isoformat()
-    meta = {"command": " ".join(["python -m benchmarks.rayemu", *argv]),
+    meta = {"command": " ".join(["python -m benchmarks rayemu", *argv]),
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": _machine()}
     if args.out:
         Path(args.out).write_text(json.dumps({"benchmark": "rayemu", **out, **meta}, indent=2))

@@ -76,6 +76,17 @@ def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
     return [api.get(input_id(name, r), timeout=timeout) for r in range(size)]
 
 
+def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:
+    """Free every object that one call named `name` made (its inputs, a
+    broadcast value, a reduce's result), on every node. Call it once, from any
+    rank, after every rank has its result: a training loop that deletes step
+    k-1 at step k keeps its memory flat, and the freed buffers are reused."""
+    _check(0, size)
+    ids, target = _reduce_ids(name, size, op, num_objects)
+    for oid in [ObjectID.from_name(f"{name}/bcast"), target, *ids]:
+        api.delete(oid)
+
+
 def allgather(value: Any, *, name: str, rank: int, size: int,
               timeout: float | None = None) -> list[Any]:
     """Every rank's value, in rank order, on every rank."""

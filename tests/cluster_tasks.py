@@ -130,6 +130,33 @@ def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: flo
     return float(out[:1000].astype(np.float64).sum()), origins, node_id()
 
 
+def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict:
+    """A training loop's allreduces: step k deletes step k-1's objects (rank 0,
+    after an allgather barrier). Reports sums, the pool's reuse and whether the
+    deleted result is gone."""
+    from hoplite_gpu import api, collectives
+
+    sums = []
+    for k in range(steps):
+        collectives.allgather(np.zeros(1), name=f"{name}/sync/{k}", rank=rank, size=size)
+        if rank == 0 and k:
+            collectives.delete(f"{name}/{k - 1}", size=size)
+        value = np.full(n, rank + k, dtype=np.float32)
+        out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
+        sums.append(float(out[0]))
+        del out  # a user view would keep the buffer out of the pool
+    collectives.allgather(np.zeros(1), name=f"{name}/sync/end", rank=rank, size=size)
+    gone = None
+    if rank == 0:
+        collectives.delete(f"{name}/{steps - 1}", size=size)
+        try:
+            hg.object_info(hg.ObjectID.from_name(f"{name}/{steps - 1}/reduce/sum/{size}"))
+            gone = False
+        except hg.ObjectNotFound:
+            gone = True
+    return {"sums": sums, "pool_hits": api.runtime().node.store.pool.hits, "gone": gone}
+
+
 def collective_worker(kind: str, name: str, rank: int, size: int):
     from hoplite_gpu import collectives
 

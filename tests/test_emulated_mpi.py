@@ -49,6 +49,12 @@ def test_openmpi_and_hoplite_cross_the_shaped_links():
             for op in ("gather", "allgather"):
                 row = run_launch(cluster, "hoplite-gpu", op, 1 << 20, tag=f"hg-{op}")
                 assert row["ratio_to_bound"] > 0.9, row
+            # steady state: barriers between calls, every system, every call checked
+            for system in ("hoplite-gpu", "gloo", "openmpi-tuned"):
+                row = run_launch(cluster, system, "allreduce", 2 << 20, tag=f"steady-{system}",
+                                 iters=3, warmup=1, sync=True)
+                assert row["sync"] and len(row["samples_s"]) == 3, row
+                assert row["link_bytes_down"] >= row["link_bytes_floor"] > 0
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]

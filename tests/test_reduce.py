@@ -80,6 +80,17 @@ def test_reduce_result_is_produced_on_the_root(cluster, root_delay):
     assert total == pytest.approx(oracle(range(RANKS), 1000).sum(), rel=1e-4, abs=1e-3)
 
 
+def test_training_loop_deletes_each_step_and_reuses_buffers(cluster):
+    n, steps = (4 << 20) // 4, 4
+    got = cluster.map(t.allreduce_steps, [("loop", r, RANKS, n, steps) for r in range(RANKS)],
+                      timeout=120)
+    want = [float(sum(range(RANKS)) + RANKS * k) for k in range(steps)]
+    assert all(g["sums"] == want for g in got)
+    assert got[0]["gone"] is True
+    # every node put an input and held the result each step: later steps reuse those buffers
+    assert all(g["pool_hits"] >= steps - 1 for g in got), [g["pool_hits"] for g in got]
+
+
 @pytest.mark.parametrize("kind", ["broadcast", "gather", "allgather"])
 def test_collectives(cluster, kind):
     got = cluster.map(t.collective_worker, [(kind, f"coll-{kind}", r, RANKS) for r in range(RANKS)])

@@ -162,6 +162,20 @@ def test_root_input_tree_is_complete_and_rooted_there(k, d, data):
     assert task.slot(tree_root(k, d))[0] == oid(want)
 
 
+def test_deleting_a_finished_reduce_result_forgets_the_reduce():
+    d = directory()
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
+    put_complete(d, "n1", oid(0))
+    out = put_complete(d, "n2", oid(1))
+    root = steps(out)[-1].node
+    d.handle(s.Completed(root, target))
+    assert d.reduces[target].done
+    out = d.handle(s.Delete("n0", 7, target))
+    assert target not in d.reduces and target not in d.objects
+    assert any(isinstance(c, s.Drop) and c.node == root and c.oid == target for c in out)
+
+
 def test_subset_reduce_keeps_backups_and_answers_reduced_inputs():
     d = directory()
     target = oid(100)

@@ -536,6 +536,10 @@ class Directory:
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:
         entry = self.objects.pop(ev.oid, None)
+        task = self.reduces.get(ev.oid)
+        if task is not None and (task.done or task.failed):
+            del self.reduces[ev.oid]  # a long job deletes one result per step: nothing left behind
+            self.failed.pop(ev.oid, None)
         out.append(Reply(ev.node, ev.request, {"ok": True, "existed": entry is not None}))
         if entry is None:
             return

@@ -236,6 +236,7 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
     seconds = statistics.median(samples)
     return {"system": system, "label": system, "op": op, "hosts": c.hosts, "size_bytes": size,
             "init_retries": sum(r.get("init_retries", 0) for r in ranks),
+            "pool_hits": [r.get("pool_hits") for r in ranks],
             "cpu_s_ranks": [r.get("cpu_s") for r in ranks],
             "cpu_s_per_call": (sum(r["cpu_s"] for r in ranks) / (iters + warmup)
                                if all(r.get("cpu_s") is not None for r in ranks) else None),

@@ -79,7 +79,8 @@ def main() -> int:
         ok, crc = check(args.op, args.world, out, args.size, args.rank)
         print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends,
                           "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s,
-                          "init_retries": init_retries}), flush=True)
+                          "init_retries": init_retries,
+                          "pool_hits": hg.api.runtime().node.store.pool.hits}), flush=True)
         sys.stdin.read()  # keep serving our objects until the harness closes stdin
         return 0
     finally:

@@ -18,6 +18,10 @@ class Stream(abc.ABC):
 
     #: Human-readable peer address, for error messages.
     peer: str = "?"
+    #: Whether a receive may take part of a sent buffer as cheaply as all of it
+    #: (a byte stream such as TCP). Message transports (UCX) receive a whole
+    #: message in place and would copy through a bounce buffer otherwise.
+    partial_receive: bool = True
 
     @abc.abstractmethod
     async def send(self, *buffers: Buffer) -> None:

@@ -161,6 +161,8 @@ def describe() -> str:
 class UCXStream(Stream):
     #: Device buffers may be passed to send/recv_into as they are.
     supports_device = True
+    #: Each sent buffer is one UCX message, received in place only whole.
+    partial_receive = False
 
     def __init__(self, endpoint: Any, peer: str) -> None:
         self._ep = endpoint

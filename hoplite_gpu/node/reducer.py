@@ -12,12 +12,12 @@ import numpy as np
 
 from hoplite_gpu import kernels
 from hoplite_gpu.config import Config
-from hoplite_gpu.device import element_view
+from hoplite_gpu.device import element_view, is_device_buffer
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, numpy_dtype
 
 from .store import ChunkStore, StoredObject
-from .transfer import PeerPool, fetch_range
+from .transfer import STEP, PeerPool, fetch_range
 
 
 async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, config: Config,
@@ -66,7 +66,10 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
 async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObject | None,
                 out: StoredObject, op: str, count: int, dtype: np.dtype, config: Config,
                 timeout: float, pulls: list[asyncio.Task]) -> None:
-    chunk = max(dtype.itemsize, config.chunk_size - config.chunk_size % dtype.itemsize)
+    # Host folds go in pipelining steps, so the parent can pull each step at once;
+    # device folds keep whole chunks (fewer kernel launches; a GPU adds fast).
+    chunk = config.chunk_size if is_device_buffer(out.buffer) else min(config.chunk_size, STEP)
+    chunk = max(dtype.itemsize, chunk - chunk % dtype.itemsize)
     for pos in range(out.ready, out.size, chunk):
         end = min(pos + chunk, out.size)
         for src in (own, *kids):

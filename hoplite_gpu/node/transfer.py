@@ -38,6 +38,11 @@ from .store import ChunkStore, StoredObject
 
 log = logging.getLogger("hoplite_gpu.transfer")
 
+#: Pipelining granularity. A frame carries up to `chunk_size` bytes, but a relay
+#: makes received bytes servable every STEP bytes and serves as soon as STEP
+#: bytes are ready, so each hop of a chain adds about STEP / B, not chunk / B.
+STEP = 1 << 20
+
 
 class DataServer:
     """Serves this node's objects to peers, chunk by chunk, as bytes become ready."""
@@ -95,10 +100,11 @@ class DataServer:
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
         chunk = self.config.chunk_size
+        step = min(chunk, STEP)
         src = _sendable(obj.buffer, stream)
         staging = device.staging(chunk) if src is None else None  # device bytes over TCP
         while pos < end:
-            if not await self._wait_or_keepalive(stream, obj, min(pos + chunk, end)):
+            if not await self._wait_or_keepalive(stream, obj, min(pos + step, end)):
                 return
             # Send everything that is ready, in chunk-sized frames.
             upto = min(obj.ready, end)
@@ -187,6 +193,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end})
         view = _sendable(obj.buffer, stream)
         staging = device.staging(config.chunk_size) if view is None else None
+        step = min(config.chunk_size, STEP) if stream.partial_receive else config.chunk_size
         stall = config.stall_timeout_s
         while pos < end:
             try:
@@ -199,7 +206,13 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                     if n == 0:
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
                     if staging is None:
-                        await stream.recv_into(view[pos:pos + n])
+                        # In STEP pieces, each servable downstream at once.
+                        got = pos
+                        while got < pos + n - step:
+                            await stream.recv_into(view[got:got + step])
+                            got += step
+                            obj.advance(got)
+                        await stream.recv_into(view[got:pos + n])
                     else:  # device bytes over a host-only transport
                         if n > len(staging):
                             staging = device.staging(n)

@@ -157,7 +157,7 @@ def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.
     from .netbench import dynamic_allreduce, run_launch
 
     if op == "allreduce-dynamic":
-        return dynamic_allreduce(cluster, size, args.gap, system, tag)
+        return dynamic_allreduce(cluster, size, args.gap, system, tag, steady=args.steady)
     if size <= args.latency_max:
         bound = lower_bound(op, size, args.hosts, args.gbit * 1e9)
         period = max(args.period, 12 * bound)

@@ -206,13 +206,11 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                     if n == 0:
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
                     if staging is None:
-                        # In STEP pieces, each servable downstream at once.
-                        got = pos
-                        while got < pos + n - step:
-                            await stream.recv_into(view[got:got + step])
-                            got += step
-                            obj.advance(got)
-                        await stream.recv_into(view[got:pos + n])
+                        # In steps, each servable downstream as soon as it is in.
+                        for got in range(pos, pos + n, step):
+                            upto = min(got + step, pos + n)
+                            await stream.recv_into(view[got:upto])
+                            obj.advance(upto)
                     else:  # device bytes over a host-only transport
                         if n > len(staging):
                             staging = device.staging(n)

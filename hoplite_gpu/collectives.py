@@ -103,7 +103,7 @@ def _bounds(n: int, size: int) -> list[tuple[int, int]]:
     """Element ranges of the `size` slices of an array of n elements (equal within one)."""
     q, r = divmod(n, size)
     starts = [s * q + min(s, r) for s in range(size + 1)]
-    return list(zip(starts[:-1], starts[1:], strict=True))
+    return list(zip(starts[:-1], starts[1:]))
 
 
 async def _all(coros: Any) -> list[Any]:

@@ -115,39 +115,6 @@ def allreduce_worker(name: str, rank: int, size: int, n: int, delay: float, op: 
     return zlib.crc32(np.ascontiguousarray(out)), float(out[:1000].astype(np.float64).sum())
 
 
-def sliced_allreduce_worker(name: str, rank: int, size: int, shape: tuple, op: str,
-                            delay: float) -> dict:
-    """A large allreduce (sliced): the result, where this rank's slice was
-    reduced, and whether `collectives.delete` then removed every slice."""
-    from hoplite_gpu import collectives
-
-    time.sleep(delay)
-    value = np.random.default_rng(rank).standard_normal(shape).astype(np.float32)
-    out = collectives.allreduce(value, name=name, rank=rank, size=size, op=op, timeout=120)
-    _, target = collectives._slice_ids(name, size, op, rank)
-    origins = [h["node"] for h in hg.object_info(target)["holders"] if h["origin"]]
-    return {"crc": zlib.crc32(np.ascontiguousarray(out)), "shape": out.shape,
-            "head": out.reshape(-1)[:1000].astype(np.float64), "tail":
-            out.reshape(-1)[-1000:].astype(np.float64), "origins": origins, "me": node_id()}
-
-
-def slices_left(name: str, size: int, op: str) -> int:
-    """How many of an allreduce's slice objects the directory still knows after delete."""
-    from hoplite_gpu import collectives
-
-    collectives.delete(name, size=size, op=op)
-    left = 0
-    for s in range(size):
-        ids, target = collectives._slice_ids(name, size, op, s)
-        for oid in [target, *ids]:
-            try:
-                hg.object_info(oid)
-                left += 1
-            except hg.ObjectNotFound:
-                pass
-    return left
-
-
 def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: float):
     """collectives.reduce of float32 values after `delay`; the root reports the
     result's checksum and which nodes produced it (the reduce tree's root)."""

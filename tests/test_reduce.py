@@ -58,41 +58,6 @@ def test_allreduce_six_64mib_arrays(cluster):
     assert got[0][1] == pytest.approx(expected, rel=1e-4, abs=1e-3)
 
 
-@pytest.mark.parametrize("op", ["sum", "max"])
-def test_large_allreduce_is_sliced_with_one_root_per_rank(cluster, op):
-    """An allreduce of >= RANKS MiB is a reduce-scatter plus allgather: slice s is
-    reduced on rank s's node; the result has the input's shape whatever the
-    slice boundaries (here the element count is not a multiple of RANKS), and
-    delete frees every slice."""
-    shape = (1000, 1601)
-    assert 4 * shape[0] * shape[1] >= RANKS << 20
-    name = f"sliced-{op}"
-    got = cluster.map(t.sliced_allreduce_worker,
-                      [(name, r, RANKS, shape, op, 0.05 * ((r * 5) % RANKS)) for r in range(RANKS)],
-                      timeout=240)
-    assert len({g["crc"] for g in got}) == 1, "ranks disagree on the allreduce result"
-    assert all(g["shape"] == shape for g in got)
-    assert all(g["origins"] == [g["me"]] for g in got)
-    flat = [np.random.default_rng(r).standard_normal(shape).astype(np.float32)
-            .astype(np.float64).reshape(-1) for r in range(RANKS)]
-    fold = np.sum if op == "sum" else np.max
-    want = fold(np.stack(flat), axis=0)
-    np.testing.assert_allclose(got[0]["head"], want[:1000], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got[0]["tail"], want[-1000:], rtol=1e-4, atol=1e-4)
-    assert cluster.run(0, t.slices_left, name, RANKS, op) == 0
-
-
-def test_slice_bounds_cover_the_array():
-    from hoplite_gpu.collectives import _bounds
-
-    for n, size in [(10, 3), (7, 7), (1_601_000, 6), (12, 4)]:
-        b = _bounds(n, size)
-        assert b[0][0] == 0 and b[-1][1] == n and len(b) == size
-        assert all(b[i][1] == b[i + 1][0] for i in range(size - 1))
-        lengths = [hi - lo for lo, hi in b]
-        assert max(lengths) - min(lengths) <= 1
-
-
 def test_mismatched_inputs_fail_every_waiter(cluster):
     cluster.run(1, t.put_float32, "bad-a", 5000, 1)
     cluster.run(2, t.put_float32, "bad-b", 6000, 2)

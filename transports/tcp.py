@@ -18,6 +18,11 @@ from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
 from .base import Backend, Buffer, Handler, Listener, Stream, split_address
 
 _SOCKBUF = 4 * 1024 * 1024
+#: A large receive wakes the loop only when this much has arrived (SO_RCVLOWAT).
+#: On a link slower than the CPU the loop would otherwise wake for every few
+#: packets, and each wake-up costs tens of microseconds of Python; the kernel
+#: still wakes us earlier under memory pressure or a closed window.
+_LOWAT = 256 * 1024
 _CLOSED = "hoplite: stream closed"
 
 
@@ -35,6 +40,7 @@ class TCPStream(Stream):
         _tune(sock)
         self._sock = sock
         self._closed = False
+        self._lowat = 1
         self.peer = peer
         #: Tasks inside send/recv_into, woken by close() (the loop would not wake them).
         self._busy: set[asyncio.Task] = set()
@@ -80,6 +86,7 @@ class TCPStream(Stream):
         self._busy.add(task)
         try:
             while got < want:
+                self._set_lowat(min(want - got, _LOWAT))
                 n = await loop.sock_recv_into(self._sock, view[got:])
                 if n == 0:
                     raise TransportClosed(
@@ -96,6 +103,13 @@ class TCPStream(Stream):
             raise self._woken(task, exc, "receive") from None
         finally:
             self._busy.discard(task)
+
+    def _set_lowat(self, nbytes: int) -> None:
+        # Never more than the rest of this message: the peer may send nothing more.
+        if nbytes != self._lowat:
+            self._lowat = nbytes
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
 
     def _woken(self, task: asyncio.Task | None, exc: asyncio.CancelledError,
                what: str) -> BaseException:

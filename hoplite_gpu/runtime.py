@@ -90,13 +90,17 @@ class Runtime:
             raise HopliteError("a blocking hoplite-gpu call was made on the runtime's own loop "
                                "thread; use the *_async variant there")
         fut = self.submit(coro)
-        done, _ = concurrent.futures.wait([fut], timeout + _GRACE_S)
-        if not done:
+        try:
+            # result() waits on the future's own condition: cheaper per call than
+            # concurrent.futures.wait, which builds a waiter and an event each time.
+            return fut.result(timeout + _GRACE_S)
+        except concurrent.futures.CancelledError:
+            raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call") from None
+        except concurrent.futures.TimeoutError:
+            if fut.done():  # finished just now, or failed with a TimeoutError of its own
+                return fut.result()
             fut.cancel()
-            raise Timeout(f"the runtime did not answer within {timeout + _GRACE_S:g}s")
-        if fut.cancelled():
-            raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call")
-        return fut.result()
+            raise Timeout(f"the runtime did not answer within {timeout + _GRACE_S:g}s") from None
 
     async def call_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` from another event loop (e.g. a Ray async actor's)."""

@@ -107,6 +107,42 @@ def test_closed_runtime():
         hg.put(b"x")
 
 
+def test_blocking_call_outcomes(local, monkeypatch):
+    """Runtime.call passes the operation's own errors through, turns a silent
+    runtime into Timeout and a shutdown mid-call into RuntimeClosed."""
+    import importlib
+
+    rt_mod = importlib.import_module("hoplite_gpu.runtime")
+
+    rt = hg.api.runtime()
+
+    async def fails():
+        raise hg.Timeout("the operation's own deadline")
+
+    with pytest.raises(hg.Timeout, match="own deadline"):
+        rt.call(fails(), 5)
+    monkeypatch.setattr(rt_mod, "_GRACE_S", 0.0)
+    with pytest.raises(hg.Timeout, match="did not answer"):
+        rt.call(asyncio.sleep(5), 0.2)
+
+    got = []
+
+    def blocked():
+        try:
+            rt.call(asyncio.sleep(30), 60)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            got.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    hg.shutdown()
+    t.join(20)
+    assert not t.is_alive() and time.monotonic() - start < 20
+    assert len(got) == 1 and isinstance(got[0], hg.RuntimeClosed), got
+
+
 def test_remote_init_needs_token(monkeypatch):
     monkeypatch.delenv("HOPLITE_TOKEN", raising=False)
     with pytest.raises(hg.ConfigError, match="token"):

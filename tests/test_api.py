@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import transport_checks as tc
 
 import hoplite_gpu as hg
 
@@ -149,13 +150,14 @@ def test_remote_init_needs_token(monkeypatch):
         hg.init("127.0.0.1:9")
 
 
-def test_unreachable_directory_fails_fast():
+@pytest.mark.parametrize("scheme", tc.scheme_params())
+def test_unreachable_directory_fails_fast(scheme):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound but not listening: refused
     t0 = time.monotonic()
     with pytest.raises(hg.DirectoryUnavailable, match="directory"):
-        hg.init(f"127.0.0.1:{port}", token="x", connect_timeout_s=2)
+        hg.init(f"{scheme}://127.0.0.1:{port}", token="x", connect_timeout_s=2)
     assert time.monotonic() - t0 < 10
 
 

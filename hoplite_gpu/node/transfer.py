@@ -161,7 +161,11 @@ class PeerPool:
             if not stream.closed:
                 return stream
         scheme, _, _ = split_address(address)
-        timeout = self.config.connect_timeout_s
+        # A peer that cannot finish connecting within the stall timeout is as
+        # good as a stalled sender: fail over instead of waiting out the whole
+        # connect timeout. (Over TCP the kernel accepts for a stopped process
+        # and the handshake hangs; over UCX the endpoint's wire-up does.)
+        timeout = min(self.config.connect_timeout_s, self.config.stall_timeout_s)
         stream = await get_backend(scheme).connect(address, timeout)
         try:
             await client_handshake(stream, self.token, timeout)

@@ -113,6 +113,7 @@ def test_blocking_call_outcomes(local, monkeypatch):
     runtime into Timeout and a shutdown mid-call into RuntimeClosed."""
     import importlib
 
+    # the module, not the `hoplite_gpu.runtime()` function that shadows its name
     rt_mod = importlib.import_module("hoplite_gpu.runtime")
 
     rt = hg.api.runtime()

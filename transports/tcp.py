@@ -23,6 +23,9 @@ _SOCKBUF = 4 * 1024 * 1024
 #: packets, and each wake-up costs tens of microseconds of Python; the kernel
 #: still wakes us earlier under memory pressure or a closed window.
 _LOWAT = 256 * 1024
+#: Receives smaller than this keep the default (wake on any byte): control
+#: messages and headers then cost no extra system call.
+_LOWAT_FROM = 64 * 1024
 _CLOSED = "hoplite: stream closed"
 
 
@@ -86,7 +89,8 @@ class TCPStream(Stream):
         self._busy.add(task)
         try:
             while got < want:
-                self._set_lowat(min(want - got, _LOWAT))
+                rest = want - got
+                self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
                 n = await loop.sock_recv_into(self._sock, view[got:])
                 if n == 0:
                     raise TransportClosed(

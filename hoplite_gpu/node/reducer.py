@@ -21,8 +21,8 @@ from .transfer import PeerPool, fetch_range
 
 #: Host folds go in steps of this size: big enough that NumPy's per-call cost
 #: stays small, small enough that a parent can pull the first step soon. Finer
-#: than 1 MiB cost CPU and gained nothing (a 256 MiB
-#: emulated reduce: 2.58 s, 6.1 CPU s at 256 KiB; 2.56 s, 4.4 CPU s at 1 MiB).
+#: steps cost CPU and gained nothing (a 256 MiB emulated reduce: 2.58 s and
+#: 6.1 CPU s per call at 256 KiB; 2.56 s and 4.4 CPU s at 1 MiB).
 FOLD_STEP = 1 << 20
 
 

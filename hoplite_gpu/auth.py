@@ -13,7 +13,7 @@ from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClose
 from .protocol import recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step
 _NONCE = 32
 
 

@@ -211,6 +211,39 @@ def test_lost_participant_restarts_the_reduce_with_a_backup():
     assert d.objects[target].holders[new_steps[-1].node].origin
 
 
+def test_a_copy_of_a_rebuilt_tree_is_not_confirmed():
+    """A reader can finish copying the result just before a failover rebuilds
+    the tree (the root's completion still in flight). Its copy is handed out
+    only once the directory confirms that tree finished; a rebuilt tree's
+    copies are refused, so `get` and `reduced_inputs` always agree."""
+    d = directory(bytes_per_s=1.25e8)
+    target = oid(100)
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(oid(i) for i in range(4)), "sum", 3))
+    for i in range(4):
+        put_complete(d, f"n{i + 1}", oid(i))
+    reply = [c for c in d.handle(s.Locate("n8", 5, target)) if isinstance(c, s.Reply)][0]
+    first = reply.body["reduce_tag"]
+    assert first == d.reduces[target].tag
+    # n8's copy is complete, and it asks before the root's Completed arrived
+    assert d.handle(s.ReduceConfirm("n8", 6, target, first)) == []
+    out = d.handle(s.NodeLost("n2"))  # input 1's holder dies: the tree is rebuilt
+    assert s.Reply("n8", 6, {"current": False}) in out
+    assert d.reduces[target].tag != first
+    # a late question about the old tree is refused at once
+    assert d.handle(s.ReduceConfirm("n8", 7, target, first)) == [s.Reply("n8", 7, {"current": False})]
+    # a copy of the new tree is confirmed when its root completes
+    second = d.reduces[target].tag
+    assert d.handle(s.ReduceConfirm("n8", 8, target, second)) == []
+    root = steps(out)[-1].node
+    assert steps(out)[-1].step["tag"] == second
+    done = d.handle(s.Completed(root, target))
+    assert s.Reply("n8", 8, {"current": True}) in done
+    assert d.handle(s.ReduceConfirm("n8", 9, target, second)) == [s.Reply("n8", 9, {"current": True})]
+    # once done, locate replies carry no tag: nothing left to confirm
+    later = [c for c in d.handle(s.Locate("n7", 10, target)) if isinstance(c, s.Reply)]
+    assert later and "reduce_tag" not in later[0].body
+
+
 def test_step_lost_restarts_and_too_many_restarts_fail():
     d = directory()
     target = oid(100)

@@ -204,9 +204,22 @@ class ReducedInputs:
     target: Key
 
 
+@dataclass(frozen=True)
+class ReduceConfirm:
+    """`node` holds a complete copy of reduce result `target` from tree `tag`:
+    is that still the result? Answered ``{"current": bool}`` once the reduce is
+    done (True) or the tree is rebuilt (False: the copy may hold a lost input's
+    bytes, or miss a backup's, and `reduced_inputs` would not match it)."""
+
+    node: NodeId
+    request: int
+    target: Key
+    tag: bytes
+
+
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
          | TransferFailed | Dropped | Delete | Query | ChannelPublish | ChannelHead | ReduceRequested | ReduceFailed
-         | StepLost | InlineReduced | ReducedInputs)
+         | StepLost | InlineReduced | ReducedInputs | ReduceConfirm)
 
 
 # --------------------------------------------------------------- commands ---
@@ -313,6 +326,8 @@ class ReduceTask:
     #: names this incarnation of the tree in its partial results' ids
     tag: bytes = b""
     waiters: list[tuple[NodeId, int]] = field(default_factory=list)
+    #: ReduceConfirm requests of this tree, answered when it finishes or is rebuilt
+    confirms: list[tuple[NodeId, int]] = field(default_factory=list)
 
     @property
     def chosen(self) -> list[Key]:
@@ -487,7 +502,8 @@ class Directory:
         self._serve_waiting(ev.oid, entry, out)
 
     def _on_CancelLocate(self, ev: CancelLocate, out: list[Command]) -> None:
-        for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values())]:
+        for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values()),
+                      *(t.confirms for t in self.reduces.values())]:
             try:
                 queue.remove((ev.node, ev.request))
             except ValueError:
@@ -621,6 +637,24 @@ class Directory:
         else:  # answered when the result is complete: a failover may still change the set
             task.waiters.append((ev.node, ev.request))
 
+    def _on_ReduceConfirm(self, ev: ReduceConfirm, out: list[Command]) -> None:
+        task = self.reduces.get(ev.target)
+        if task is None:  # deleted (or never a tree reduce): nothing can replace the copy
+            out.append(Reply(ev.node, ev.request, {"current": True}))
+        elif task.failed:
+            out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
+        elif task.tag != ev.tag:
+            out.append(Reply(ev.node, ev.request, {"current": False}))
+        elif task.done:
+            out.append(Reply(ev.node, ev.request, {"current": True}))
+        else:  # the root's completion may still lose the race with a failover
+            task.confirms.append((ev.node, ev.request))
+
+    def _answer_confirms(self, task: ReduceTask, current: bool, out: list[Command]) -> None:
+        for node, request in task.confirms:
+            out.append(Reply(node, request, {"current": current}))
+        task.confirms.clear()
+
     def _on_StepLost(self, ev: StepLost, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
         if task is not None and not task.done and not task.failed:
@@ -635,6 +669,7 @@ class Directory:
         for waiter, request in task.waiters:
             out.append(Reply(waiter, request, {"inputs": task.chosen}))
         task.waiters.clear()
+        self._answer_confirms(task, True, out)
 
     def _reduces_hit_by(self, node: NodeId) -> list[ReduceTask]:
         """Unfinished tree reduces with a slot, or the result's root, on `node`."""
@@ -658,6 +693,7 @@ class Directory:
             self._fail_reduce(task, f"gave up after {task.restarts - 1} restarts; last: {why}", out)
             return
         reason = f"the reduce into {task.target.hex()} restarts: {why}"
+        self._answer_confirms(task, False, out)  # copies of this tree are superseded
         parent, _ = inorder_tree(task.k, task.degree)
         for pos in task.started:
             if parent[pos] is not None:
@@ -753,7 +789,8 @@ class Directory:
             kids.append({"oid": source, "address": self.nodes.get(task.slot(c)[1], "")})
         return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos, task.tag),
                 "input": task.slot(pos)[0], "children": kids, "reduce_op": task.op,
-                "count": task.k if is_root else 0, "size": task.size, "layout": task.layout}
+                "count": task.k if is_root else 0, "size": task.size, "layout": task.layout,
+                "tag": task.tag}
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
@@ -784,9 +821,10 @@ class Directory:
             return
         task.failed = self.failed[task.target] = message
         self._forget_watch(task)
-        for node, request in task.waiters:
+        for node, request in [*task.waiters, *task.confirms]:
             out.append(Reply(node, request, error_body("ReduceFailed", message)))
         task.waiters.clear()
+        task.confirms.clear()
         for node, request in self.pending.pop(task.target, deque()):
             out.append(Reply(node, request, error_body("ReduceFailed", message)))
         entry = self.objects.pop(task.target, None)
@@ -928,6 +966,9 @@ class Directory:
 
     def _assign(self, oid: Key, entry: Entry, receiver: NodeId) -> dict[str, Any] | None:
         base = {"size": entry.size, "layout": entry.layout}
+        task = self.reduces.get(oid)
+        if task is not None and not (task.done or task.failed or task.inline):
+            base["reduce_tag"] = task.tag  # confirm the copy before handing it out
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
             entry.holders.setdefault(receiver, Holder(nbytes=entry.size, complete=True))

@@ -61,6 +61,9 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         return state.StepLost(node, field(msg, "target", bytes), field(msg, "message", str))
     if op == "reduced_inputs":
         return state.ReducedInputs(node, field(msg, "rid", int), field(msg, "target", bytes))
+    if op == "reduce_confirm":
+        return state.ReduceConfirm(node, field(msg, "rid", int), field(msg, "target", bytes),
+                                   field(msg, "tag", bytes))
     return None
 
 

@@ -195,12 +195,33 @@ class Node:
         deadline = time.monotonic() + timeout
         while True:
             obj = self.store.get(oid)
-            if obj is not None and obj.complete:
-                return obj
-            try:
-                return await self._await_pull(oid, deadline, timeout)
-            except _Retry:
-                continue  # the object is being rebuilt (a reduce restarted): ask again
+            if obj is None or not obj.complete:
+                try:
+                    obj = await self._await_pull(oid, deadline, timeout)
+                except _Retry:
+                    continue  # the object is being rebuilt (a reduce restarted): ask again
+            if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
+                if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
+                    self.store.remove(oid, _Retry("the reduce restarted"))
+                    self._post({"op": "dropped", "oid": oid.binary})
+                continue
+            return obj
+
+    async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
+        """Is this complete copy of a reduce result from the tree that finished?
+        A failover can rebuild the tree after our copy completed but before the
+        directory heard that its root did; that copy would not match
+        `reduced_inputs`. Confirmed once, the copy is final."""
+        tag = obj.reduce_tag
+        msg = {"op": "reduce_confirm", "target": obj.oid.binary, "tag": tag}
+        try:
+            current = bool((await self._wait_reply(msg, deadline))["current"])
+        except Timeout:
+            raise Timeout(f"get of object {obj.oid.hex()}: the reduce producing it did not "
+                          f"finish within {timeout:g}s") from None
+        if current and obj.reduce_tag == tag:
+            obj.reduce_tag = None
+        return current
 
     async def _await_pull(self, oid: ObjectID, deadline: float, timeout: float) -> StoredObject:
         if oid not in self._pulls:
@@ -250,6 +271,7 @@ class Node:
                 continue
             if obj is None or obj.error is not None:
                 obj = self.store.create(oid, layout)
+            obj.reduce_tag = reply.get("reduce_tag")
             sender, address = reply["sender"], reply["address"]
             try:
                 await self._fetch_from(obj, address)

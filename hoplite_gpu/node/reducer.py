@@ -36,6 +36,8 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
         raise LookupError(f"input {step['input'].hex()} is not held by this node")
     out_oid = ObjectID(step["output"])
     out = store.get(out_oid) or store.create(out_oid, layout)
+    if out_oid.binary == step["target"]:
+        out.reduce_tag = step.get("tag")
     kids, pulls, inplace = [], [], None
     loop = asyncio.get_running_loop()
     for child in step["children"]:

@@ -28,6 +28,9 @@ class StoredObject:
     buffer: Any  # 1-D uint8, layout.nbytes long: a NumPy array, or CuPy for device objects
     ready: int = 0
     error: BaseException | None = None
+    #: For a reduce result: the tree it came from, until the directory confirms
+    #: that tree finished (a `get` hands the copy out only then).
+    reduce_tag: bytes | None = None
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property

@@ -162,6 +162,19 @@ def test_unreachable_directory_fails_fast(scheme):
     assert time.monotonic() - t0 < 10
 
 
+def test_a_silent_directory_address_is_unavailable_not_a_bare_timeout(monkeypatch):
+    """A connect that runs to its deadline (UCX does that to a closed port now
+    and then) is reported like a refusal: the directory is unreachable."""
+    from hoplite_gpu.transports.tcp import TCPBackend
+
+    async def silent(self, address, timeout):
+        raise hg.Timeout(f"connecting to {address} took longer than {timeout:g}s")
+
+    monkeypatch.setattr(TCPBackend, "connect", silent)
+    with pytest.raises(hg.DirectoryUnavailable, match="cannot reach the directory"):
+        hg.init("tcp://127.0.0.1:9", token="x", connect_timeout_s=1)
+
+
 def test_config_rejects_unknown_env(monkeypatch):
     monkeypatch.setenv("HOPLITE_CHUNKSIZE", "1")
     with pytest.raises(hg.ConfigError, match="HOPLITE_CHUNK_SIZE"):

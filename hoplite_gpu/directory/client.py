@@ -38,7 +38,9 @@ class DirectoryClient:
         scheme, _, _ = split_address(address)
         try:
             stream = await get_backend(scheme).connect(address, timeout)
-        except TransportError as exc:
+        except (TransportError, Timeout) as exc:
+            # Refused or silent alike: UCX sometimes lets a connect to a closed
+            # port run to its timeout instead of refusing it.
             raise DirectoryUnavailable(
                 f"cannot reach the directory at {address}: {exc}. "
                 "Is `hoplite-gpu directory` running there?") from exc

@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from hoplite_gpu.lifecycle import Closing
+
 PY = sys.executable
 
 
@@ -28,7 +30,7 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
 
 
-class EmulatedCluster:
+class EmulatedCluster(Closing):
     def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77) -> None:
         if hosts < 2:
             raise ValueError("an emulated cluster needs at least 2 hosts")
@@ -41,17 +43,9 @@ class EmulatedCluster:
         self._made: list[str] = []
 
     # ------------------------------------------------------------ set-up ---
-    def __enter__(self) -> EmulatedCluster:
-        self._check()
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _open(self) -> None:
+        self._check()  # refuses before anything is made; close() then has nothing to undo
+        self._build()
 
     def _check(self) -> None:
         if os.geteuid() != 0:

@@ -65,6 +65,8 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from hoplite_gpu.lifecycle import Closing
+
 from .emulated import PY, EmulatedCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +167,7 @@ def _nic(ns: str) -> dict[str, int]:
 
 
 # -------------------------------------------------------------- the cluster ---
-class RayOnEmulated:
+class RayOnEmulated(Closing):
     """One Ray node per host of `cluster`; ``with RayOnEmulated(c) as ray_c: ray_c.driver(...)``."""
 
     def __init__(self, cluster: EmulatedCluster, *, object_store_bytes: int = 1 << 30,
@@ -198,23 +200,15 @@ class RayOnEmulated:
         })
         return env
 
-    def __enter__(self) -> RayOnEmulated:
+    def _open(self) -> None:
         # Ray puts unix sockets under the temp dir: keep the path short (108 bytes at most)
         self.root = tempfile.mkdtemp(prefix=f"hgr{os.getpid() % 100000}", dir="/tmp")
-        try:
-            self._start(0)
-            self._wait_started(0, 120)
-            for i in range(1, self.cluster.hosts):
-                self._start(i)
-            for i in range(1, self.cluster.hosts):
-                self._wait_started(i, 180)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._start(0)
+        self._wait_started(0, 120)
+        for i in range(1, self.cluster.hosts):
+            self._start(i)
+        for i in range(1, self.cluster.hosts):
+            self._wait_started(i, 180)
 
     def _start(self, i: int) -> None:
         c = self.cluster

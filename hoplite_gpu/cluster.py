@@ -16,6 +16,7 @@ from typing import Any
 
 from .auth import new_token
 from .errors import HopliteError, Timeout
+from .lifecycle import Closing
 
 _ADDRESS = re.compile(r"listening on (\S+)")
 
@@ -44,7 +45,7 @@ def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> No
     hg.shutdown()
 
 
-class LocalCluster:
+class LocalCluster(Closing):
     """``with LocalCluster(8) as c: c.map(fn, [args0, args1, ...])``."""
 
     def __init__(self, num_workers: int = 8, *, token: str | None = None,
@@ -62,16 +63,8 @@ class LocalCluster:
         self._conns: list[Any] = []
 
     # ------------------------------------------------------------ set-up ---
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _open(self) -> None:
+        self.start()
 
     def start(self) -> None:
         self._start_directory()

@@ -32,6 +32,17 @@ class Stream(abc.ABC):
         """Fill `buffer` exactly, writing straight into it. Raises TransportClosed
         if the stream ends first (the buffer is then partly written)."""
 
+    async def recv_some(self, buffer: memoryview) -> int:
+        """Receive at least one byte into `buffer`, as many as have arrived, and
+        return how many. Only byte streams (`partial_receive`) implement it."""
+        raise NotImplementedError(f"{type(self).__name__} receives whole messages only")
+
+    def send_nowait(self, data: bytes | memoryview) -> int:
+        """Send what the stream takes at once, without waiting; return how many
+        bytes that was (0: none, or this stream cannot; send the rest with
+        `send`). Raises TransportClosed."""
+        return 0
+
     async def recv_exactly(self, n: int) -> bytes:
         buf = bytearray(n)
         if n:

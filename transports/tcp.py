@@ -108,6 +108,42 @@ class TCPStream(Stream):
         finally:
             self._busy.discard(task)
 
+    async def recv_some(self, buffer: memoryview) -> int:
+        if self._closed:
+            raise self._lost(None, "receive")
+        self._set_lowat(1)
+        try:
+            n = self._sock.recv_into(buffer)  # most often something is there already
+        except (BlockingIOError, InterruptedError):
+            task = asyncio.current_task()
+            self._busy.add(task)
+            try:
+                n = await asyncio.get_running_loop().sock_recv_into(self._sock, buffer)
+            except (OSError, ValueError) as exc:
+                await self.close()
+                raise self._lost(exc, "receive") from exc
+            except asyncio.CancelledError as exc:
+                raise self._woken(task, exc, "receive") from None
+            finally:
+                self._busy.discard(task)
+        except (OSError, ValueError) as exc:
+            await self.close()
+            raise self._lost(exc, "receive") from exc
+        if n == 0:
+            await self.close()
+            raise TransportClosed(f"connection to {self.peer} ended")
+        return n
+
+    def send_nowait(self, data: bytes | memoryview) -> int:
+        if self._closed:
+            raise self._lost(None, "send")
+        try:
+            return self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except (OSError, ValueError) as exc:
+            raise self._lost(exc, "send") from exc
+
     def _set_lowat(self, nbytes: int) -> None:
         # Never more than the rest of this message: the peer may send nothing more.
         if nbytes != self._lowat:

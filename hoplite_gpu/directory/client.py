@@ -12,7 +12,7 @@ from typing import Any
 
 from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
-from hoplite_gpu.protocol import recv_msg, send_msg
+from hoplite_gpu.protocol import MessageReader, Outbox, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from .wire import raise_for_error
@@ -26,11 +26,10 @@ class DirectoryClient:
         self._on_push = on_push
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._lost: BaseException | None = None
         self._closing = False
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._write_loop())]
+        self._outbox = Outbox(stream, self._fail)
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
@@ -80,7 +79,7 @@ class DirectoryClient:
         rid = next(self._ids) if rid is None else rid
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self._outbox.put_nowait({**msg, "rid": rid})
+        self._outbox.post({**msg, "rid": rid})
         return fut
 
     def forget(self, rid: int) -> None:
@@ -95,20 +94,13 @@ class DirectoryClient:
     def post(self, msg: dict[str, Any]) -> None:
         """Send a one-way notice; dropped silently once the directory is gone."""
         if self._lost is None:
-            self._outbox.put_nowait(msg)
-
-    async def _write_loop(self) -> None:
-        while (msg := await self._outbox.get()) is not None:
-            try:
-                await send_msg(self._stream, msg)
-            except HopliteError as exc:
-                self._fail(exc)
-                return
+            self._outbox.post(msg)
 
     async def _read_loop(self) -> None:
+        reader = MessageReader(self._stream)
         try:
             while True:
-                msg = await recv_msg(self._stream)
+                msg = await reader.recv()
                 rid = msg.pop("rid", None)
                 if rid is not None:
                     fut = self._pending.pop(rid, None)
@@ -134,13 +126,11 @@ class DirectoryClient:
 
     async def close(self) -> None:
         self._closing = True
-        self._outbox.put_nowait(None)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                await asyncio.shield(self._tasks[1])
+        self._outbox.finish()
+        await self._outbox.drain(1.0)
         await self._stream.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._outbox.close()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
         if self._lost is None:
             self._lost = DirectoryUnavailable("the client was closed")

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-from typing import Any
 
 import numpy as np
 
 from hoplite_gpu.auth import server_handshake
 from hoplite_gpu.errors import HopliteError, ProtocolError
-from hoplite_gpu.protocol import field, recv_msg, send_msg
+from hoplite_gpu.protocol import MessageReader, Outbox, field, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend
 
 from . import state
@@ -22,20 +20,23 @@ log = logging.getLogger("hoplite_gpu.directory")
 
 
 class _Peer:
-    """One registered node: its stream and an outbox drained by one writer task,
-    so the state machine never waits on a slow node."""
+    """One registered node: its stream and outbox, so the state machine never
+    waits on a slow node."""
 
     def __init__(self, node: str, stream: Stream) -> None:
         self.node = node
         self.stream = stream
-        self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.disconnecting = False
+        self.outbox = Outbox(stream, self._lost)
 
-    async def write_loop(self) -> None:
-        while (msg := await self.outbox.get()) is not None:
-            await send_msg(self.stream, msg)
-        if self.disconnecting:  # a lease expired: closing ends the read loop too
-            await self.stream.close()
+    def _lost(self, exc: HopliteError) -> None:
+        log.info("cannot write to node %s: %s", self.node, exc)
+
+    async def disconnect(self) -> None:
+        """A lease expired: send what is queued (briefly), then close, which
+        ends the read loop too."""
+        self.outbox.finish()
+        await self.outbox.drain(1.0)
+        await self.stream.close()
 
 
 def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
@@ -72,6 +73,7 @@ class DirectoryServer:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}
+        self._closers: set[asyncio.Task] = set()
         self.address = ""
         self._listener = None
 
@@ -108,16 +110,17 @@ class DirectoryServer:
                 continue  # the node left; the state machine has forgotten it too
             if isinstance(cmd, state.Disconnect):
                 log.warning("node %s declared dead: %s", cmd.node, cmd.reason)
-                peer.disconnecting = True
-                peer.outbox.put_nowait(None)  # its writer stops and closes the stream
+                task = asyncio.get_running_loop().create_task(peer.disconnect())
+                self._closers.add(task)
+                task.add_done_callback(self._closers.discard)
                 continue
             if isinstance(cmd, state.Reply):
-                peer.outbox.put_nowait({"rid": cmd.request, **cmd.body})
+                peer.outbox.post({"rid": cmd.request, **cmd.body})
             elif isinstance(cmd, state.StartReduceStep):
-                peer.outbox.put_nowait({"op": "reduce_step", **cmd.step})
+                peer.outbox.post({"op": "reduce_step", **cmd.step})
             else:
-                peer.outbox.put_nowait({"op": "drop", "oid": cmd.oid, "reason": cmd.reason,
-                                        "retry": cmd.retry})
+                peer.outbox.post({"op": "drop", "oid": cmd.oid, "reason": cmd.reason,
+                                  "retry": cmd.retry})
 
     async def _serve(self, stream: Stream) -> None:
         try:
@@ -133,8 +136,7 @@ class DirectoryServer:
             await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})
             return
         peer = self.peers[node] = _Peer(node, stream)
-        writer = asyncio.get_running_loop().create_task(peer.write_loop())
-        peer.outbox.put_nowait({"ok": True, "node": node})
+        peer.outbox.post({"ok": True, "node": node})
         self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
             await self._read_loop(peer)
@@ -144,29 +146,28 @@ class DirectoryServer:
             del self.peers[node]
             if node in self.state.nodes:
                 self.apply(state.NodeLost(node))
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, HopliteError):
-                await writer
+            await peer.outbox.close()
 
     async def _read_loop(self, peer: _Peer) -> None:
+        reader = MessageReader(peer.stream)
         while True:
-            msg = await recv_msg(peer.stream)
+            msg = await reader.recv()
             op = msg.get("op")
             if op == "ping":
                 self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
                 if "rid" in msg:
-                    peer.outbox.put_nowait({"rid": msg["rid"], "ok": True})
+                    peer.outbox.post({"rid": msg["rid"], "ok": True})
                 continue
             if op == "nodes":
-                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
+                peer.outbox.post({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
                 continue
             try:
                 event = to_event(peer.node, msg)
             except ProtocolError as exc:
-                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
+                peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
                 continue
             if event is None:
-                peer.outbox.put_nowait({"rid": msg.get("rid", 0), "error": "ProtocolError",
+                peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError",
                                         "message": f"unknown op {op!r}"})
                 continue
             self.apply(event)

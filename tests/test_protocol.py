@@ -1,0 +1,201 @@
+"""Control-connection framing: MessageReader (many messages per receive) and
+Outbox (write at once, queue the rest, keep the order), on a scripted stream
+whose receive and send sizes the test chooses, and over every real transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tests.transport_checks as tc
+from hoplite_gpu.errors import ProtocolError, TransportClosed
+from hoplite_gpu.protocol import MAX_MESSAGE, MessageReader, Outbox, pack
+from hoplite_gpu.transports import Stream, get_backend
+
+
+class Scripted(Stream):
+    """A byte stream fed from `data`, at most `piece` bytes per receive; sends
+    take at most `takes` bytes at once (None: everything) and record the rest."""
+
+    partial_receive = True
+
+    def __init__(self, data: bytes = b"", piece: int = 1 << 30, takes: int | None = None) -> None:
+        self.data, self.piece, self.takes = bytearray(data), piece, takes
+        self.receives = 0
+        self.sent = bytearray()
+        self.waited_sends = 0
+        self.fail_send: Exception | None = None
+        self._closed = False
+        self.peer = "scripted"
+
+    async def recv_some(self, buffer: memoryview) -> int:
+        if not self.data:
+            raise TransportClosed("scripted stream ended")
+        self.receives += 1
+        n = min(len(buffer), self.piece, len(self.data))
+        buffer[:n] = self.data[:n]
+        del self.data[:n]
+        return n
+
+    async def recv_into(self, buffer: memoryview) -> None:
+        got = 0
+        while got < len(buffer):
+            got += await self.recv_some(buffer[got:])
+
+    def send_nowait(self, data) -> int:
+        if self.fail_send is not None:
+            raise self.fail_send
+        n = len(data) if self.takes is None else min(self.takes, len(data))
+        self.sent += bytes(data[:n])
+        return n
+
+    async def send(self, *buffers) -> None:
+        if self.fail_send is not None:
+            raise self.fail_send
+        self.waited_sends += 1
+        await asyncio.sleep(0)
+        for b in buffers:
+            self.sent += bytes(b)
+
+    async def close(self) -> None:
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _msgs(n: int, size: int = 10) -> list[dict]:
+    return [{"op": "x", "i": i, "blob": bytes([i % 256]) * size} for i in range(n)]
+
+
+def _read_all(stream: Stream, count: int, size: int = 64 * 1024) -> list[dict]:
+    async def go():
+        reader = MessageReader(stream, size)
+        return [await reader.recv() for _ in range(count)]
+    return asyncio.run(go())
+
+
+def test_a_burst_of_messages_is_one_receive():
+    msgs = _msgs(200)
+    stream = Scripted(b"".join(pack(m) for m in msgs))
+    assert _read_all(stream, 200) == msgs
+    assert stream.receives == 1
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_messages_split_anywhere_are_reassembled(piece):
+    msgs = _msgs(50, size=333)
+    stream = Scripted(b"".join(pack(m) for m in msgs), piece=piece)
+    assert _read_all(stream, 50, size=4096) == msgs
+
+
+def test_messages_larger_than_the_buffer_and_wrapping_the_end():
+    msgs = [{"i": 0, "b": b"a" * 3000}, {"i": 1, "b": b"b" * 100_000}, {"i": 2, "b": b"c" * 900},
+            {"i": 3, "b": b"d" * 4000}, {"i": 4, "b": b""}]
+    for piece in (5000, 1 << 20):
+        stream = Scripted(b"".join(pack(m) for m in msgs), piece=piece)
+        assert _read_all(stream, len(msgs), size=4096) == msgs
+
+
+def test_an_oversized_or_undecodable_message_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        _read_all(Scripted((MAX_MESSAGE + 1).to_bytes(4, "big")), 1)
+    with pytest.raises(ProtocolError, match="undecodable"):
+        _read_all(Scripted(b"\x00\x00\x00\x01\xc1"), 1)
+    with pytest.raises(ProtocolError, match="expected a map"):
+        _read_all(Scripted(b"\x00\x00\x00\x01\x05"), 1)
+
+
+def test_a_stream_that_ends_mid_message_is_closed():
+    data = pack({"a": 1}) + pack({"b": b"x" * 100})[:50]
+    stream = Scripted(data)
+
+    async def go():
+        reader = MessageReader(stream)
+        assert await reader.recv() == {"a": 1}
+        with pytest.raises(TransportClosed):
+            await reader.recv()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("takes", [None, 0, 1, 13])
+def test_outbox_keeps_the_order_whatever_the_stream_takes_at_once(takes):
+    msgs = _msgs(40, size=50)
+
+    async def go():
+        stream = Scripted(takes=takes)
+        lost = []
+        out = Outbox(stream, lost.append)
+        for m in msgs[:20]:
+            out.post(m)
+        await asyncio.sleep(0.01)
+        for m in msgs[20:]:
+            out.post(m)
+        out.finish()
+        await out.drain(5)
+        assert not lost
+        return stream
+    stream = asyncio.run(go())
+    assert _read_all(Scripted(bytes(stream.sent)), 40) == msgs
+    if takes is None:
+        assert stream.waited_sends == 0  # everything went out without a task switch
+
+
+def test_outbox_failure_is_reported_once_and_later_posts_are_dropped():
+    async def go():
+        stream = Scripted(takes=0)
+        lost = []
+        out = Outbox(stream, lost.append)
+        out.post({"a": 1})
+        stream.fail_send = TransportClosed("gone")
+        out.post({"a": 2})
+        await asyncio.sleep(0.01)
+        out.post({"a": 3})
+        stream.fail_send = None
+        out.post({"a": 4})
+        await asyncio.sleep(0.01)
+        await out.close()
+        return stream, lost, out
+    stream, lost, out = asyncio.run(go())
+    assert len(lost) == 1 and isinstance(lost[0], TransportClosed)
+    assert out.failed is lost[0]
+    assert stream.sent == b""
+
+
+@pytest.mark.parametrize("scheme", tc.scheme_params())
+def test_reader_and_outbox_over_a_real_transport(scheme):
+    """Bursts both ways, small and large, through a real connection."""
+    msgs = _msgs(300, size=100) + [{"big": b"z" * (1 << 20)}] + _msgs(50, size=5000)
+
+    async def go():
+        backend = get_backend(scheme)
+        echoed = asyncio.get_running_loop().create_future()
+
+        async def handler(stream):
+            reader = MessageReader(stream)
+            out = Outbox(stream, lambda exc: None)
+            for _ in msgs:
+                out.post(await reader.recv())
+            out.finish()
+            await out.drain(10)
+            echoed.set_result(True)
+            await asyncio.sleep(1)
+
+        listener = await backend.listen(tc.HOST, 0, handler)
+        try:
+            stream = await backend.connect(listener.address, tc.CONNECT_TIMEOUT)
+            out = Outbox(stream, lambda exc: None)
+            reader = MessageReader(stream)
+            for m in msgs:
+                out.post(m)
+            async with asyncio.timeout(30):
+                got = [await reader.recv() for _ in msgs]
+                await echoed
+            await out.close()
+            await stream.close()
+            return got
+        finally:
+            await listener.close()
+    assert asyncio.run(go()) == msgs

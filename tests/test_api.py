@@ -71,6 +71,49 @@ def test_async_twins(local):
     assert int(v.sum()) == 300_000 and info["size"] == 200_000
 
 
+def test_gets_of_one_object_share_a_pull_that_outlives_each_of_them(local):
+    """Several gets of one object wait on one pull. A get that is cancelled or
+    reaches its deadline leaves the pull running for the others; a pull cut
+    short (here before it even ran) wakes every waiter with the reason."""
+    rt = hg.api.runtime()
+    node = rt.node
+    oid = hg.ObjectID.from_name("shared-pull")
+
+    async def waiters():
+        short = asyncio.ensure_future(node.get(oid, 0.3, "numpy"))
+        cancelled = asyncio.ensure_future(node.get(oid, 20, "numpy"))
+        patient = asyncio.ensure_future(node.get(oid, 20, "numpy"))
+        await asyncio.sleep(0.05)
+        assert len(node._pulls) == 1 and len(node._pull_waiters[oid]) == 3
+        cancelled.cancel()
+        with pytest.raises(hg.Timeout):
+            await short
+        assert not patient.done() and oid in node._pulls
+        return patient, cancelled
+
+    patient, cancelled = rt.call(waiters(), 10)
+    hg.put(np.arange(10, dtype=np.int32), oid)
+    got = rt.call(_result(patient), 10)
+    assert got.tolist() == list(range(10)) and cancelled.cancelled()
+    assert not node._pulls and not node._pull_waiters
+
+    other = hg.ObjectID.from_name("cut-short")
+
+    async def cut_short():
+        gets = [asyncio.ensure_future(node.get(other, 20, "numpy")) for _ in range(2)]
+        await asyncio.sleep(0)  # the gets joined a pull that has not run yet
+        node._cancel_pull(other, hg.PeerLost("the test cut it short"))
+        return await asyncio.gather(*gets, return_exceptions=True)
+
+    outcomes = rt.call(cut_short(), 10)
+    assert [type(e) for e in outcomes] == [hg.PeerLost, hg.PeerLost]
+    assert not node._pulls and not node._pull_waiters
+
+
+async def _result(fut):
+    return await fut
+
+
 def test_bad_input_gives_clear_errors(local):
     with pytest.raises(hg.UnsupportedValue, match="list"):
         hg.put([1, 2, 3])

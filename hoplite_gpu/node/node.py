@@ -39,7 +39,8 @@ log = logging.getLogger("hoplite_gpu.node")
 
 
 class _Retry(HopliteError):
-    """Internal: the object is being rebuilt elsewhere; a waiting get asks again."""
+    """Internal: ask again (the object is being rebuilt elsewhere, or the pull a
+    get waited on ran to the deadline of a less patient get)."""
 
 
 #: How often a pulling node tells the directory how far it got.
@@ -60,6 +61,8 @@ class Node:
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
         self._pulls: dict[ObjectID, asyncio.Task] = {}
+        #: The gets waiting on each pull, woken by the pull itself as it ends.
+        self._pull_waiters: dict[ObjectID, list[asyncio.Future]] = {}
         #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
         self._pull_errors: dict[ObjectID, BaseException] = {}
         self._closed: BaseException | None = None
@@ -224,32 +227,71 @@ class Node:
         return current
 
     async def _await_pull(self, oid: ObjectID, deadline: float, timeout: float) -> StoredObject:
+        """Join the pull of `oid` (starting it if none runs). Each get waits on
+        its own future, so its deadline or cancellation leaves the pull, which
+        other gets may share, running."""
+        loop = asyncio.get_running_loop()
         if oid not in self._pulls:
             self._pull_errors.pop(oid, None)  # from an earlier pull of this id
-            task = asyncio.get_running_loop().create_task(self._pull(oid, deadline))
+            self._pull_waiters[oid] = []
+            task = loop.create_task(self._run_pull(oid, deadline))
             self._pulls[oid] = task
-            task.add_done_callback(lambda t, oid=oid: self._pull_done(oid, t))
-        task = self._pulls[oid]
+            task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
+        waiter = loop.create_future()
+        waiters = self._pull_waiters[oid]
+        waiters.append(waiter)
         try:
             # A little later than the pull's own deadline, so its more precise error wins.
             async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 0.25):
-                return await asyncio.shield(task)
+                return await waiter
         except Timeout:
+            if time.monotonic() < deadline - 0.01:
+                raise _Retry from None  # the pull ran to the deadline of a less patient get
             raise  # the pull's own, more precise deadline error
         except TimeoutError:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if task.cancelled() and not (me is not None and me.cancelling()):
-                raise self._pull_errors.get(oid) or self._closed or ObjectNotFound(
-                    f"the pull of object {oid.hex()} was abandoned") from None
-            raise
+        finally:
+            if not waiter.done():
+                waiters.remove(waiter)
 
-    def _pull_done(self, oid: ObjectID, task: asyncio.Task) -> None:
-        if self._pulls.get(oid) is task:
-            del self._pulls[oid]
-        if not task.cancelled():
-            task.exception()  # mark retrieved; the awaiting get re-raises it
+    async def _run_pull(self, oid: ObjectID, deadline: float) -> StoredObject:
+        """The pull, waking its waiters in the same step it ends in (no extra
+        loop iteration for a done-callback)."""
+        try:
+            obj = await self._pull(oid, deadline)
+        except asyncio.CancelledError:
+            self._pull_ended(oid, asyncio.current_task(), self._abandoned(oid))
+            raise
+        except BaseException as exc:
+            self._pull_ended(oid, asyncio.current_task(), exc)
+            raise
+        self._pull_ended(oid, asyncio.current_task(), result=obj)
+        return obj
+
+    def _abandoned(self, oid: ObjectID) -> BaseException:
+        return self._pull_errors.get(oid) or self._closed or ObjectNotFound(
+            f"the pull of object {oid.hex()} was abandoned")
+
+    def _pull_ended(self, oid: ObjectID, task: asyncio.Task | None,
+                    error: BaseException | None = None, result: StoredObject | None = None) -> None:
+        """Forget the pull and wake its waiters; also the done-callback, for a
+        pull cancelled before it ran (its body then never starts)."""
+        if task is not None and task.done() and not task.cancelled():
+            task.exception()  # retrieved: the waiters re-raise it
+        if task is None or self._pulls.get(oid) is not task:
+            return
+        del self._pulls[oid]
+        if result is None and error is None:
+            if task.cancelled():
+                error = self._abandoned(oid)
+            elif (error := task.exception()) is None:
+                result = task.result()
+        for waiter in self._pull_waiters.pop(oid, ()):
+            if not waiter.done():
+                if error is not None:
+                    waiter.set_exception(error)
+                else:
+                    waiter.set_result(result)
 
     async def _pull(self, oid: ObjectID, deadline: float) -> StoredObject:
         self._check_open()

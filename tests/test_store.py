@@ -9,7 +9,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.node.pool import BufferPool
+from hoplite_gpu.node.pool import BufferPool, host_buffer
 from hoplite_gpu.node.store import ChunkStore
 from hoplite_gpu.values import Layout
 
@@ -65,6 +65,25 @@ def test_pool_reuses_only_unreferenced_buffers():
     assert not pool.release(buf), "a buffer a view still refers to must not be reused"
     del view
     assert not pool.release(np.empty(1024, dtype=np.uint8))  # too small to pool
+
+
+def test_large_buffers_are_plain_maps_and_views_of_them_block_reuse():
+    import mmap
+
+    buf = host_buffer(2 * MiB)
+    assert isinstance(buf.base, memoryview) and isinstance(buf.base.obj, mmap.mmap)
+    assert buf.flags.writeable and buf.nbytes == 2 * MiB
+    buf[:] = 3  # the memory is really there
+    assert host_buffer(1000).base is None  # small ones stay ordinary arrays
+    pool = BufferPool(64 * MiB)
+    for make in (lambda b: b[1:], lambda b: b[:8].view(np.int32), memoryview):
+        view = make(buf)
+        assert not pool.release(buf), f"reused under a live {type(view).__name__}"
+        del view
+        assert pool.release(buf) and pool.acquire(2 * MiB) is buf
+    part = np.frombuffer(mmap.mmap(-1, 4 * MiB), dtype=np.uint8)[:2 * MiB]
+    assert not pool.release(part), "part of a larger map is not a buffer of its own"
+    assert pool.release(buf) and pool.acquire(2 * MiB) is buf
 
 
 def test_pool_respects_its_budget():

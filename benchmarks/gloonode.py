@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input, plain_empty
 
 
 def main() -> None:
@@ -37,8 +37,8 @@ def main() -> None:
                             world_size=args.world)
     rank, world, n = args.rank, args.world, args.size // 4
     x = torch.from_numpy(make_input(rank, args.size)) if args.op != "broadcast" or rank == 0 else None
-    work = torch.empty(n, dtype=torch.float32)
-    pieces = [torch.empty(n, dtype=torch.float32) for _ in range(world)] \
+    work = torch.from_numpy(plain_empty(n))
+    pieces = [torch.from_numpy(plain_empty(n)) for _ in range(world)] \
         if args.op == "allgather" or (args.op == "gather" and rank == 0) else None
     dist.barrier()
     t = torch.tensor([time.time() + 0.3], dtype=torch.float64)

@@ -10,9 +10,7 @@ import argparse
 import json
 import time
 
-import numpy as np
-
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input, plain_empty
 
 
 def main() -> None:
@@ -34,12 +32,12 @@ def main() -> None:
     rank, world, n = comm.Get_rank(), comm.Get_size(), args.size // 4
     ready = [float(v) for v in args.ready_after.split(",")] if args.ready_after else [0.0] * world
     op = args.op
-    x = make_input(rank, args.size) if op != "broadcast" or rank == 0 else np.empty(n, np.float32)
+    x = make_input(rank, args.size) if op != "broadcast" or rank == 0 else plain_empty(n)
     out = None
     if op == "allreduce" or (op == "reduce" and rank == 0):
-        out = np.empty(n, np.float32)
+        out = plain_empty(n)
     elif op == "allgather" or (op == "gather" and rank == 0):
-        out = np.empty((world, n), np.float32)
+        out = plain_empty((world, n))
     comm.Barrier()
     t0 = comm.bcast(time.time() + 0.3 if rank == 0 else None, root=0)
     starts, ends = [], []

@@ -48,6 +48,7 @@ class Runtime:
         self._thread.start()
         if not running.wait(30):
             raise RuntimeClosed("the hoplite-gpu loop thread did not start within 30s")
+        self._calls: set[asyncio.Task] = set()
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
         try:
@@ -78,10 +79,34 @@ class Runtime:
         return not self._loop.is_running()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run `coro` on the loop thread; its future is settled by the task's own
+        last step. (`asyncio.run_coroutine_threadsafe` settles it from a done-
+        callback, one loop iteration later: a wake-up more for every blocking call.)
+        Cancelling the future cancels the task."""
         if self.closed:
             coro.close()
             raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() again")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        loop = self._loop
+
+        def start() -> None:
+            if fut.cancelled():
+                coro.close()
+                return
+            task = loop.create_task(_settle(coro, fut))
+            self._calls.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._calls.discard)
+            fut.add_done_callback(
+                lambda f: f.cancelled() and not loop.is_closed() and
+                loop.call_soon_threadsafe(task.cancel))
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop closed after the check above
+            coro.close()
+            raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() "
+                                "again") from None
+        return fut
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the runtime's loop and block for its result."""
@@ -136,3 +161,20 @@ class Runtime:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _settle(coro: Coroutine[Any, Any, T], fut: concurrent.futures.Future[T]) -> None:
+    """Await `coro` and hand its outcome to `fut` at once (a cancelled task cancels it)."""
+    try:
+        result = await coro
+    except asyncio.CancelledError:
+        fut.cancel()
+        raise
+    except BaseException as exc:
+        if fut.set_running_or_notify_cancel():
+            fut.set_exception(exc)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return
+    if fut.set_running_or_notify_cancel():
+        fut.set_result(result)

@@ -361,17 +361,25 @@ def test_a_dropped_receiver_frees_its_slot():
 def test_delete_drops_every_holder_and_fails_waiters():
     d = make(1)
     waiting_receiver(d)
-    out = d.handle(Delete("n7", 70, K))
-    assert out[0] == Reply("n7", 70, {"ok": True, "existed": True})
-    assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n1", "n2"}
+    out = d.handle(Delete("n1", 70, K))  # n1, a holder, deletes: it drops its own copy
+    assert out[0] == Reply("n1", 70, {"ok": True, "existed": True})
+    assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n2"}
     assert all("deleted" in c.reason for c in out if isinstance(c, Drop))
-    assert not_found(out, "n2", 3) and len(out) == 5
+    assert not_found(out, "n2", 3) and len(out) == 4
     assert K not in d.objects
     assert d.handle(Completed("n1", K)) == []
     assert locate(d, "n3", 4) is None and list(d.pending[K]) == [("n3", 4)]
     assert d.handle(Delete("n7", 71, K2)) == [Reply("n7", 71, {"ok": True, "existed": False})]
     # A new put serves the waiter again.
     assert senders(put(d, "n5")) == {("n3", 4): "n5"}
+
+
+def test_a_delete_from_elsewhere_drops_every_holder():
+    d = make(1)
+    waiting_receiver(d)
+    out = d.handle(Delete("n7", 70, K))
+    assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n1", "n2"}
+    assert not_found(out, "n2", 3)
 
 
 # ---------------------------------------------------------------- query ---

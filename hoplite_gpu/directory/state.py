@@ -561,7 +561,10 @@ class Directory:
             return
         reason = f"object {ev.oid.hex()} was deleted"
         for node in entry.holders:
-            out.append(Drop(node, ev.oid, reason))
+            # The deleting node drops its own copy when the reply comes; a drop
+            # arriving after that reply could cancel a get it started since.
+            if node != ev.node:
+                out.append(Drop(node, ev.oid, reason))
         for node, request in entry.waiting:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
 

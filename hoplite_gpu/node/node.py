@@ -411,7 +411,13 @@ class Node:
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
         await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
-        self.store.remove(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
+        # The directory sends no drop to us: everything a drop would do, here.
+        reason = ObjectNotFound(f"object {oid.hex()} was deleted")
+        step = self._steps.pop(oid, None)
+        if step is not None:
+            step.cancel(str(reason))
+        self.store.remove(oid, reason)
+        self._cancel_pull(oid, reason)
 
     async def query(self, oid: ObjectID) -> dict:
         return await self._request({"op": "query", "oid": oid.binary}, self.config.timeout_s)

@@ -92,7 +92,10 @@ def _check_array_type(array_type: str) -> None:
 
 
 def delete(object_id: ObjectID) -> None:
-    """Free every copy of the object in the cluster."""
+    """Free every copy of the object in the cluster. This node's copy is gone
+    when the call returns; other nodes drop theirs as the directory's notice
+    reaches them, a moment later (a get racing the delete there may still
+    return its copy). Arrays already returned stay valid."""
     rt = runtime()
     rt.call(rt.node.delete(as_object_id(object_id)), rt.config.timeout_s)
 

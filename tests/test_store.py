@@ -104,3 +104,38 @@ def test_user_views_survive_delete_and_reuse():
         assert int(hg.get(second)[0]) == 9
     finally:
         hg.shutdown()
+
+
+def test_a_reduce_leaf_shares_its_input_and_follows_its_watermark():
+    """A leaf's partial result is its input: same buffer, no copy, and readable
+    only as far as the input (a put still copying it) is."""
+    from hoplite_gpu.config import Config
+    from hoplite_gpu.node.reducer import run_step
+    from hoplite_gpu.node.transfer import PeerPool
+
+    async def main():
+        store = ChunkStore(64 * MiB)
+        lay = Layout("numpy", "<f4", (4 * MiB,), 16 * MiB)
+        own = store.create(ObjectID.random(), lay)
+        own.buffer[:] = 7
+        out_id = ObjectID.random()
+        step = {"layout": lay.to_wire(), "input": own.oid.binary, "output": out_id.binary,
+                "target": out_id.binary, "children": [], "reduce_op": "sum", "count": 0,
+                "tag": b"t"}
+        task = asyncio.ensure_future(run_step(step, store, PeerPool("tok", Config()), Config(), 5))
+        await asyncio.sleep(0.01)
+        out = store.get(out_id)
+        assert out is not None and out.ready == 0 and not task.done()
+        own.advance(5 * MiB)
+        await asyncio.sleep(0.01)
+        assert out.ready == 5 * MiB  # what the input has, not more
+        own.advance(own.size)
+        assert await asyncio.wait_for(task, 5) is out
+        assert out.complete and out.reduce_tag == b"t"
+        assert np.shares_memory(out.buffer, own.buffer)
+        # Freeing one of them must not hand the shared buffer to a new object.
+        store.remove(out_id)
+        assert store.pool.pooled == 0
+        store.remove(own.oid)  # the last holder: now it may be reused
+        assert store.pool.pooled == 16 * MiB
+    asyncio.run(main())

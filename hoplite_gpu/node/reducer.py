@@ -35,7 +35,17 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
     if own is None:
         raise LookupError(f"input {step['input'].hex()} is not held by this node")
     out_oid = ObjectID(step["output"])
-    out = store.get(out_oid) or store.create(out_oid, layout)
+    out = store.get(out_oid)
+    if out is None and not step["children"] and not int(step["count"]):
+        # A leaf's partial result is its input: share the input's buffer (both
+        # are immutable) instead of copying it into a fresh one.
+        out = store.create(out_oid, layout, own.buffer)
+        if out_oid.binary == step["target"]:
+            out.reduce_tag = step.get("tag")
+        await _follow(own, out, timeout)
+        return out
+    if out is None:
+        out = store.create(out_oid, layout)
     if out_oid.binary == step["target"]:
         out.reduce_tag = step.get("tag")
     kids, pulls, inplace = [], [], None
@@ -97,6 +107,14 @@ async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObje
             kernels.finalize(acc, op, count, dtype=kind)
         out.advance(end)
         await asyncio.sleep(0)  # let the parent's pull send what is ready
+
+
+async def _follow(own: StoredObject, out: StoredObject, timeout: float) -> None:
+    """Move `out`'s watermark with its input's (a put may still be copying it)."""
+    step = max(FOLD_STEP, out.size // 64)
+    while out.ready < out.size:
+        await own.wait_ready(min(out.ready + step, out.size), timeout)
+        out.advance(own.ready)
 
 
 async def _ready_or_failed(src: StoredObject, end: int, timeout: float,

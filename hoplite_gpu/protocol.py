@@ -116,12 +116,14 @@ class Outbox:
         self._queue: collections.deque[bytes | memoryview | None] = collections.deque()
         self._wake = asyncio.Event()
         self._writing = False
+        self._finished = False
         self.failed: HopliteError | None = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop())
 
     def post(self, msg: dict[str, Any]) -> None:
-        """Send `msg` after everything posted before it; dropped once the stream failed."""
-        if self.failed is not None:
+        """Send `msg` after everything posted before it; dropped once the stream
+        failed or `finish` was called."""
+        if self.failed is not None or self._finished:
             return
         data: bytes | memoryview = pack(msg)
         if not self._queue and not self._writing:
@@ -137,7 +139,8 @@ class Outbox:
         self._wake.set()
 
     def finish(self) -> None:
-        """Stop the writer once everything posted so far is sent."""
+        """Stop the writer once everything posted so far is sent; later posts are dropped."""
+        self._finished = True
         self._queue.append(None)
         self._wake.set()
 

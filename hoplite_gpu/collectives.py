@@ -8,6 +8,7 @@ be used for one call only (objects are immutable); `delete` frees its objects.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from . import api
@@ -68,12 +69,31 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
            timeout: float | None = None) -> list[Any] | None:
-    """Every rank's value, in rank order, on `root` (None elsewhere)."""
+    """Every rank's value, in rank order, on `root` (None elsewhere). The root
+    pulls all of them at once; `timeout` bounds the whole call."""
     _check(rank, size, root)
     api.put(value, input_id(name, rank))
     if rank != root:
         return None
-    return [api.get(input_id(name, r), timeout=timeout) for r in range(size)]
+    return _get_all([input_id(name, r) for r in range(size)], timeout)
+
+
+def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
+    """Every object of `ids`, pulled at once (not one after another: a gather
+    of small objects then costs one round trip, not N). If one get fails the
+    others are cancelled and its error is raised."""
+    rt = api.runtime()
+    limit = api._timeout(rt, timeout)
+
+    async def each() -> list[Any]:
+        tasks = [asyncio.ensure_future(rt.node.get(oid, limit)) for oid in ids]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()  # the rest, once one failed; finished ones ignore it
+
+    return rt.call(each(), limit)
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:
@@ -89,7 +109,8 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
 
 def allgather(value: Any, *, name: str, rank: int, size: int,
               timeout: float | None = None) -> list[Any]:
-    """Every rank's value, in rank order, on every rank."""
+    """Every rank's value, in rank order, on every rank (pulled at once;
+    `timeout` bounds the whole call)."""
     _check(rank, size)
     api.put(value, input_id(name, rank))
-    return [api.get(input_id(name, r), timeout=timeout) for r in range(size)]
+    return _get_all([input_id(name, r) for r in range(size)], timeout)

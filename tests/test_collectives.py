@@ -1,0 +1,65 @@
+"""Collectives in one process (local mode): the other ranks' inputs are put
+under the ids those ranks would use."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import collectives
+
+
+@pytest.fixture
+def local():
+    hg.init(timeout_s=20)
+    yield
+    hg.shutdown()
+
+
+def _put_rank(name: str, rank: int, value) -> None:
+    hg.put(value, collectives.input_id(name, rank))
+
+
+@pytest.mark.parametrize("op", ["gather", "allgather"])
+def test_gathers_return_every_rank_in_rank_order(local, op):
+    size = 5
+    for r in (3, 1, 4, 2):  # put out of order
+        _put_rank(f"g-{op}", r, np.full(1000 * r + 7, r, dtype=np.int32))
+    out = getattr(collectives, op)(np.zeros(7, dtype=np.int32), name=f"g-{op}", rank=0,
+                                   size=size, timeout=10)
+    assert [int(x[0]) for x in out] == [0, 1, 2, 3, 4]
+    assert [x.size for x in out] == [7, 1007, 2007, 3007, 4007]
+    assert collectives.gather(np.zeros(1), name="not-root", rank=1, size=2, timeout=1) is None
+
+
+def test_a_gather_pulls_every_input_at_once(local):
+    """The root asks for every missing input at the same time (one round trip
+    for small objects, not one per rank), and gets them as they are put."""
+    import threading
+
+    rt = hg.api.runtime()
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", collectives.gather(
+        np.zeros(3), name="late", rank=0, size=5, timeout=10)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(rt.node._pulls) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(rt.node._pulls) == 4  # ranks 1-4, all waiting at once
+    for r in (4, 2, 1, 3):
+        _put_rank("late", r, np.full(3, r, dtype=np.float64))
+    t.join(10)
+    assert [float(x[0]) for x in result["out"]] == [0, 1, 2, 3, 4]
+
+
+def test_a_failed_gather_leaves_nothing_waiting(local):
+    with pytest.raises(hg.Timeout):
+        collectives.gather(np.zeros(3), name="missing", rank=0, size=5, timeout=0.5)
+    rt = hg.api.runtime()
+    deadline = time.monotonic() + 5
+    while rt.node._pulls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rt.node._pulls and not rt.node._pull_waiters

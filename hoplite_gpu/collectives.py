@@ -9,6 +9,7 @@ be used for one call only (objects are immutable); `delete` frees its objects.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import api
@@ -52,9 +53,11 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     ids, target = _reduce_ids(name, size, op, num_objects)
     # Idempotent across ranks; the root's own input takes the tree's root, so
     # the result is produced where it is wanted (no extra hop to fetch it).
-    api.reduce(ids, op, num_objects=num_objects, object_id=target, root_input=ids[root])
-    api.put(value, ids[rank])
-    return api.get(target, timeout=timeout) if rank == root else None
+    args = api._reduce_args(ids, op, num_objects, target, ids[root])
+    out = _together(lambda node, limit: [
+        node.reduce(*args), node.put(value, ids[rank]),
+        *([node.get(target, limit)] if rank == root else [])], timeout)
+    return out[2] if rank == root else None
 
 
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
@@ -62,9 +65,9 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     """Reduce, then broadcast the result while it is still being reduced."""
     _check(rank, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
-    api.reduce(ids, op, num_objects=num_objects, object_id=target)
-    api.put(value, ids[rank])
-    return api.get(target, timeout=timeout)
+    args = api._reduce_args(ids, op, num_objects, target)
+    return _together(lambda node, limit: [
+        node.reduce(*args), node.put(value, ids[rank]), node.get(target, limit)], timeout)[2]
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
@@ -80,20 +83,29 @@ def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
 
 def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     """Every object of `ids`, pulled at once (not one after another: a gather
-    of small objects then costs one round trip, not N). If one get fails the
-    others are cancelled and its error is raised."""
+    of small objects then costs one round trip, not N)."""
+    return _together(lambda node, limit: [node.get(oid, limit) for oid in ids], timeout)
+
+
+def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None) -> list[Any]:
+    """Run a call's node operations at once, in one blocking call, and return
+    their results. Each starts in order (so the directory sees e.g. a reduce
+    request before the put of an input, on the one ordered connection), and a
+    call of small objects costs one round trip instead of one per step. If one
+    fails, the others are cancelled and its error is raised; `timeout` bounds
+    the whole call."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
 
-    async def each() -> list[Any]:
-        tasks = [asyncio.ensure_future(rt.node.get(oid, limit)) for oid in ids]
+    async def run() -> list[Any]:
+        tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
         try:
             return await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
 
-    return rt.call(each(), limit)
+    return rt.call(run(), limit)
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:

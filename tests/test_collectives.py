@@ -63,3 +63,27 @@ def test_a_failed_gather_leaves_nothing_waiting(local):
     while rt.node._pulls and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not rt.node._pulls and not rt.node._pull_waiters
+
+
+@pytest.mark.parametrize("op", ["reduce", "allreduce"])
+def test_reduces_sum_every_rank(local, op):
+    size = 4
+    for r in (2, 1, 3):
+        _put_rank(f"r-{op}", r, np.full(50_000, r, dtype=np.float64))
+    out = getattr(collectives, op)(np.full(50_000, 10.0), name=f"r-{op}", rank=0, size=size,
+                                   timeout=10)
+    assert out.shape == (50_000,) and float(out[0]) == float(out[-1]) == 16.0
+
+
+def test_a_bad_value_fails_the_call_at_once_and_leaves_nothing_waiting(local):
+    start = time.monotonic()
+    with pytest.raises(hg.UnsupportedValue):
+        collectives.allreduce(["not", "an", "array"], name="bad", rank=0, size=3, timeout=10)
+    assert time.monotonic() - start < 5  # not the 10 s the result's get would wait
+    rt = hg.api.runtime()
+    deadline = time.monotonic() + 5
+    while rt.node._pulls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rt.node._pulls
+    with pytest.raises(hg.InvalidArgument):  # checked before anything is sent
+        collectives.allreduce(np.zeros(3), name="bad-op", rank=0, size=3, op="median")

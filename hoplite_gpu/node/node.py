@@ -251,8 +251,12 @@ class Node:
         except TimeoutError:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
         finally:
-            if not waiter.done():
+            if not waiter.done() or waiter.cancelled():  # this get gave up
                 waiters.remove(waiter)
+                if not waiters and self._pull_waiters.get(oid) is waiters:
+                    # the last one: nobody wants this pull any more
+                    self._cancel_pull(oid, ObjectNotFound(
+                        f"the pull of object {oid.hex()} was abandoned by its gets"))
 
     async def _run_pull(self, oid: ObjectID, deadline: float) -> StoredObject:
         """The pull, waking its waiters in the same step it ends in (no extra
@@ -364,6 +368,10 @@ class Node:
                 client.forget(rid)
                 client.post({"op": "cancel", "request": rid})
                 raise Timeout(max(0.0, deadline - started)) from None
+            except asyncio.CancelledError:  # withdraw the request, or it waits on
+                client.forget(rid)
+                client.post({"op": "cancel", "request": rid})
+                raise
 
     # ----------------------------------------------------------- channels ---
     async def channel_publish(self, name: str, version: int) -> int:

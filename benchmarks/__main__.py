@@ -138,6 +138,12 @@ def plot(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "plots", "rows": []}
 
 
+def latency(args: argparse.Namespace, console: Console) -> dict:
+    from .latency import run
+
+    return run(args, console)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rayemu"]:  # its own options: python -m benchmarks rayemu --help
@@ -177,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(e)
     e.add_argument("--no-save", action="store_true")
     e.set_defaults(func=emulated)
+    lat = sub.add_parser("latency", help="small-object collectives on loopback: per-call time "
+                         "and CPU per process, every call after a sleep")
+    from .latency import add_arguments as latency_arguments
+
+    latency_arguments(lat)
+    lat.add_argument("--no-save", action="store_true")
+    lat.set_defaults(func=latency)
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
                    "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import errno
 import socket
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
 
@@ -27,6 +29,7 @@ _LOWAT = 256 * 1024
 #: messages and headers then cost no extra system call.
 _LOWAT_FROM = 64 * 1024
 _CLOSED = "hoplite: stream closed"
+T = TypeVar("T")
 
 
 def _tune(sock: socket.socket) -> None:
@@ -60,53 +63,28 @@ class TCPStream(Stream):
         if self._closed:
             raise self._lost(None, "send")
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        self._busy.add(task)
-        try:
-            for buf in buffers:
-                # sock_sendall counts progress in bytes against len(), which is in
-                # items for a typed view: always send a flat byte view.
-                view = memoryview(buf)
-                if view.format != "B" or view.ndim != 1:
-                    view = view.cast("B")
-                if len(view):
-                    await loop.sock_sendall(self._sock, view)
-        except (OSError, ValueError) as exc:  # ValueError: socket closed under us
-            await self.close()
-            raise self._lost(exc, "send") from exc
-        except asyncio.CancelledError as exc:
-            raise self._woken(task, exc, "send") from None
-        finally:
-            self._busy.discard(task)
+        for buf in buffers:
+            # sock_sendall counts progress in bytes against len(), which is in
+            # items for a typed view: always send a flat byte view.
+            view = memoryview(buf)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+            if len(view):
+                await self._guarded("send", loop.sock_sendall(self._sock, view))
 
     async def recv_into(self, buffer: memoryview) -> None:
         if self._closed:
             raise self._lost(None, "receive")
-        loop = asyncio.get_running_loop()
         view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         got, want = 0, len(view)
-        task = asyncio.current_task()
-        self._busy.add(task)
-        try:
-            while got < want:
-                rest = want - got
-                self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
-                n = await loop.sock_recv_into(self._sock, view[got:])
-                if n == 0:
-                    raise TransportClosed(
-                        f"connection to {self.peer} ended after {got} of {want} bytes"
-                    )
-                got += n
-        except TransportClosed:
-            await self.close()
-            raise
-        except (OSError, ValueError) as exc:
-            await self.close()
-            raise self._lost(exc, "receive") from exc
-        except asyncio.CancelledError as exc:
-            raise self._woken(task, exc, "receive") from None
-        finally:
-            self._busy.discard(task)
+        while got < want:
+            rest = want - got
+            self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+            n = await self._wait_recv(view[got:])
+            if n == 0:
+                await self.close()
+                raise TransportClosed(f"connection to {self.peer} ended after {got} of {want} bytes")
+            got += n
 
     async def recv_some(self, buffer: memoryview) -> int:
         if self._closed:
@@ -115,17 +93,7 @@ class TCPStream(Stream):
         try:
             n = self._sock.recv_into(buffer)  # most often something is there already
         except (BlockingIOError, InterruptedError):
-            task = asyncio.current_task()
-            self._busy.add(task)
-            try:
-                n = await asyncio.get_running_loop().sock_recv_into(self._sock, buffer)
-            except (OSError, ValueError) as exc:
-                await self.close()
-                raise self._lost(exc, "receive") from exc
-            except asyncio.CancelledError as exc:
-                raise self._woken(task, exc, "receive") from None
-            finally:
-                self._busy.discard(task)
+            n = await self._wait_recv(buffer)
         except (OSError, ValueError) as exc:
             await self.close()
             raise self._lost(exc, "receive") from exc
@@ -133,6 +101,26 @@ class TCPStream(Stream):
             await self.close()
             raise TransportClosed(f"connection to {self.peer} ended")
         return n
+
+    async def _wait_recv(self, view: memoryview) -> int:
+        """One receive through the loop (0: the peer closed)."""
+        return await self._guarded("receive", asyncio.get_running_loop().sock_recv_into(
+            self._sock, view))
+
+    async def _guarded(self, what: str, op: Awaitable[T]) -> T:
+        """Await a socket operation; its errors, and a close() from elsewhere
+        (which wakes it), become TransportClosed."""
+        task = asyncio.current_task()
+        self._busy.add(task)
+        try:
+            return await op
+        except (OSError, ValueError) as exc:  # ValueError: socket closed under us
+            await self.close()
+            raise self._lost(exc, what) from exc
+        except asyncio.CancelledError as exc:
+            raise self._woken(task, exc, what) from None
+        finally:
+            self._busy.discard(task)
 
     def send_nowait(self, data: bytes | memoryview) -> int:
         if self._closed:

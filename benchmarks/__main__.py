@@ -138,6 +138,12 @@ def plot(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "plots", "rows": []}
 
 
+def machine(args: argparse.Namespace, console: Console) -> dict:
+    from .machine import run
+
+    return run(args, console)
+
+
 def latency(args: argparse.Namespace, console: Console) -> dict:
     from .latency import run
 
@@ -190,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     latency_arguments(lat)
     lat.add_argument("--no-save", action="store_true")
     lat.set_defaults(func=latency)
+    m = sub.add_parser("machine", help="first-touch cost of fresh memory (NumPy vs plain pages) "
+                       "and of Python run after a sleep, on this machine")
+    from .machine import add_arguments as machine_arguments
+
+    machine_arguments(m)
+    m.add_argument("--no-save", action="store_true")
+    m.set_defaults(func=machine)
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
                    "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

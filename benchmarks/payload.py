@@ -37,7 +37,7 @@ def values(rank: int, lo: int, hi: int) -> np.ndarray:
 def plain_empty(shape: int | tuple[int, ...], dtype=np.float32) -> np.ndarray:
     """An uninitialised array in plain 4 KiB pages, as hoplite-gpu's store maps
     its buffers (hoplite_gpu/node/pool.py). `np.empty` advises the kernel to use
-    transparent huge pages for large arrays, and a first touch of those was 4.5 x
+    transparent huge pages for large arrays, and a first touch of those was 3-4.5 x
     slower on the VMs measured: baselines' result buffers use this instead, so
     every system's first call pays the same price per page it touches."""
     import mmap

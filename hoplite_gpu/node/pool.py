@@ -12,8 +12,9 @@ see its bytes change.
 Large buffers are anonymous memory maps, not `np.empty`: NumPy asks the kernel
 for transparent huge pages on large arrays (madvise), and where THP is in
 `madvise` mode a first touch then faults in zeroed 2 MiB pages, which on the
-VMs measured was 4.5 x slower than 4 KiB pages: 8 processes each writing a fresh
-256 MiB took 2.5 s with NumPy's arrays and 0.55 s with plain maps. A map takes
+VMs measured was 3-4.5 x slower than 4 KiB pages: 8 processes each writing a
+fresh 256 MiB took 1.9-2.5 s with NumPy's arrays and 0.55-0.58 s with plain maps
+(`python -m benchmarks machine`). A map takes
 the kernel's default (huge pages only where THP is `always`).
 """
 

@@ -55,7 +55,7 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     # the result is produced where it is wanted (no extra hop to fetch it).
     args = api._reduce_args(ids, op, num_objects, target, ids[root])
     out = _together(lambda node, limit: [
-        node.reduce(*args), node.put(value, ids[rank]),
+        node.reduce(*args), _finish(node.put(value, ids[rank])),
         *([node.get(target, limit)] if rank == root else [])], timeout)
     return out[2] if rank == root else None
 
@@ -67,7 +67,8 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     return _together(lambda node, limit: [
-        node.reduce(*args), node.put(value, ids[rank]), node.get(target, limit)], timeout)[2]
+        node.reduce(*args), _finish(node.put(value, ids[rank])), node.get(target, limit)],
+        timeout)[2]
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
@@ -87,13 +88,20 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     return _together(lambda node, limit: [node.get(oid, limit) for oid in ids], timeout)
 
 
+def _finish(put: Coroutine) -> asyncio.Future:
+    """A put that runs to its end even if the call gives up: cut short while
+    copying, it would leave a registered copy that never completes, and peers
+    pulling from it would wait for bytes that never come."""
+    return asyncio.shield(put)
+
+
 def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None) -> list[Any]:
     """Run a call's node operations at once, in one blocking call, and return
     their results. Each starts in order (so the directory sees e.g. a reduce
     request before the put of an input, on the one ordered connection), and a
     call of small objects costs one round trip instead of one per step. If one
-    fails, the others are cancelled and its error is raised; `timeout` bounds
-    the whole call."""
+    fails, the others are cancelled (a put is left to finish, see `_finish`) and
+    its error is raised; `timeout` bounds the whole call."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
 

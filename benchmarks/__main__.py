@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -122,13 +123,6 @@ def soak(args: argparse.Namespace, console: Console) -> dict:
             "byte_identical": passed == len(rows)}
 
 
-def emulated(args: argparse.Namespace, console: Console) -> dict:
-    """Collectives across network namespaces with tc-shaped links (root only)."""
-    from .emurun import run
-
-    return run(args, console)
-
-
 def plot(args: argparse.Namespace, console: Console) -> dict:
     from .plots import plot_all
 
@@ -138,16 +132,14 @@ def plot(args: argparse.Namespace, console: Console) -> dict:
     return {"benchmark": "plots", "rows": []}
 
 
-def machine(args: argparse.Namespace, console: Console) -> dict:
-    from .machine import run
-
-    return run(args, console)
-
-
-def latency(args: argparse.Namespace, console: Console) -> dict:
-    from .latency import run
-
-    return run(args, console)
+def _module_command(sub, name: str, module: str, help: str) -> None:
+    """A benchmark living in its own module, which provides `add_arguments(parser)`
+    and `run(args, console) -> result`."""
+    mod = importlib.import_module(f"{__package__}.{module}")
+    parser = sub.add_parser(name, help=help)
+    mod.add_arguments(parser)
+    parser.add_argument("--no-save", action="store_true")
+    parser.set_defaults(func=mod.run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,27 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--runs", type=int, default=20)
     k.add_argument("--no-save", action="store_true")
     k.set_defaults(func=soak)
-    e = sub.add_parser("emulated", help="collectives on emulated hosts (network namespaces + tc; "
-                       "root): hoplite-gpu, a star, Gloo, OpenMPI")
-    from .emurun import add_arguments
-
-    add_arguments(e)
-    e.add_argument("--no-save", action="store_true")
-    e.set_defaults(func=emulated)
-    lat = sub.add_parser("latency", help="small-object collectives on loopback: per-call time "
-                         "and CPU per process, every call after a sleep")
-    from .latency import add_arguments as latency_arguments
-
-    latency_arguments(lat)
-    lat.add_argument("--no-save", action="store_true")
-    lat.set_defaults(func=latency)
-    m = sub.add_parser("machine", help="first-touch cost of fresh memory (NumPy vs plain pages) "
-                       "and of Python run after a sleep, on this machine")
-    from .machine import add_arguments as machine_arguments
-
-    machine_arguments(m)
-    m.add_argument("--no-save", action="store_true")
-    m.set_defaults(func=machine)
+    _module_command(sub, "emulated", "emurun", "collectives on emulated hosts (network "
+                    "namespaces + tc; root): hoplite-gpu, a star, Gloo, OpenMPI")
+    _module_command(sub, "latency", "latency", "small-object collectives on loopback: per-call "
+                    "time and CPU per process, every call after a sleep")
+    _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "
+                    "pages) and of Python run after a sleep, on this machine")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
                    "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

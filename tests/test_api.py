@@ -226,3 +226,45 @@ def test_config_rejects_unknown_env(monkeypatch):
     monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "lots")
     with pytest.raises(hg.ConfigError, match="not a valid int"):
         hg.Config.from_env()
+
+
+def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(local):
+    """A drop with retry (a reduce restarted) can land between a get's fetch and
+    its return; the get asks again instead of failing, while a plain drop
+    (deleted) still fails it."""
+    rt = hg.api.runtime()
+    node = rt.node
+    oid = hg.put(np.arange(300_000, dtype=np.int32))
+    real_fetch = node.fetch
+    calls = []
+
+    async def fetch_then_drop(o, timeout):
+        obj = await real_fetch(o, timeout)
+        calls.append(obj)
+        if len(calls) == 1:  # the first time: the copy is dropped for a rebuild
+            node._on_push({"op": "drop", "oid": o.binary, "reason": "rebuilt", "retry": True})
+            hg_put_again.append(True)
+        return obj
+
+    hg_put_again = []
+    node.fetch = fetch_then_drop
+    try:
+        async def again_soon():
+            await asyncio.sleep(0.2)
+            await node.put(np.arange(300_000, dtype=np.int32), oid)
+        rt.submit(again_soon())
+        got = hg.get(oid, timeout=10)
+        assert len(calls) == 2 and got[-1] == 299_999
+        calls.clear()
+        calls.append("skip the retry drop")
+        oid2 = hg.put(np.ones(300_000, dtype=np.uint8))
+
+        async def fetch_then_delete(o, timeout):
+            obj = await real_fetch(o, timeout)
+            node._on_push({"op": "drop", "oid": o.binary, "reason": "deleted", "retry": False})
+            return obj
+        node.fetch = fetch_then_delete
+        with pytest.raises(hg.ObjectNotFound, match="deleted while this get"):
+            hg.get(oid2, timeout=5)
+    finally:
+        node.fetch = real_fetch

@@ -187,9 +187,13 @@ class Node:
 
     # ---------------------------------------------------------------- get ---
     async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy") -> Any:
+        deadline = time.monotonic() + timeout
         obj = await self.fetch(oid, timeout)
-        if obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
-            raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
+        while obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
+            if not isinstance(obj.removed, _Retry) or time.monotonic() >= deadline:
+                raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
+            # dropped because it is being rebuilt (a reduce restarted): ask again
+            obj = await self.fetch(oid, deadline - time.monotonic())
         return from_buffer(obj.buffer, obj.layout, array_type)
 
     async def fetch(self, oid: ObjectID, timeout: float) -> StoredObject:

@@ -31,6 +31,8 @@ class StoredObject:
     #: For a reduce result: the tree it came from, until the directory confirms
     #: that tree finished (a `get` hands the copy out only then).
     reduce_tag: bytes | None = None
+    #: Why the store let go of it (a drop's reason), once it has.
+    removed: BaseException | None = None
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property
@@ -144,6 +146,7 @@ class ChunkStore:
     def remove(self, oid: ObjectID, reason: BaseException | None = None) -> StoredObject | None:
         obj = self._objects.pop(oid, None)
         if obj is not None:
+            obj.removed = reason
             if not obj.complete:
                 obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
             self.recycle(obj)

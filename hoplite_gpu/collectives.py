@@ -62,13 +62,18 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
 
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
               num_objects: int | None = None, timeout: float | None = None) -> Any:
-    """Reduce, then broadcast the result while it is still being reduced."""
+    """Reduce, then broadcast the result while it is still being reduced.
+
+    The input is not copied: the reduce reads `value`'s own memory (a host
+    array's), so leave it unchanged until the call returns. Every rank returns
+    only once the reduce is done, so its input is no longer needed then and
+    leaves the cluster (it cannot be fetched by its id afterwards)."""
     _check(rank, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     return _together(lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, ids[rank])), node.get(target, limit)],
-        timeout)[2]
+        node.reduce(*args), _finish(node.put(value, ids[rank], lend=True)),
+        node.get(target, limit)], timeout, lent=ids[rank])[2]
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
@@ -95,13 +100,15 @@ def _finish(put: Coroutine) -> asyncio.Future:
     return asyncio.shield(put)
 
 
-def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None) -> list[Any]:
+def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None,
+              lent: ObjectID | None = None) -> list[Any]:
     """Run a call's node operations at once, in one blocking call, and return
     their results. Each starts in order (so the directory sees e.g. a reduce
     request before the put of an input, on the one ordered connection), and a
     call of small objects costs one round trip instead of one per step. If one
     fails, the others are cancelled (a put is left to finish, see `_finish`) and
-    its error is raised; `timeout` bounds the whole call."""
+    its error is raised; `timeout` bounds the whole call. `lent`: an input put
+    with ``lend=True``, reclaimed before the call returns, however it ends."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
 
@@ -112,6 +119,8 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
         finally:
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
+            if lent is not None:
+                rt.node.reclaim(lent)
 
     return rt.call(run(), limit)
 

@@ -87,3 +87,61 @@ def test_a_bad_value_fails_the_call_at_once_and_leaves_nothing_waiting(local):
     assert not rt.node._pulls
     with pytest.raises(hg.InvalidArgument):  # checked before anything is sent
         collectives.allreduce(np.zeros(3), name="bad-op", rank=0, size=3, op="median")
+
+
+def _gone(oid, seconds: float = 5.0) -> bool:
+    """The directory forgets `oid` (a node's "dropped" notice is one-way)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            hg.object_info(oid)
+        except hg.ObjectNotFound:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_lent_put_shares_the_callers_memory_until_reclaimed(local):
+    rt = hg.api.runtime()
+    value = np.arange(100_000, dtype=np.float32)
+    oid = hg.ObjectID.from_name("lent")
+    rt.call(rt.node.put(value, oid, lend=True), 10)
+    obj = rt.node.store.get(oid)
+    assert obj.complete and np.shares_memory(obj.buffer, value)
+    assert hg.object_info(oid)["holders"][0]["complete"]
+    rt.call(_reclaim(rt.node, oid), 10)
+    assert rt.node.store.get(oid) is None and _gone(oid)
+    assert float(value[-1]) == 99_999.0  # the caller's array is untouched
+    copied = hg.ObjectID.from_name("copied")
+    rt.call(rt.node.put(value, copied), 10)  # without lend: a copy, kept by reclaim
+    assert not np.shares_memory(rt.node.store.get(copied).buffer, value)
+    rt.call(_reclaim(rt.node, copied), 10)
+    assert rt.node.store.get(copied) is not None
+
+
+async def _reclaim(node, oid):
+    node.reclaim(oid)
+
+
+def test_allreduce_reads_its_input_in_place_and_lets_it_go_on_return(local):
+    """No copy of the input: the reduce reads the caller's array, and the input
+    leaves the cluster before the call returns (every rank returns only once
+    the reduce is done), so the caller may change the array at once."""
+    for r in (1, 2):
+        _put_rank("lend", r, np.full(50_000, r, dtype=np.float64))
+    mine = np.full(50_000, 10.0)
+    out = collectives.allreduce(mine, name="lend", rank=0, size=3, timeout=10)
+    assert float(out[0]) == float(out[-1]) == 13.0
+    mine[:] = -1.0
+    assert float(out[0]) == 13.0
+    rt = hg.api.runtime()
+    assert rt.node.store.get(collectives.input_id("lend", 0)) is None
+    assert _gone(collectives.input_id("lend", 0))
+    collectives.delete("lend", size=3)  # what is left; the lent input is already gone
+
+
+def test_a_failed_allreduce_lets_its_input_go_too(local):
+    with pytest.raises(hg.Timeout):
+        collectives.allreduce(np.ones(50_000), name="lonely", rank=0, size=3, timeout=0.5)
+    assert hg.api.runtime().node.store.get(collectives.input_id("lonely", 0)) is None
+    assert _gone(collectives.input_id("lonely", 0))

@@ -145,7 +145,11 @@ class Node:
         self._check_open()
 
     # ---------------------------------------------------------------- put ---
-    async def put(self, value: Any, oid: ObjectID) -> ObjectID:
+    async def put(self, value: Any, oid: ObjectID, *, lend: bool = False) -> ObjectID:
+        """Store `value` as `oid` and register it. With `lend`, a host array's own
+        memory backs the object instead of a copy: the caller must leave the
+        array unchanged until it calls `reclaim(oid)`, which ends the object here.
+        A blocking collective lends its input for the length of the call."""
         self._check_open()
         buf, layout = to_buffer(value)
         existing = self.store.get(oid)
@@ -156,9 +160,14 @@ class Node:
         inline = layout.nbytes <= self.config.inline_threshold
         if inline and device.is_device_buffer(buf):
             buf = memoryview(device.to_host(buf))
-        data = np.frombuffer(bytearray(buf), dtype=np.uint8) if inline else None
+        # Device values are always copied: a copy is queued on the producer's
+        # stream (see `_fill`), lent device memory could be read before it is written.
+        lent = lend and not inline and not device.is_device_buffer(buf)
+        data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
+                else np.frombuffer(buf, dtype=np.uint8) if lent else None)
         obj = self.store.create(oid, layout, data)
-        if inline:
+        obj.lent = lent
+        if inline or lent:
             obj.advance(obj.size)
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
@@ -168,10 +177,23 @@ class Node:
             self.store.remove(oid)
             self._post({"op": "dropped", "oid": oid.binary})  # in case the put did register
             raise
+        if lent and self.store.get(oid) is not obj:
+            return oid  # reclaimed meanwhile: its "dropped" follows our put to the directory
         if not inline:
-            await self._fill(obj, buf)
+            if not lent:
+                await self._fill(obj, buf)
             self._post(self._complete_msg(obj))
         return oid
+
+    def reclaim(self, oid: ObjectID) -> None:
+        """End the loan of a `put(lend=True)`: the object leaves this node (the
+        directory forgets it), so no peer reads the caller's memory after this.
+        A put still registering sees that and stops; anything else is left alone."""
+        obj = self.store.get(oid)
+        if obj is not None and obj.lent:
+            self.store.remove(oid, ObjectNotFound(
+                f"object {oid.hex()} was an input lent to a collective call that has returned"))
+            self._post({"op": "dropped", "oid": oid.binary})
 
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
         """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""

@@ -33,6 +33,8 @@ class StoredObject:
     reduce_tag: bytes | None = None
     #: Why the store let go of it (a drop's reason), once it has.
     removed: BaseException | None = None
+    #: Its buffer is a caller's memory, lent for one call (`Node.put(lend=True)`).
+    lent: bool = False
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property

@@ -3,7 +3,8 @@ the results here, measured the way the runtime meets them.
 
 - First touch: N processes at once each write a fresh buffer, allocated by
   `np.empty` (NumPy advises transparent huge pages for large arrays) or as an
-  anonymous map in plain pages (what hoplite-gpu's store uses). Reports each
+  anonymous map in plain pages, faulted in page by page as written or all at
+  once by the kernel (`MAP_POPULATE`). Reports each
   kind's slowest process.
 - Cold Python: a fixed piece of Python (msgpack round trips of a control
   message) timed back to back, and after sleeping as a process does between
@@ -25,7 +26,13 @@ def _touch(kind: str, nbytes: int) -> float:
     import numpy as np
 
     t = time.perf_counter()
-    a = np.empty(nbytes, np.uint8) if kind == "numpy" else np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    if kind == "numpy":
+        a = np.empty(nbytes, np.uint8)
+    elif kind == "mmap":
+        a = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+    else:  # the map's pages faulted in by the kernel at once (MAP_POPULATE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        a = np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
     a[:] = 1
     return time.perf_counter() - t
 
@@ -39,7 +46,7 @@ def _work() -> None:
 
 def run(args: argparse.Namespace, console) -> dict:
     first_touch = {}
-    for kind in ("numpy", "mmap"):
+    for kind in ("numpy", "mmap", "populate"):
         procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.machine", "--touch", kind,
                                    str(args.mib << 20)], stdout=subprocess.PIPE, text=True)
                  for _ in range(args.procs)]

@@ -48,16 +48,22 @@ def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple
 
 def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: str = "sum",
            num_objects: int | None = None, timeout: float | None = None) -> Any:
-    """The reduction of the first `num_objects` ready values, returned on `root` (None elsewhere)."""
+    """The reduction of the first `num_objects` ready values, returned on `root`
+    (None elsewhere). The root's own host array is read in place, not copied
+    (leave it unchanged until the call returns); the others' are copied."""
     _check(rank, size, root)
     ids, target = _reduce_ids(name, size, op, num_objects)
     # Idempotent across ranks; the root's own input takes the tree's root, so
     # the result is produced where it is wanted (no extra hop to fetch it).
     args = api._reduce_args(ids, op, num_objects, target, ids[root])
+    # The root waits for the result, so it may lend its input (as allreduce
+    # does); the others return once their input is put, so they copy it.
+    lend = rank == root
     out = _together(lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, ids[rank])),
-        *([node.get(target, limit)] if rank == root else [])], timeout)
-    return out[2] if rank == root else None
+        node.reduce(*args), _finish(node.put(value, ids[rank], lend=lend)),
+        *([node.get(target, limit)] if lend else [])], timeout,
+        lent=ids[rank] if lend else None)
+    return out[2] if lend else None
 
 
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",

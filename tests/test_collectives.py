@@ -123,21 +123,33 @@ async def _reclaim(node, oid):
     node.reclaim(oid)
 
 
-def test_allreduce_reads_its_input_in_place_and_lets_it_go_on_return(local):
+@pytest.mark.parametrize("op", ["reduce", "allreduce"])
+def test_a_reduce_reads_the_roots_input_in_place_and_lets_it_go_on_return(local, op):
     """No copy of the input: the reduce reads the caller's array, and the input
-    leaves the cluster before the call returns (every rank returns only once
-    the reduce is done), so the caller may change the array at once."""
+    leaves the cluster before the call returns (the rank returns only once the
+    reduce is done), so the caller may change the array at once."""
+    name = f"lend-{op}"
     for r in (1, 2):
-        _put_rank("lend", r, np.full(50_000, r, dtype=np.float64))
+        _put_rank(name, r, np.full(50_000, r, dtype=np.float64))
     mine = np.full(50_000, 10.0)
-    out = collectives.allreduce(mine, name="lend", rank=0, size=3, timeout=10)
+    out = getattr(collectives, op)(mine, name=name, rank=0, size=3, timeout=10)
     assert float(out[0]) == float(out[-1]) == 13.0
     mine[:] = -1.0
     assert float(out[0]) == 13.0
     rt = hg.api.runtime()
-    assert rt.node.store.get(collectives.input_id("lend", 0)) is None
-    assert _gone(collectives.input_id("lend", 0))
-    collectives.delete("lend", size=3)  # what is left; the lent input is already gone
+    assert rt.node.store.get(collectives.input_id(name, 0)) is None
+    assert _gone(collectives.input_id(name, 0))
+    collectives.delete(name, size=3)  # what is left; the lent input is already gone
+
+
+def test_a_reduce_copies_a_non_roots_input(local):
+    """A non-root rank returns once its input is put, before the reduce reads
+    it: its input must be a copy that outlives the call."""
+    mine = np.full(50_000, 2.0)
+    assert collectives.reduce(mine, name="copy", rank=1, size=3, timeout=10) is None
+    obj = hg.api.runtime().node.store.get(collectives.input_id("copy", 1))
+    assert obj is not None and obj.complete and not np.shares_memory(obj.buffer, mine)
+    collectives.delete("copy", size=3)
 
 
 def test_a_failed_allreduce_lets_its_input_go_too(local):

@@ -93,17 +93,6 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     rows: list[dict] = []
     skipped: list[dict] = []
     failed: list[dict] = []
-    warm = None
-    if args.prefault:
-        from .machine import run_prefault
-
-        most = max(footprint(op, size, args.hosts) for op in args.ops for size in sizes)
-        nbytes = int(min(most, 0.85 * _mem_available()))
-        console.print(f"touching {nbytes / 2**30:.1f} GiB of memory once, so no system pays "
-                      "the VM's first-touch cost for the others (--no-prefault skips it)")
-        per_gib = run_prefault(nbytes)
-        warm = {"bytes": nbytes, "seconds_per_gib": per_gib}
-        console.print("  seconds per GiB: " + " ".join(f"{x:.2f}" for x in per_gib))
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
         link = cluster.measure_link()
         console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
@@ -154,7 +143,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 "sizes_bytes": sizes, "ops": args.ops, "systems": systems,
                 "repeats": args.repeats, "iters": args.iters, "warmup": args.warmup,
                 "steady_calls": args.steady,
-                "latency_max_bytes": args.latency_max, "gap_s": args.gap, "prefault": warm,
+                "latency_max_bytes": args.latency_max, "gap_s": args.gap,
                 "openmpi": {"version": mpi_version, "mca_both": TRANSPORT_MCA,
                             "mca_tuned": TUNED_MCA} if mpi_version else None,
                 "gloo": "torch.distributed defaults, GLOO_SOCKET_IFNAME=eth0"}
@@ -271,9 +260,5 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="seconds between inputs becoming ready (allreduce-dynamic)")
     e.add_argument("--retries", type=int, default=1,
                    help="relaunches of a launch that failed (its error is kept in the row)")
-    e.add_argument("--no-prefault", dest="prefault", action="store_false",
-                   help="skip touching the run's memory once before the first launch (on a VM, "
-                        "memory first touched since boot is much dearer, and the first system "
-                        "would pay for it; see benchmarks.machine.prefault)")
     e.add_argument("--tag", default=None,
                    help="results file name stem (default: the benchmark name)")

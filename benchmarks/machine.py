@@ -37,40 +37,6 @@ def _touch(kind: str, nbytes: int) -> float:
     return time.perf_counter() - t
 
 
-def prefault(nbytes: int) -> list[float]:
-    """Touch `nbytes` of fresh memory, one GiB map at a time, one byte per page,
-    then give it back; returns the seconds each GiB took.
-
-    On a virtual machine, guest memory that has never been touched since boot
-    is backed by the host on its first touch: on the VM measured here that cost
-    about 3 s per GiB against 0.43 s for memory touched before. Whichever
-    system runs first in a benchmark would pay it for everyone, so
-    `python -m benchmarks emulated` calls this once before its first launch
-    (in a child process, so the memory goes back to the kernel)."""
-    import mmap
-
-    import numpy as np
-
-    times, maps = [], []
-    for start in range(0, nbytes, 1 << 30):
-        n = min(1 << 30, nbytes - start)
-        t = time.perf_counter()
-        m = mmap.mmap(-1, n)
-        np.frombuffer(m, np.uint8)[::4096] = 1
-        times.append(time.perf_counter() - t)
-        maps.append(m)  # held, so the next GiB is fresh memory, not this one again
-    for m in maps:
-        m.close()
-    return times
-
-
-def run_prefault(nbytes: int) -> list[float]:
-    """`prefault` in a child process; its per-GiB seconds."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.machine", "--prefault", str(nbytes)],
-                         capture_output=True, text=True, timeout=1800, check=True)
-    return json.loads(out.stdout)
-
-
 def _work() -> None:
     import msgpack
 
@@ -112,9 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--prefault"]:
-        print(json.dumps(prefault(int(sys.argv[2]))))
-        sys.exit(0)
     if sys.argv[1:2] == ["--touch"]:
         print(json.dumps(_touch(sys.argv[2], int(sys.argv[3]))))
         sys.exit(0)

@@ -157,3 +157,25 @@ def test_a_failed_allreduce_lets_its_input_go_too(local):
         collectives.allreduce(np.ones(50_000), name="lonely", rank=0, size=3, timeout=0.5)
     assert hg.api.runtime().node.store.get(collectives.input_id("lonely", 0)) is None
     assert _gone(collectives.input_id("lonely", 0))
+
+
+def test_a_node_forgets_reduces_whose_result_it_has(local, monkeypatch):
+    """A node re-asks a restarted directory for the reduces it asked for; one
+    whose final result it holds, or that it deleted, is forgotten, and the
+    list is bounded (a training loop's allreduce per step must not grow it)."""
+    from hoplite_gpu.node import node as node_module
+
+    rt = hg.api.runtime()
+    for step in range(3):
+        name = f"loop-{step}"
+        _put_rank(name, 1, np.ones(20_000))
+        collectives.allreduce(np.ones(20_000), name=name, rank=0, size=2, timeout=10)
+    assert not rt.node._my_reduces
+    assert collectives.reduce(np.ones(20_000), name="nonroot", rank=1, size=2, timeout=10) is None
+    assert len(rt.node._my_reduces) == 1  # a non-root does not read the result
+    collectives.delete("nonroot", size=2)
+    assert not rt.node._my_reduces
+    monkeypatch.setattr(node_module, "MAX_REMEMBERED_REDUCES", 2)
+    for step in range(4):
+        collectives.reduce(np.ones(20_000), name=f"many-{step}", rank=1, size=2, timeout=10)
+    assert len(rt.node._my_reduces) == 2

@@ -45,6 +45,8 @@ class _Retry(HopliteError):
 
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
+#: Reduces this node asked for that it re-asks a restarted directory, at most.
+MAX_REMEMBERED_REDUCES = 4096
 
 
 class Node:
@@ -234,6 +236,9 @@ class Node:
                     self.store.remove(oid, _Retry("the reduce restarted"))
                     self._post({"op": "dropped", "oid": oid.binary})
                 continue
+            # A final copy of a reduce's result: a restarted directory learns of
+            # it from its holders, so the reduce need not be asked for again.
+            self._my_reduces.pop(oid, None)
             return obj
 
     async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
@@ -445,6 +450,7 @@ class Node:
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
         await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
+        self._my_reduces.pop(oid, None)
         # The directory sends no drop to us: everything a drop would do, here.
         reason = ObjectNotFound(f"object {oid.hex()} was deleted")
         step = self._steps.pop(oid, None)
@@ -467,7 +473,13 @@ class Node:
         if root_input is not None:
             msg["root_input"] = root_input.binary
         await self._request(msg, self.config.timeout_s)
-        self._my_reduces[target] = msg  # asked again of a restarted directory
+        # Asked again of a restarted directory, until this node sees the final
+        # result, deletes it or hears it dropped; the oldest are forgotten past
+        # MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
+        # non-root of `collectives.reduce`, would otherwise grow this forever).
+        self._my_reduces[target] = msg
+        while len(self._my_reduces) > MAX_REMEMBERED_REDUCES:
+            del self._my_reduces[next(iter(self._my_reduces))]
         return target
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
@@ -556,6 +568,8 @@ class Node:
             oid = ObjectID(msg["oid"])
             text = msg.get("reason", f"object {oid.hex()} was dropped")
             reason = _Retry(text) if msg.get("retry") else ObjectNotFound(text)
+            if not msg.get("retry"):
+                self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
             step = self._steps.pop(oid, None)
             if step is not None:
                 step.cancel(text)

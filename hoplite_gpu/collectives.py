@@ -126,7 +126,7 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
             if lent is not None:
-                rt.node.reclaim(lent)
+                await rt.node.reclaim(lent)
 
     return rt.call(run(), limit)
 

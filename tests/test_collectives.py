@@ -120,7 +120,7 @@ def test_a_lent_put_shares_the_callers_memory_until_reclaimed(local):
 
 
 async def _reclaim(node, oid):
-    node.reclaim(oid)
+    await node.reclaim(oid)
 
 
 @pytest.mark.parametrize("op", ["reduce", "allreduce"])

@@ -139,3 +139,54 @@ def test_a_reduce_leaf_shares_its_input_and_follows_its_watermark():
         store.remove(own.oid)  # the last holder: now it may be reused
         assert store.pool.pooled == 16 * MiB
     asyncio.run(main())
+
+
+def test_release_stops_every_pull_of_an_object_before_it_returns():
+    """An object that left the store (a lent input, once its call returned) is
+    no longer sent: a pull that is reading stops with an error frame at its
+    next frame, one whose peer does not read is cancelled at the deadline, and
+    nothing is sent after `release` returns (the memory may be the caller's)."""
+    from hoplite_gpu.config import Config
+    from hoplite_gpu.node.transfer import DataServer
+    from hoplite_gpu.protocol import FRAME, FRAME_DATA, FRAME_ERROR
+
+    class Peer:  # a data connection whose reader takes one frame per opening of `gate`
+        peer = "test"
+
+        def __init__(self):
+            self.frames, self.gate = [], asyncio.Event()
+
+        async def send(self, *buffers):
+            await self.gate.wait()
+            self.gate.clear()
+            self.frames.append(FRAME.unpack(bytes(buffers[0]))[0])
+
+    async def main():
+        store = ChunkStore()
+        server = DataServer(store, "token", Config(chunk_size=MiB))
+        oid = ObjectID.random()
+        store.create(oid, layout(8 * MiB)).advance(8 * MiB)
+        reading, stuck = Peer(), Peer()
+        req = {"oid": oid.binary, "offset": 0, "end": 8 * MiB}
+        pulls = [asyncio.create_task(server._serve_pull(p, dict(req))) for p in (reading, stuck)]
+        reading.gate.set()
+        await asyncio.sleep(0.01)
+        store.remove(oid, hg.ObjectNotFound("the call that lent it returned"))
+
+        async def read():
+            while not pulls[0].done():
+                reading.gate.set()
+                await asyncio.sleep(0.001)
+
+        reader = asyncio.create_task(read())
+        await server.release(oid, 0.2)
+        assert all(p.done() for p in pulls) and pulls[1].cancelled()
+        assert reading.frames[-1] == FRAME_ERROR
+        assert 1 <= reading.frames.count(FRAME_DATA) <= 2  # the frame in flight at most
+        sent = list(stuck.frames)
+        stuck.gate.set()
+        await asyncio.sleep(0.01)
+        assert stuck.frames == sent and not server._serving
+        await reader
+
+    asyncio.run(main())

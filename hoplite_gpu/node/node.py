@@ -187,15 +187,19 @@ class Node:
             self._post(self._complete_msg(obj))
         return oid
 
-    def reclaim(self, oid: ObjectID) -> None:
+    async def reclaim(self, oid: ObjectID) -> None:
         """End the loan of a `put(lend=True)`: the object leaves this node (the
-        directory forgets it), so no peer reads the caller's memory after this.
-        A put still registering sees that and stops; anything else is left alone."""
+        directory forgets it), and this returns once no peer reads the caller's
+        memory any more. After a finished reduce nobody is reading it; after a
+        failed call a parent may still be pulling it, and that pull is stopped
+        (the reduce then lacks the input, as if its task had died). A put still
+        registering sees that and stops; objects not lent are left alone."""
         obj = self.store.get(oid)
         if obj is not None and obj.lent:
             self.store.remove(oid, ObjectNotFound(
                 f"object {oid.hex()} was an input lent to a collective call that has returned"))
             self._post({"op": "dropped", "oid": oid.binary})
+            await self.server.release(oid, self.config.stall_timeout_s)
 
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
         """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""

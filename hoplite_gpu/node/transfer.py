@@ -57,6 +57,8 @@ class DataServer:
         self.address = ""
         #: (peer, oid) of pulls being served now, for tests and diagnostics.
         self.active: set[tuple[str, ObjectID]] = set()
+        #: oid -> the tasks serving a pull of it now (see `release`).
+        self._serving: dict[ObjectID, set[asyncio.Task]] = {}
 
     async def start(self) -> str:
         backend = get_backend(self.config.transport)
@@ -93,12 +95,33 @@ class DataServer:
             await send_error_frame(stream, "ProtocolError",
                                    f"range [{offset}, {end}) outside object of {obj.size} bytes")
             return
-        key = (stream.peer, oid)
+        key, task = (stream.peer, oid), asyncio.current_task()
         self.active.add(key)
+        serving = self._serving.setdefault(oid, set())
+        serving.add(task)
         try:
             await self._stream_range(stream, obj, offset, end)
         finally:
             self.active.discard(key)
+            serving.discard(task)
+            if not serving and self._serving.get(oid) is serving:
+                del self._serving[oid]
+
+    async def release(self, oid: ObjectID, timeout: float) -> None:
+        """Return once no pull of `oid` is being served any more. Call it after
+        `oid` left the store: each such pull stops before its next frame (with
+        an error frame), and any still going after `timeout` (a peer that does
+        not read) is cancelled, so none reads the object's memory afterwards.
+        That memory may be a caller's array, lent for one call."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._serving.get(oid) and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        stuck = list(self._serving.get(oid, ()))
+        for task in stuck:
+            task.cancel()  # its connection ends; the peer's pull fails and asks again
+        if stuck:
+            await asyncio.wait(stuck)
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
         chunk = self.config.chunk_size
@@ -111,6 +134,9 @@ class DataServer:
             # Send everything that is ready, in chunk-sized frames.
             upto = min(obj.ready, end)
             while pos < upto:
+                if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
+                    await send_error_frame(stream, "ObjectNotFound", str(obj.removed))
+                    return
                 n = min(chunk, upto - pos)
                 if staging is None:
                     payload = src[pos:pos + n]

@@ -199,7 +199,9 @@ class Node:
             self.store.remove(oid, ObjectNotFound(
                 f"object {oid.hex()} was an input lent to a collective call that has returned"))
             self._post({"op": "dropped", "oid": oid.binary})
-            await self.server.release(oid, self.config.stall_timeout_s)
+            # A peer that reads stops at its next frame; one that does not is
+            # cut off after a second, well within the blocking call's grace.
+            await self.server.release(oid, min(1.0, self.config.stall_timeout_s))
 
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
         """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""

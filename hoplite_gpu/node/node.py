@@ -176,8 +176,7 @@ class Node:
         try:
             await self._request(msg, self.config.timeout_s)
         except BaseException:
-            self.store.remove(oid)
-            self._post({"op": "dropped", "oid": oid.binary})  # in case the put did register
+            self._let_go(oid)  # in case the put did register
             raise
         if lent and self.store.get(oid) is not obj:
             return oid  # reclaimed meanwhile: its "dropped" follows our put to the directory
@@ -196,9 +195,8 @@ class Node:
         registering sees that and stops; objects not lent are left alone."""
         obj = self.store.get(oid)
         if obj is not None and obj.lent:
-            self.store.remove(oid, ObjectNotFound(
+            self._let_go(oid, ObjectNotFound(
                 f"object {oid.hex()} was an input lent to a collective call that has returned"))
-            self._post({"op": "dropped", "oid": oid.binary})
             # A peer that reads stops at its next frame; one that does not is
             # cut off after a second, well within the blocking call's grace.
             await self.server.release(oid, min(1.0, self.config.stall_timeout_s))
@@ -239,8 +237,7 @@ class Node:
                     continue  # the object is being rebuilt (a reduce restarted): ask again
             if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
                 if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
-                    self.store.remove(oid, _Retry("the reduce restarted"))
-                    self._post({"op": "dropped", "oid": oid.binary})
+                    self._let_go(oid, _Retry("the reduce restarted"))
                 continue
             # A final copy of a reduce's result: a restarted directory learns of
             # it from its holders, so the reduce need not be asked for again.
@@ -369,8 +366,7 @@ class Node:
                 await asyncio.sleep(min(0.01 * 2 ** failures, 0.5, max(0.0, deadline - time.monotonic())))
                 continue
             except BaseException:
-                self.store.remove(oid)
-                self._post({"op": "dropped", "oid": oid.binary})
+                self._let_go(oid)
                 raise
             self._post(self._complete_msg(obj))
             return obj
@@ -380,8 +376,7 @@ class Node:
             return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
         except Timeout as exc:
             if self.store.get(oid) is not None:
-                self.store.remove(oid)
-                self._post({"op": "dropped", "oid": oid.binary})
+                self._let_go(oid)
             raise Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
                           "nobody has put it yet, or every copy is busy") from None
 
@@ -456,14 +451,24 @@ class Node:
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
         await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
-        self._my_reduces.pop(oid, None)
         # The directory sends no drop to us: everything a drop would do, here.
-        reason = ObjectNotFound(f"object {oid.hex()} was deleted")
+        self._forget(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
+
+    def _forget(self, oid: ObjectID, reason: BaseException) -> None:
+        """Everything of `oid` on this node ends: its reduce step, its copy, its
+        pull, and (unless it is being rebuilt) the reduce we would re-ask for."""
+        if not isinstance(reason, _Retry):
+            self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
         step = self._steps.pop(oid, None)
         if step is not None:
             step.cancel(str(reason))
         self.store.remove(oid, reason)
         self._cancel_pull(oid, reason)
+
+    def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
+        """Remove our copy of `oid` and tell the directory we no longer hold it."""
+        self.store.remove(oid, reason)
+        self._post({"op": "dropped", "oid": oid.binary})
 
     async def query(self, oid: ObjectID) -> dict:
         return await self._request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
@@ -573,14 +578,7 @@ class Node:
         if op == "drop":
             oid = ObjectID(msg["oid"])
             text = msg.get("reason", f"object {oid.hex()} was dropped")
-            reason = _Retry(text) if msg.get("retry") else ObjectNotFound(text)
-            if not msg.get("retry"):
-                self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
-            step = self._steps.pop(oid, None)
-            if step is not None:
-                step.cancel(text)
-            self.store.remove(oid, reason)
-            self._cancel_pull(oid, reason)
+            self._forget(oid, _Retry(text) if msg.get("retry") else ObjectNotFound(text))
         elif op == "reduce_step":
             out = ObjectID(msg["output"])
             old = self._steps.pop(out, None)

@@ -55,8 +55,6 @@ class DataServer:
         self.config = config
         self._listener = None
         self.address = ""
-        #: (peer, oid) of pulls being served now, for tests and diagnostics.
-        self.active: set[tuple[str, ObjectID]] = set()
         #: oid -> the tasks serving a pull of it now (see `release`).
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
 
@@ -95,14 +93,12 @@ class DataServer:
             await send_error_frame(stream, "ProtocolError",
                                    f"range [{offset}, {end}) outside object of {obj.size} bytes")
             return
-        key, task = (stream.peer, oid), asyncio.current_task()
-        self.active.add(key)
+        task = asyncio.current_task()
         serving = self._serving.setdefault(oid, set())
         serving.add(task)
         try:
             await self._stream_range(stream, obj, offset, end)
         finally:
-            self.active.discard(key)
             serving.discard(task)
             if not serving and self._serving.get(oid) is serving:
                 del self._serving[oid]

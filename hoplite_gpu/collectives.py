@@ -56,14 +56,7 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     # Idempotent across ranks; the root's own input takes the tree's root, so
     # the result is produced where it is wanted (no extra hop to fetch it).
     args = api._reduce_args(ids, op, num_objects, target, ids[root])
-    # The root waits for the result, so it may lend its input (as allreduce
-    # does); the others return once their input is put, so they copy it.
-    lend = rank == root
-    out = _together(lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, ids[rank], lend=lend)),
-        *([node.get(target, limit)] if lend else [])], timeout,
-        lent=ids[rank] if lend else None)
-    return out[2] if lend else None
+    return _reduce_and_get(args, value, ids[rank], rank == root, timeout)
 
 
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
@@ -77,9 +70,21 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     _check(rank, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
-    return _together(lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, ids[rank], lend=True)),
-        node.get(target, limit)], timeout, lent=ids[rank])[2]
+    return _reduce_and_get(args, value, ids[rank], True, timeout)
+
+
+def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, wait: bool,
+                    timeout: float | None) -> Any:
+    """Ask for the reduce, put our input `mine` and, if `wait`, get the result,
+    all at once. A rank that waits returns only once the reduce is done, so it
+    lends its input instead of copying it; one that does not (a non-root of
+    `reduce`) returns once its input is put, and a restarted tree may still
+    need it, so it copies."""
+    target = args[3]
+    out = _together(lambda node, limit: [
+        node.reduce(*args), _finish(node.put(value, mine, lend=wait)),
+        *([node.get(target, limit)] if wait else [])], timeout, lent=mine if wait else None)
+    return out[2] if wait else None
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,

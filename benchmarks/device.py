@@ -65,8 +65,9 @@ def kernel_vs_copy(size: int, repeats: int = 20) -> dict:
             "ratio": reduce_bw / copy_bw}
 
 
-def _ucx_peer(port_q: Any, size: int, repeats: int, out_q: Any) -> None:
-    """Receiver process: listen, receive `repeats` device buffers, report timings."""
+def _ucx_peer(port_q: Any, size: int, groups: list[int], out_q: Any) -> None:
+    """Receiver process: listen, receive device buffers in `groups` (one ack
+    after each group), then report the first bytes of the last buffer."""
     import cupy as cp
 
     from hoplite_gpu.transports import get_backend
@@ -74,12 +75,11 @@ def _ucx_peer(port_q: Any, size: int, repeats: int, out_q: Any) -> None:
     async def main() -> None:
         dest = cp.empty(size, cp.uint8)
         done = asyncio.Event()
-        times: list[float] = []
 
         async def handler(stream: Any) -> None:
-            for _ in range(repeats + 1):
-                await stream.recv_into(dest)
-                times.append(time.perf_counter())
+            for group in groups:
+                for _ in range(group):
+                    await stream.recv_into(dest)
                 await stream.send(b"k")
             done.set()
 
@@ -92,16 +92,21 @@ def _ucx_peer(port_q: Any, size: int, repeats: int, out_q: Any) -> None:
     asyncio.run(main())
 
 
-def ucx_vs_copy(size: int, repeats: int = 10) -> dict:
+def ucx_vs_copy(size: int, repeats: int = 10, window: int = 8) -> dict:
+    """Two measures of UCX between two processes on the GPU (CUDA IPC):
+    `one_s`, one buffer and the receiver's ack per round (what a single
+    request-reply costs), and `streamed_s`, `window` buffers back to back before
+    one ack, per buffer (the bandwidth a long transfer sees)."""
     cp = _cupy()
     from hoplite_gpu.transports import get_backend
 
     src = cp.ones(size, cp.uint8)
     dst = cp.empty_like(src)
     copy_s = _timed(cp, lambda: dst.__setitem__(Ellipsis, src), repeats)
+    groups = [1] * (repeats + 1) + [window] * repeats
     ctx = mp.get_context("spawn")
     port_q, out_q = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_ucx_peer, args=(port_q, size, repeats, out_q))
+    peer = ctx.Process(target=_ucx_peer, args=(port_q, size, groups, out_q))
     peer.start()
     address = port_q.get(timeout=120)
 
@@ -109,12 +114,12 @@ def ucx_vs_copy(size: int, repeats: int = 10) -> dict:
         stream = await get_backend("ucx").connect(address, 30)
         times = []
         ack = bytearray(1)
-        for i in range(repeats + 1):
+        for group in groups:
             t0 = time.perf_counter()
-            await stream.send(src)
+            for _ in range(group):
+                await stream.send(src)
             await stream.recv_into(memoryview(ack))
-            if i:  # the first one sets up CUDA IPC handles
-                times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / group)
         await stream.close()
         return times
 
@@ -123,36 +128,56 @@ def ucx_vs_copy(size: int, repeats: int = 10) -> dict:
     peer.join(60)
     if check != 8.0:
         raise AssertionError("the receiver's device buffer does not hold the sent bytes")
-    ucx_s = float(np.median(times))
+    one_s = float(np.median(times[1:repeats + 1]))  # the first sets up CUDA IPC handles
+    streamed_s = float(np.median(times[repeats + 1:]))
     return {"what": "UCX between two processes vs device copy", "size": size,
-            "copy_s": copy_s, "ucx_s": ucx_s, "copy_GBps": size / copy_s / 1e9,
-            "ucx_GBps": size / ucx_s / 1e9, "ratio": copy_s / ucx_s}
+            "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
+            "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
+            "streamed_GBps": size / streamed_s / 1e9,
+            "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
 
 
-def collectives(size: int, workers: int = 4, repeats: int = 3) -> list[dict]:
-    """Device broadcast and allreduce among `workers` processes on one GPU, over UCX."""
+def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int = 4,
+                repeats: int = 3) -> list[dict]:
+    """Device broadcast and allreduce among `workers` processes on one GPU, over
+    UCX, for each chunk size. `floor_s` is what the GPU's memory alone needs:
+    a broadcast writes `workers - 1` copies (each a device copy); an allreduce
+    reads every input once and writes `workers` results, at least
+    `2 * workers - 1` copies' worth of traffic."""
     from hoplite_gpu.cluster import LocalCluster
 
     from . import device_tasks as dt
 
+    floors = {"broadcast": (workers - 1) * copy_s, "allreduce": (2 * workers - 1) * copy_s}
+    want = {"broadcast": 1.0, "allreduce": workers * (workers + 1) / 2}
     rows = []
-    with LocalCluster(workers, transport="ucx") as c:
-        for op in ("broadcast", "allreduce"):
-            times = []
-            for r in range(repeats):
-                tag = f"{op}-{size}-{r}"
-                start = time.time() + 2.0
-                got = c.map(dt.device_collective, [(op, tag, rank, workers, size, start)
-                                                   for rank in range(workers)], timeout=600)
-                times.append(max(g["end"] for g in got) - start)
-                if len({g["check"] for g in got}) != 1:
-                    raise AssertionError(f"{op}: ranks disagree on the result")
-            rows.append({"what": f"device {op} among {workers} processes (UCX)", "size": size,
-                         "seconds": float(np.median(times)), "repeats": repeats})
+    for chunk in chunk_sizes:
+        with LocalCluster(workers, transport="ucx", chunk_size=chunk) as c:
+            for op in ("broadcast", "allreduce"):
+                row = {"what": f"device {op} among {workers} processes (UCX)", "size": size,
+                       "chunk": chunk, "floor_s": floors[op]}
+                try:
+                    times = []
+                    for r in range(repeats + 1):  # the first sets up connections
+                        tag = f"{op}-{size}-{chunk}-{r}"
+                        start = time.time() + 2.0
+                        got = c.map(dt.device_collective,
+                                    [(op, tag, rank, workers, size, start)
+                                     for rank in range(workers)], timeout=300)
+                        if {g["check"] for g in got} != {want[op] * 1024}:
+                            raise AssertionError(f"{op}: wrong result {[g['check'] for g in got]}")
+                        if r:
+                            times.append(max(g["end"] for g in got) - start)
+                    seconds = float(np.median(times))
+                    row.update(seconds=seconds, repeats=repeats, GBps=size / seconds / 1e9)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
-def run(sizes_mib: list[int], save: str | None) -> list[dict]:
+def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None) -> list[dict]:
     cp = _cupy()
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     rows: list[dict] = []
@@ -163,18 +188,44 @@ def run(sizes_mib: list[int], save: str | None) -> list[dict]:
         try:
             rows.append(ucx_vs_copy(size))
             print(json.dumps(rows[-1]), flush=True)
-            rows.extend(collectives(size))
-            for r in rows[-2:]:
-                print(json.dumps(r), flush=True)
         except Exception as exc:  # no ucxx: say so, keep the kernel numbers
-            rows.append({"what": "UCX parts", "size": size, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({"what": "UCX transfer", "size": size,
+                         "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"gpu": dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"],
-              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+            continue
+        rows.extend(collectives(size, rows[-1]["copy_s"], [c * MiB for c in chunks_mib]))
+    name = dev["name"]
+    result = {"gpu": name.decode() if isinstance(name, bytes) else name,
+              "date": time.strftime("%Y-%m-%d"),
+              "command": "python -m benchmarks.device --sizes "
+                         f"{' '.join(map(str, sizes_mib))} --chunks {' '.join(map(str, chunks_mib))}",
+              "rows": rows}
     if save:
         with open(save, "w") as f:
             json.dump(result, f, indent=1)
+    _table(rows)
     return rows
+
+
+def _table(rows: list[dict]) -> None:
+    print("\n| measure | size | result | against | ratio |\n| --- | --- | --- | --- | --- |")
+    for r in rows:
+        mib = f"{r['size'] // MiB} MiB"
+        if "error" in r:
+            print(f"| {r['what']} | {mib} | error: {r['error'][:80]} | | |")
+        elif "reduce_s" in r:
+            print(f"| reduce kernel (sum, float32) | {mib} | {r['reduce_GBps']:.0f} GB/s | "
+                  f"device copy {r['copy_GBps']:.0f} GB/s | {r['ratio']:.2f} |")
+        elif "streamed_s" in r:
+            print(f"| UCX, {r['window']} buffers back to back | {mib} | "
+                  f"{r['streamed_GBps']:.0f} GB/s | device copy {r['copy_GBps']:.0f} GB/s | "
+                  f"{r['ratio']:.2f} |")
+            print(f"| UCX, one buffer and ack | {mib} | {r['one_GBps']:.0f} GB/s | "
+                  f"device copy {r['copy_GBps']:.0f} GB/s | {r['one_ratio']:.2f} |")
+        else:
+            print(f"| {r['what']}, chunk {r['chunk'] // MiB} MiB | {mib} | "
+                  f"{r['seconds'] * 1e3:.2f} ms | memory floor {r['floor_s'] * 1e3:.2f} ms | "
+                  f"{r['floor_s'] / r['seconds']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
     p.add_argument("--save", default=f"benchmarks/results/device-{time.strftime('%Y-%m-%d')}.json")
+    p.add_argument("--chunks", type=int, nargs="+", default=[4, 64],
+                   help="chunk sizes (MiB) for the collectives")
     args = p.parse_args(argv)
-    run(args.sizes, args.save)
+    run(args.sizes, args.chunks, args.save)
     return 0
 
 

@@ -273,6 +273,21 @@ def test_mismatched_input_fails_the_reduce_for_every_waiter():
     assert late[0].body["error"] == "ReduceFailed"
 
 
+@pytest.mark.parametrize("kind,accepted", [("numpy", True), ("device", True), ("bytes", False),
+                                           ("torch", False)])
+def test_reduce_accepts_typed_arrays_only(kind, accepted):
+    d = directory()
+    target = oid(100)
+    layout = {**LAYOUT, "kind": kind}
+    d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
+    d.handle(s.Locate("n5", 7, target))
+    out = put_complete(d, "n1", oid(0), layout=layout) + put_complete(d, "n2", oid(1), layout=layout)
+    errors = [c for c in out if isinstance(c, s.Reply) and "error" in c.body]
+    assert bool(steps(out)) == accepted and bool(errors) == (not accepted)
+    if not accepted:
+        assert f"a {kind!r} object" in errors[0].body["message"]
+
+
 def test_inline_inputs_are_reduced_by_the_directory():
     d = directory()
     target = oid(100)

@@ -271,8 +271,9 @@ class Disconnect:
 
 Command = Reply | Drop | StartReduceStep | InlineReduce | Disconnect
 
-#: Layout kinds a reduce accepts (the kernels fold typed NumPy buffers).
-REDUCIBLE_KINDS = ("numpy",)
+#: Layout kinds a reduce accepts: typed arrays, folded by the NumPy kernels on a
+#: host buffer and by the CuPy kernels where a node keeps the object on a GPU.
+REDUCIBLE_KINDS = ("numpy", "device")
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -757,7 +758,7 @@ class Directory:
         if task.layout is None:
             if entry.layout.get("kind") not in REDUCIBLE_KINDS:
                 return (f"input {oid.hex()} is a {entry.layout.get('kind')!r} object; reduce "
-                        "works on NumPy arrays")
+                        "works on NumPy and device arrays")
             task.size, task.layout, task.inline = entry.size, entry.layout, entry.inline is not None
             task.degree = choose_degree(task.size, task.k, self.latency_s, self.bytes_per_s,
                                         self.chunk_size)

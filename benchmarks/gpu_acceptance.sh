@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU acceptance run in one command, on a machine with a CUDA GPU:
+#   bash benchmarks/gpu_acceptance.sh [LOGDIR]
+# 1. installs the project (editable, no dependencies) into the current Python,
+#    plus any wheels found in .whl/ (for machines with no package index);
+# 2. prints the GPU, driver and package versions, and `hoplite-gpu info`;
+# 3. runs the gpu-marked tests (kernels, values, device objects over TCP and UCX);
+# 4. runs the device benchmark (python -m benchmarks.device).
+# Every step's output goes to LOGDIR (default benchmarks/results/gpu-DATE) too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG=${1:-benchmarks/results/gpu-$(date +%Y-%m-%d)}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
+step() { echo; echo "== $*"; }
+
+step install
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -3
+fi
+if ! $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3 \
+        || ! $PY -c "import hoplite_gpu.kernels, hoplite_gpu.transports" 2>/dev/null; then
+    # No editable install possible: make the source tree importable as it stands.
+    echo "editable install failed: linking kernels/ and transports/ into hoplite_gpu/"
+    ln -sfn ../kernels hoplite_gpu/kernels && ln -sfn ../transports hoplite_gpu/transports
+fi
+
+step environment
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("numpy", "cupy", "torch", "ucxx", "msgpack", "pynvml"):
+    try:
+        m = importlib.import_module(name)
+        print(name, getattr(m, "__version__", "?"))
+    except Exception as exc:
+        print(name, "NOT importable:", type(exc).__name__, exc)
+EOF
+    $PY -m hoplite_gpu info
+} 2>&1 | tee "$LOG/environment.txt"
+
+step "gpu-marked tests"
+timeout ${TESTS_TIMEOUT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 90 \
+    tests/test_kernels.py tests/test_values.py tests/test_gpu_objects.py 2>&1 | tee "$LOG/tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+step "device benchmark"
+timeout ${BENCH_TIMEOUT:-240} $PY -m benchmarks.device --sizes ${SIZES:-64 256} --save "$LOG/device.json" 2>&1 \
+    | tee "$LOG/device.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo "tests exit $tests_rc, benchmark exit $bench_rc; logs in $LOG"
+exit $(( tests_rc || bench_rc ))

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
 import numpy as np
 
 MiB = 1 << 20
+PARTS = ("kernel", "ucx", "raw", "collectives")
 
 
 def _cupy() -> Any:
@@ -137,10 +139,84 @@ def ucx_vs_copy(size: int, repeats: int = 10, window: int = 8) -> dict:
             "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
 
 
+def _raw_peer(port_q: Any, size: int, groups: list[int], out_q: Any) -> None:
+    """`_ucx_peer` with ucxx alone: one tagged message per buffer, no heads."""
+    import cupy as cp
+
+    from hoplite_gpu.transports import ucx
+
+    ucxx = ucx._load()  # the same UCX settings as the transport
+
+    async def main() -> None:
+        dest = cp.empty(size, cp.uint8)
+        ack = np.ones(1, np.uint8)
+        done = asyncio.Event()
+
+        async def handler(ep: Any) -> None:
+            for group in groups:
+                for _ in range(group):
+                    await ep.recv(dest)
+                await ep.send(ack)
+            done.set()
+
+        listener = ucxx.create_listener(handler, 0)
+        port_q.put(listener.port)
+        await asyncio.wait_for(done.wait(), 300)
+        out_q.put(float(cp.asnumpy(dest[:8]).sum()))
+        del listener
+
+    asyncio.run(main())
+
+
+def raw_ucxx(size: int, repeats: int = 10, window: int = 8) -> dict:
+    """The same two measures as `ucx_vs_copy` with ucxx alone (what UCX itself
+    gives, without the transport's head messages and Python layer above it)."""
+    cp = _cupy()
+    from hoplite_gpu.transports import ucx
+
+    ucxx = ucx._load()
+    src = cp.ones(size, cp.uint8)
+    dst = cp.empty_like(src)
+    copy_s = _timed(cp, lambda: dst.__setitem__(Ellipsis, src), repeats)
+    groups = [1] * (repeats + 1) + [window] * repeats
+    ctx = mp.get_context("spawn")
+    port_q, out_q = ctx.Queue(), ctx.Queue()
+    peer = ctx.Process(target=_raw_peer, args=(port_q, size, groups, out_q))
+    peer.start()
+    port = port_q.get(timeout=120)
+
+    async def send_all() -> list[float]:
+        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        times = []
+        ack = np.empty(1, np.uint8)
+        cp.cuda.get_current_stream().synchronize()
+        for group in groups:
+            t0 = time.perf_counter()
+            for _ in range(group):
+                await ep.send(src)
+            await ep.recv(ack)
+            times.append((time.perf_counter() - t0) / group)
+        await ep.close()
+        return times
+
+    times = asyncio.run(send_all())
+    check = out_q.get(timeout=120)
+    peer.join(60)
+    if check != 8.0:
+        raise AssertionError("the receiver's device buffer does not hold the sent bytes")
+    one_s = float(np.median(times[1:repeats + 1]))
+    streamed_s = float(np.median(times[repeats + 1:]))
+    return {"what": "ucxx alone between two processes vs device copy", "size": size,
+            "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
+            "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
+            "streamed_GBps": size / streamed_s / 1e9,
+            "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
+
+
 def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int = 4,
                 repeats: int = 3) -> list[dict]:
     """Device broadcast and allreduce among `workers` processes on one GPU, over
-    UCX, for each chunk size. `floor_s` is what the GPU's memory alone needs:
+    UCX, for each device chunk size (HOPLITE_DEVICE_CHUNK_SIZE). `floor_s` is what the GPU's memory alone needs:
     a broadcast writes `workers - 1` copies (each a device copy); an allreduce
     reads every input once and writes `workers` results, at least
     `2 * workers - 1` copies' worth of traffic."""
@@ -152,7 +228,7 @@ def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int =
     want = {"broadcast": 1.0, "allreduce": workers * (workers + 1) / 2}
     rows = []
     for chunk in chunk_sizes:
-        with LocalCluster(workers, transport="ucx", chunk_size=chunk) as c:
+        with LocalCluster(workers, transport="ucx", device_chunk_size=chunk) as c:
             for op in ("broadcast", "allreduce"):
                 row = {"what": f"device {op} among {workers} processes (UCX)", "size": size,
                        "chunk": chunk, "floor_s": floors[op]}
@@ -177,14 +253,18 @@ def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int =
     return rows
 
 
-def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None) -> list[dict]:
+def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
+        parts: tuple[str, ...] = PARTS) -> list[dict]:
     cp = _cupy()
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     rows: list[dict] = []
     for mib in sizes_mib:
         size = mib * MiB
-        rows.append(kernel_vs_copy(size))
-        print(json.dumps(rows[-1]), flush=True)
+        if "kernel" in parts:
+            rows.append(kernel_vs_copy(size))
+            print(json.dumps(rows[-1]), flush=True)
+        if "ucx" not in parts:
+            continue
         try:
             rows.append(ucx_vs_copy(size))
             print(json.dumps(rows[-1]), flush=True)
@@ -193,12 +273,23 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None) -> list[d
                          "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(json.dumps(rows[-1]), flush=True)
             continue
-        rows.extend(collectives(size, rows[-1]["copy_s"], [c * MiB for c in chunks_mib]))
+        if "raw" in parts:
+            try:
+                rows.append(raw_ucxx(size))
+            except Exception as exc:
+                rows.append({"what": "ucxx alone", "size": size,
+                             "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(json.dumps(rows[-1]), flush=True)
+        if "collectives" in parts:
+            copy_s = next(r["copy_s"] for r in reversed(rows) if "streamed_s" in r)
+            rows.extend(collectives(size, copy_s, [c * MiB for c in chunks_mib]))
     name = dev["name"]
     result = {"gpu": name.decode() if isinstance(name, bytes) else name,
               "date": time.strftime("%Y-%m-%d"),
               "command": "python -m benchmarks.device --sizes "
-                         f"{' '.join(map(str, sizes_mib))} --chunks {' '.join(map(str, chunks_mib))}",
+                         f"{' '.join(map(str, sizes_mib))} --chunks {' '.join(map(str, chunks_mib))}"
+                         f" --parts {' '.join(parts)}",
+              "ucx_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "blocking"),
               "rows": rows}
     if save:
         with open(save, "w") as f:
@@ -217,13 +308,14 @@ def _table(rows: list[dict]) -> None:
             print(f"| reduce kernel (sum, float32) | {mib} | {r['reduce_GBps']:.0f} GB/s | "
                   f"device copy {r['copy_GBps']:.0f} GB/s | {r['ratio']:.2f} |")
         elif "streamed_s" in r:
-            print(f"| UCX, {r['window']} buffers back to back | {mib} | "
+            who = "ucxx alone" if r["what"].startswith("ucxx") else "UCX transport"
+            print(f"| {who}, {r['window']} buffers back to back | {mib} | "
                   f"{r['streamed_GBps']:.0f} GB/s | device copy {r['copy_GBps']:.0f} GB/s | "
                   f"{r['ratio']:.2f} |")
-            print(f"| UCX, one buffer and ack | {mib} | {r['one_GBps']:.0f} GB/s | "
+            print(f"| {who}, one buffer and ack | {mib} | {r['one_GBps']:.0f} GB/s | "
                   f"device copy {r['copy_GBps']:.0f} GB/s | {r['one_ratio']:.2f} |")
         else:
-            print(f"| {r['what']}, chunk {r['chunk'] // MiB} MiB | {mib} | "
+            print(f"| {r['what']}, device chunk {r['chunk'] // MiB} MiB | {mib} | "
                   f"{r['seconds'] * 1e3:.2f} ms | memory floor {r['floor_s'] * 1e3:.2f} ms | "
                   f"{r['floor_s'] / r['seconds']:.2f} |")
 
@@ -235,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
     p.add_argument("--save", default=f"benchmarks/results/device-{time.strftime('%Y-%m-%d')}.json")
-    p.add_argument("--chunks", type=int, nargs="+", default=[4, 64],
-                   help="chunk sizes (MiB) for the collectives")
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256],
+                   help="device chunk sizes (MiB) for the collectives")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to run (the collectives need the UCX part)")
     args = p.parse_args(argv)
-    run(args.sizes, args.chunks, args.save)
+    run(args.sizes, args.chunks, args.save, tuple(args.parts))
     return 0
 
 

@@ -5,7 +5,8 @@
 #    plus any wheels found in .whl/ (for machines with no package index);
 # 2. prints the GPU, driver and package versions, and `hoplite-gpu info`;
 # 3. runs the gpu-marked tests (kernels, values, device objects over TCP and UCX);
-# 4. runs the device benchmark (python -m benchmarks.device).
+# 4. runs the device benchmark (python -m benchmarks.device), and with MODES="thread ..."
+#    its UCX transfer again under those ucxx progress modes.
 # Every step's output goes to LOGDIR (default benchmarks/results/gpu-DATE) too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +53,13 @@ step "device benchmark"
 timeout ${BENCH_TIMEOUT:-240} $PY -m benchmarks.device --sizes ${SIZES:-64 256} --save "$LOG/device.json" 2>&1 \
     | tee "$LOG/device.txt"
 bench_rc=${PIPESTATUS[0]}
+
+# The UCX transfer again under ucxx's other progress modes (blocking is the default).
+for mode in ${MODES:-}; do
+    step "UCX transfer, progress mode $mode"
+    UCXPY_PROGRESS_MODE=$mode timeout 120 $PY -m benchmarks.device --parts ucx --sizes 64 256 \
+        --save "$LOG/device-ucx-$mode.json" 2>&1 | tail -6 | tee "$LOG/device-ucx-$mode.txt"
+done
 
 echo "tests exit $tests_rc, benchmark exit $bench_rc; logs in $LOG"
 exit $(( tests_rc || bench_rc ))

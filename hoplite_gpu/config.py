@@ -29,6 +29,11 @@ class Config:
     node_host: str = "127.0.0.1"
     #: Bytes per pipelined chunk.
     chunk_size: int = 4 * MiB
+    #: Bytes per pipelined chunk of a device object sent over a transport that
+    #: moves device memory (UCX). Each chunk is one UCX message, and a message
+    #: costs a fixed 0.2-0.3 ms on an H100 besides the copy, so device chunks are
+    #: larger (see benchmarks/README, "GPU").
+    device_chunk_size: int = 64 * MiB
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
     #: How many receivers one node serves one object to at a time: the paper uses 1
@@ -54,8 +59,9 @@ class Config:
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 4 * KiB:
-            raise ConfigError(f"chunk_size must be at least 4096 bytes; got {self.chunk_size}")
+        for name in ("chunk_size", "device_chunk_size"):
+            if getattr(self, name) < 4 * KiB:
+                raise ConfigError(f"{name} must be at least 4096 bytes; got {getattr(self, name)}")
         if self.pool_bytes < 0:
             raise ConfigError(f"pool_bytes must be >= 0; got {self.pool_bytes}")
         if not 0 <= self.inline_threshold <= 16 * MiB:

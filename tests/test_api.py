@@ -226,6 +226,16 @@ def test_config_rejects_unknown_env(monkeypatch):
     monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "lots")
     with pytest.raises(hg.ConfigError, match="not a valid int"):
         hg.Config.from_env()
+    monkeypatch.delenv("HOPLITE_CHUNK_SIZE")
+
+
+@pytest.mark.parametrize("name", ["chunk_size", "device_chunk_size"])
+def test_config_refuses_tiny_chunks(monkeypatch, name):
+    monkeypatch.setenv(f"HOPLITE_{name.upper()}", "1024")
+    with pytest.raises(hg.ConfigError, match=f"{name} must be at least 4096"):
+        hg.Config.from_env()
+    monkeypatch.setenv(f"HOPLITE_{name.upper()}", "0x10000")
+    assert getattr(hg.Config.from_env(), name) == 0x10000
 
 
 def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(local):

@@ -283,3 +283,32 @@ def test_mixed_host_and_device_is_rejected():
         kernels.reduce_into(cupy.zeros(3, cupy.float32), host, "sum")
     with pytest.raises(InvalidArgument, match="same device"):
         kernels.reduce_into(host, cupy.zeros(3, cupy.float32), "sum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float64"])
+@pytest.mark.parametrize("layout", ["aligned", "offset", "strided"])
+def test_device_fold_on_any_alignment_and_stride(dtype, layout):
+    """The 16-byte vector kernel takes aligned contiguous bytes and the elementwise
+    kernel the rest (a tail, a misaligned or strided array): same result."""
+    import cupy
+
+    dt = _dtype(dtype)
+    rng = np.random.default_rng(5)
+    for n in (1, 15, 16, 17, 1000, 100_003):
+        a, b = _random(rng, dt, (n + 8,)), _random(rng, dt, (n + 8,))
+        if layout == "aligned":
+            pick = slice(0, n)
+        elif layout == "offset":
+            pick = slice(1, n + 1)
+        else:
+            pick = slice(0, 2 * (n // 2 + 1), 2) if n + 8 >= 2 * (n // 2 + 1) else slice(0, n)
+        for op in ("sum", "max"):
+            acc = cupy.asarray(a.view(np.uint16) if dtype == "bfloat16" else a)[pick]
+            chunk = cupy.asarray(b.view(np.uint16) if dtype == "bfloat16" else b)[pick]
+            kernels.reduce_into(acc, chunk, op, dtype=dtype if dtype == "bfloat16" else None)
+            want = a[pick].copy()
+            numpy_ops.reduce_into(want, b[pick], op)
+            got = cupy.asnumpy(acc)
+            got = got.view(dt) if dtype == "bfloat16" else got
+            np.testing.assert_array_equal(got, want, err_msg=f"{op} n={n}")

@@ -101,7 +101,9 @@ def _load() -> Any:
             os.environ.setdefault("UCX_TLS", default_tls())
             import ucxx  # noqa: PLC0415 - optional dependency, imported on first use
 
-            ucxx.init(progress_mode="blocking")
+            # Blocking unless the user picks another of ucxx's modes with its own
+            # variable (UCXPY_PROGRESS_MODE): see README "Configuration".
+            ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "blocking"))
             _ucxx = ucxx
     return _ucxx
 

@@ -206,7 +206,10 @@ class Node:
         dst, chunk = obj.buffer, self.config.chunk_size
         # A device value is copied on the device, queued on this thread's stream
         # after the work that produced it (see hoplite_gpu.device on stream order).
-        srcarr = src if device.is_device_buffer(src) else np.frombuffer(src, dtype=np.uint8)
+        if device.is_device_buffer(src):
+            srcarr, chunk = src, self.config.device_chunk_size
+        else:
+            srcarr = np.frombuffer(src, dtype=np.uint8)
         for start in range(0, obj.size, chunk):
             stop = min(start + chunk, obj.size)
             dst[start:stop] = srcarr[start:stop]

@@ -120,9 +120,10 @@ class DataServer:
             await asyncio.wait(stuck)
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
-        chunk = self.config.chunk_size
-        step = min(chunk, STEP)
         src = _sendable(obj.buffer, stream)
+        # Device memory that the transport moves itself goes in device-sized chunks.
+        chunk = _chunk(src, self.config)
+        step = min(chunk, STEP)
         staging = device.staging(chunk) if src is None else None  # device bytes over TCP
         while pos < end:
             if not await self._wait_or_keepalive(stream, obj, min(pos + step, end)):
@@ -221,7 +222,8 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end})
         view = _sendable(obj.buffer, stream)
         staging = device.staging(config.chunk_size) if view is None else None
-        step = min(config.chunk_size, STEP) if stream.partial_receive else config.chunk_size
+        # A transport without partial receives takes each frame whole.
+        step = min(config.chunk_size, STEP) if stream.partial_receive else None
         stall = config.stall_timeout_s
         while pos < end:
             try:
@@ -235,8 +237,8 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
                     if staging is None:
                         # In steps, each servable downstream as soon as it is in.
-                        for got in range(pos, pos + n, step):
-                            upto = min(got + step, pos + n)
+                        for got in range(pos, pos + n, step or n):
+                            upto = min(got + (step or n), pos + n)
                             await stream.recv_into(view[got:upto])
                             obj.advance(upto)
                     else:  # device bytes over a host-only transport
@@ -271,6 +273,11 @@ def _sendable(buffer: Any, stream: Stream) -> Any:
     if not device.is_device_buffer(buffer):
         return memoryview(buffer)
     return buffer if getattr(stream, "supports_device", False) else None
+
+
+def _chunk(src: Any, config: Config) -> int:
+    """Frame size for sending `src` (what `_sendable` gave)."""
+    return config.device_chunk_size if device.is_device_buffer(src) else config.chunk_size
 
 
 def _raise_peer_error(address: str, body: dict) -> None:

@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     "namespaces + tc; root): hoplite-gpu, a star, Gloo, OpenMPI")
     _module_command(sub, "latency", "latency", "small-object collectives on loopback: per-call "
                     "time and CPU per process, every call after a sleep")
+    _module_command(sub, "progress", "progress", "idle CPU per process and round-trip time, "
+                    "over TCP and over UCX in each ucxx progress setting")
     _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "
                     "pages) and of Python run after a sleep, on this machine")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

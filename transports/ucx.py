@@ -19,8 +19,16 @@ zero-copy receives:
   up, so chunks never take that path.
 
 Progress runs in ucxx's ``blocking`` mode: the worker's event fd is watched by
-the asyncio loop, so an idle node costs nothing (ucxx's default ``thread`` mode
-moved about 0.5 GB/s here, and the polling modes spin a core each).
+the asyncio loop. In that mode ucxx (0.52) waits for a request by yielding to
+the loop until it completes (``UCXRequest.wait_yield``), so a process with a
+receive posted, which a node always has (the directory connection's next
+message), keeps one core busy even when idle: measured 99 % of a core per
+process here, against 0 % over TCP. In exchange a 1 KiB round trip takes
+40 us. ``UCXPY_PROGRESS_MODE=thread`` with ``UCXPY_ENABLE_PYTHON_FUTURE=1``
+completes requests from ucxx's notifier thread instead: 3 % of a core idle,
+but 544 us per 1 KiB round trip and 1.4 ms per 1 MiB one (against 262 us),
+and processes that used it did not exit in our runs; see README "GPUs and
+UCX" and ``python -m benchmarks progress``.
 
 Peer failure: endpoints are made through a listener with UCX endpoint error
 handling on, so a peer that dies fails the pending requests, which become
@@ -92,7 +100,8 @@ def default_tls() -> str:
 
 
 def _load() -> Any:
-    """Import and initialise ucxx once per process (blocking progress mode)."""
+    """Import and initialise ucxx once per process (blocking progress mode unless
+    UCXPY_PROGRESS_MODE says otherwise; ucxx reads UCXPY_ENABLE_PYTHON_FUTURE)."""
     global _ucxx
     with _init_lock:
         if _ucxx is None:
@@ -214,6 +223,9 @@ class UCXStream(Stream):
             if _is_device(buf):
                 _sync_device(buf)
         async with self._send_lock:
+            if not data:  # a head alone (control messages, acks): no tasks to make
+                await self._guard("send", self._ep.send(head, tag=_HEAD_TAG))
+                return
             # gather starts its tasks in order, and each posts its UCX request
             # before its first suspension: the messages leave in this order.
             await self._guard("send", asyncio.gather(

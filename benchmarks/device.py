@@ -67,40 +67,50 @@ def kernel_vs_copy(size: int, repeats: int = 20) -> dict:
             "ratio": reduce_bw / copy_bw}
 
 
-def _ucx_peer(port_q: Any, size: int, groups: list[int], out_q: Any) -> None:
-    """Receiver process: listen, receive device buffers in `groups` (one ack
-    after each group), then report the first bytes of the last buffer."""
+def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool) -> None:
+    """Receiver process: listen (with the UCX transport, or with ucxx alone when
+    `raw`), receive device buffers in `groups` (one ack after each group), then
+    report the first bytes of the last buffer."""
     import cupy as cp
 
-    from hoplite_gpu.transports import get_backend
+    from hoplite_gpu.transports import get_backend, ucx
 
     async def main() -> None:
         dest = cp.empty(size, cp.uint8)
         done = asyncio.Event()
 
-        async def handler(stream: Any) -> None:
+        async def handler(conn: Any) -> None:
+            # ucxx alone: one tagged message per buffer; the transport: its stream.
+            recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (conn.recv_into, b"k")
             for group in groups:
                 for _ in range(group):
-                    await stream.recv_into(dest)
-                await stream.send(b"k")
+                    await recv(dest)
+                await conn.send(ack)
             done.set()
 
-        listener = await get_backend("ucx").listen("127.0.0.1", 0, handler)
-        port_q.put(listener.address)
+        if raw:
+            listener = ucx._load().create_listener(handler, 0)  # the transport's UCX settings
+            port_q.put(listener.port)
+        else:
+            listener = await get_backend("ucx").listen("127.0.0.1", 0, handler)
+            port_q.put(listener.address)
         await asyncio.wait_for(done.wait(), 300)
         out_q.put(float(cp.asnumpy(dest[:8]).sum()))
-        await listener.close()
+        if not raw:
+            await listener.close()
 
     asyncio.run(main())
 
 
-def ucx_vs_copy(size: int, repeats: int = 10, window: int = 8) -> dict:
-    """Two measures of UCX between two processes on the GPU (CUDA IPC):
-    `one_s`, one buffer and the receiver's ack per round (what a single
-    request-reply costs), and `streamed_s`, `window` buffers back to back before
-    one ack, per buffer (the bandwidth a long transfer sees)."""
+def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8) -> dict:
+    """Two measures of UCX between two processes on the GPU (CUDA IPC), against
+    a device copy: `one_s`, one buffer and the receiver's ack per round (what a
+    single request-reply costs), and `streamed_s`, `window` buffers back to back
+    before one ack, per buffer (the bandwidth a long transfer sees). With `raw`,
+    ucxx alone (what UCX itself gives, without the transport's head messages and
+    Python layer above it)."""
     cp = _cupy()
-    from hoplite_gpu.transports import get_backend
+    from hoplite_gpu.transports import get_backend, ucx
 
     src = cp.ones(size, cp.uint8)
     dst = cp.empty_like(src)
@@ -108,21 +118,26 @@ def ucx_vs_copy(size: int, repeats: int = 10, window: int = 8) -> dict:
     groups = [1] * (repeats + 1) + [window] * repeats
     ctx = mp.get_context("spawn")
     port_q, out_q = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_ucx_peer, args=(port_q, size, groups, out_q))
+    peer = ctx.Process(target=_peer, args=(port_q, size, groups, out_q, raw))
     peer.start()
     address = port_q.get(timeout=120)
 
     async def send_all() -> list[float]:
-        stream = await get_backend("ucx").connect(address, 30)
+        if raw:
+            conn = await ucx._load().create_endpoint("127.0.0.1", address)
+            recv_ack, ack = conn.recv, np.empty(1, np.uint8)
+        else:
+            conn = await get_backend("ucx").connect(address, 30)
+            recv_ack, ack = conn.recv_into, memoryview(bytearray(1))
+        cp.cuda.get_current_stream().synchronize()
         times = []
-        ack = bytearray(1)
         for group in groups:
             t0 = time.perf_counter()
             for _ in range(group):
-                await stream.send(src)
-            await stream.recv_into(memoryview(ack))
+                await conn.send(src)
+            await recv_ack(ack)
             times.append((time.perf_counter() - t0) / group)
-        await stream.close()
+        await conn.close()
         return times
 
     times = asyncio.run(send_all())
@@ -132,81 +147,8 @@ def ucx_vs_copy(size: int, repeats: int = 10, window: int = 8) -> dict:
         raise AssertionError("the receiver's device buffer does not hold the sent bytes")
     one_s = float(np.median(times[1:repeats + 1]))  # the first sets up CUDA IPC handles
     streamed_s = float(np.median(times[repeats + 1:]))
-    return {"what": "UCX between two processes vs device copy", "size": size,
-            "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
-            "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
-            "streamed_GBps": size / streamed_s / 1e9,
-            "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
-
-
-def _raw_peer(port_q: Any, size: int, groups: list[int], out_q: Any) -> None:
-    """`_ucx_peer` with ucxx alone: one tagged message per buffer, no heads."""
-    import cupy as cp
-
-    from hoplite_gpu.transports import ucx
-
-    ucxx = ucx._load()  # the same UCX settings as the transport
-
-    async def main() -> None:
-        dest = cp.empty(size, cp.uint8)
-        ack = np.ones(1, np.uint8)
-        done = asyncio.Event()
-
-        async def handler(ep: Any) -> None:
-            for group in groups:
-                for _ in range(group):
-                    await ep.recv(dest)
-                await ep.send(ack)
-            done.set()
-
-        listener = ucxx.create_listener(handler, 0)
-        port_q.put(listener.port)
-        await asyncio.wait_for(done.wait(), 300)
-        out_q.put(float(cp.asnumpy(dest[:8]).sum()))
-        del listener
-
-    asyncio.run(main())
-
-
-def raw_ucxx(size: int, repeats: int = 10, window: int = 8) -> dict:
-    """The same two measures as `ucx_vs_copy` with ucxx alone (what UCX itself
-    gives, without the transport's head messages and Python layer above it)."""
-    cp = _cupy()
-    from hoplite_gpu.transports import ucx
-
-    ucxx = ucx._load()
-    src = cp.ones(size, cp.uint8)
-    dst = cp.empty_like(src)
-    copy_s = _timed(cp, lambda: dst.__setitem__(Ellipsis, src), repeats)
-    groups = [1] * (repeats + 1) + [window] * repeats
-    ctx = mp.get_context("spawn")
-    port_q, out_q = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_raw_peer, args=(port_q, size, groups, out_q))
-    peer.start()
-    port = port_q.get(timeout=120)
-
-    async def send_all() -> list[float]:
-        ep = await ucxx.create_endpoint("127.0.0.1", port)
-        times = []
-        ack = np.empty(1, np.uint8)
-        cp.cuda.get_current_stream().synchronize()
-        for group in groups:
-            t0 = time.perf_counter()
-            for _ in range(group):
-                await ep.send(src)
-            await ep.recv(ack)
-            times.append((time.perf_counter() - t0) / group)
-        await ep.close()
-        return times
-
-    times = asyncio.run(send_all())
-    check = out_q.get(timeout=120)
-    peer.join(60)
-    if check != 8.0:
-        raise AssertionError("the receiver's device buffer does not hold the sent bytes")
-    one_s = float(np.median(times[1:repeats + 1]))
-    streamed_s = float(np.median(times[repeats + 1:]))
-    return {"what": "ucxx alone between two processes vs device copy", "size": size,
+    who = "ucxx alone" if raw else "UCX"
+    return {"what": f"{who} between two processes vs device copy", "size": size,
             "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
             "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
             "streamed_GBps": size / streamed_s / 1e9,
@@ -275,7 +217,7 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
             continue
         if "raw" in parts:
             try:
-                rows.append(raw_ucxx(size))
+                rows.append(ucx_vs_copy(size, raw=True))
             except Exception as exc:
                 rows.append({"what": "ucxx alone", "size": size,
                              "error": f"{type(exc).__name__}: {exc}"[:2000]})

@@ -1,0 +1,19 @@
+"""`python -m benchmarks progress` measures what it says on a real cluster: an idle
+node's CPU and a round trip over the transport (TCP here; the UCX settings run in
+the benchmark itself, each in processes of their own)."""
+
+from __future__ import annotations
+
+from benchmarks import progress
+
+
+def test_idle_cpu_is_read_for_every_process_of_a_cluster():
+    fractions = progress._idle("tcp", 2, 0.5)
+    assert len(fractions) == 3  # two nodes and the directory
+    assert all(0 <= f < 0.5 for f in fractions)  # an idle TCP node does not spin
+
+
+def test_round_trips_are_timed_per_size():
+    times = progress._round_trips("tcp", [1024, 1 << 16], 20)
+    assert set(times) == {"1024", "65536"}
+    assert all(0 < t < 1.0 for t in times.values())

@@ -165,8 +165,13 @@ def describe() -> str:
     tls = sorted(ucxx.get_active_transports())
     device = [t for t in tls if t.startswith("cuda") or t in ("rc", "dc", "ud", "gdr_copy")]
     tls_env = os.environ.get("UCX_TLS", "?")
+    mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+    cost = ("each process keeps a core busy, also when idle" if mode != "thread"
+            or os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "0") == "0"
+            else "idle processes stay cold; slower per message")
     return (f"UCX {ucxx.__ucx_version__}, ucxx {ucxx.__version__}; UCX_TLS={tls_env}; "
-            f"available: {', '.join(tls)}; device-capable: {', '.join(device) or 'none'}")
+            f"available: {', '.join(tls)}; device-capable: {', '.join(device) or 'none'}; "
+            f"progress: {mode} ({cost}; see README 'GPUs and UCX')")
 
 
 class UCXStream(Stream):

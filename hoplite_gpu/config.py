@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from .errors import ConfigError
 
 _PREFIX = "HOPLITE_"
+#: Transports whose streams take device buffers as they are (`Stream.supports_device`).
+DEVICE_TRANSPORTS = ("ucx",)
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -29,10 +31,12 @@ class Config:
     node_host: str = "127.0.0.1"
     #: Bytes per pipelined chunk.
     chunk_size: int = 4 * MiB
-    #: Bytes per pipelined chunk of a device object sent over a transport that
-    #: moves device memory (UCX). Each chunk is one UCX message, and a message
-    #: costs a fixed 0.2-0.3 ms on an H100 besides the copy, so device chunks are
-    #: larger (see benchmarks/README, "GPU").
+    #: Bytes per pipelined chunk of a device object where the transport moves
+    #: device memory itself (UCX): its frames, its put's device copy and its
+    #: reduce folds. Each chunk is one UCX message, and a message costs a fixed
+    #: 0.2-0.35 ms on an H100 besides the copy, so device chunks are larger (see
+    #: benchmarks/README, "GPU"). Over TCP device chunks are staged through host
+    #: memory and keep `chunk_size`.
     device_chunk_size: int = 64 * MiB
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
@@ -109,6 +113,12 @@ class Config:
             if value is not None:
                 values[name] = value
         return cls(**values)
+
+    def chunk_bytes(self, device: bool) -> int:
+        """Pipelining unit for an object's bytes: `device_chunk_size` for device
+        memory that the transport moves itself, else `chunk_size`."""
+        return self.device_chunk_size if device and self.transport in DEVICE_TRANSPORTS \
+            else self.chunk_size
 
     def replace(self, **changes: object) -> Config:
         return dataclasses.replace(self, **changes)

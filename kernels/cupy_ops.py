@@ -17,6 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hoplite_gpu.errors import InvalidArgument
 from hoplite_gpu.kernels.numpy_ops import (
     DTYPES,
@@ -251,12 +253,10 @@ def reduce_into(
         acc, chunk = acc.view("uint16"), chunk.view("uint16")
     split = _vector_split(acc, chunk) if kind in _CTYPES else 0
     if split:
-        import numpy
-
         nvec = split // _VEC_BYTES
         blocks = (nvec + _VEC_THREADS - 1) // _VEC_THREADS
         with _on(acc.device, stream):
-            _vector_kernel(spec, kind)((blocks,), (_VEC_THREADS,), (chunk, acc, numpy.uint64(nvec)))
+            _vector_kernel(spec, kind)((blocks,), (_VEC_THREADS,), (chunk, acc, np.uint64(nvec)))
         if split == acc.nbytes:
             return
         done = split // acc.itemsize  # the tail, shorter than one vector

@@ -229,6 +229,13 @@ def test_config_rejects_unknown_env(monkeypatch):
     monkeypatch.delenv("HOPLITE_CHUNK_SIZE")
 
 
+def test_device_chunks_only_where_the_transport_moves_device_memory():
+    tcp = hg.Config(chunk_size=4096, device_chunk_size=65536)
+    ucx = tcp.replace(transport="ucx")
+    assert (tcp.chunk_bytes(False), tcp.chunk_bytes(True)) == (4096, 4096)  # staged on the host
+    assert (ucx.chunk_bytes(False), ucx.chunk_bytes(True)) == (4096, 65536)
+
+
 @pytest.mark.parametrize("name", ["chunk_size", "device_chunk_size"])
 def test_config_refuses_tiny_chunks(monkeypatch, name):
     monkeypatch.setenv(f"HOPLITE_{name.upper()}", "1024")

@@ -203,13 +203,11 @@ class Node:
 
     async def _fill(self, obj: StoredObject, src: memoryview) -> None:
         """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""
-        dst, chunk = obj.buffer, self.config.chunk_size
         # A device value is copied on the device, queued on this thread's stream
         # after the work that produced it (see hoplite_gpu.device on stream order).
-        if device.is_device_buffer(src):
-            srcarr, chunk = src, self.config.device_chunk_size
-        else:
-            srcarr = np.frombuffer(src, dtype=np.uint8)
+        on_device = device.is_device_buffer(src)
+        srcarr = src if on_device else np.frombuffer(src, dtype=np.uint8)
+        dst, chunk = obj.buffer, self.config.chunk_bytes(on_device)
         for start in range(0, obj.size, chunk):
             stop = min(start + chunk, obj.size)
             dst[start:stop] = srcarr[start:stop]

@@ -86,7 +86,7 @@ async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObje
                 timeout: float, pulls: list[asyncio.Task]) -> None:
     # Host folds go in FOLD_STEP pieces, so the parent can pull each at once;
     # device folds keep whole chunks (fewer kernel launches; a GPU adds fast).
-    chunk = config.device_chunk_size if is_device_buffer(out.buffer) \
+    chunk = config.chunk_bytes(True) if is_device_buffer(out.buffer) \
         else min(config.chunk_size, FOLD_STEP)
     chunk = max(dtype.itemsize, chunk - chunk % dtype.itemsize)
     for pos in range(out.ready, out.size, chunk):

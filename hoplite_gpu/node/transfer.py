@@ -122,7 +122,7 @@ class DataServer:
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
         src = _sendable(obj.buffer, stream)
         # Device memory that the transport moves itself goes in device-sized chunks.
-        chunk = _chunk(src, self.config)
+        chunk = self.config.chunk_bytes(device.is_device_buffer(src))
         step = min(chunk, STEP)
         staging = device.staging(chunk) if src is None else None  # device bytes over TCP
         while pos < end:
@@ -237,8 +237,9 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
                     if staging is None:
                         # In steps, each servable downstream as soon as it is in.
-                        for got in range(pos, pos + n, step or n):
-                            upto = min(got + (step or n), pos + n)
+                        piece = step or n
+                        for got in range(pos, pos + n, piece):
+                            upto = min(got + piece, pos + n)
                             await stream.recv_into(view[got:upto])
                             obj.advance(upto)
                     else:  # device bytes over a host-only transport
@@ -273,11 +274,6 @@ def _sendable(buffer: Any, stream: Stream) -> Any:
     if not device.is_device_buffer(buffer):
         return memoryview(buffer)
     return buffer if getattr(stream, "supports_device", False) else None
-
-
-def _chunk(src: Any, config: Config) -> int:
-    """Frame size for sending `src` (what `_sendable` gave)."""
-    return config.device_chunk_size if device.is_device_buffer(src) else config.chunk_size
 
 
 def _raise_peer_error(address: str, body: dict) -> None:

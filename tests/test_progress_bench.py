@@ -4,6 +4,8 @@ the benchmark itself, each in processes of their own)."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks import progress
 
 
@@ -16,4 +18,19 @@ def test_idle_cpu_is_read_for_every_process_of_a_cluster():
 def test_round_trips_are_timed_per_size():
     times = progress._round_trips("tcp", [1024, 1 << 16], 20)
     assert set(times) == {"1024", "65536"}
+    assert all(0 < t < 1.0 for t in times.values())
+
+
+def test_an_idle_ucx_node_does_not_spin():
+    """ucxx's own blocking mode kept a core busy per process (99-100 % here);
+    the transport's event-driven progress (transports/ucx_progress.py) must not."""
+    pytest.importorskip("ucxx")
+    fractions = progress._idle("ucx", 1, 1.0)
+    assert len(fractions) == 2  # the node and the directory
+    assert all(0 <= f < 0.3 for f in fractions), fractions
+
+
+def test_ucx_round_trips_still_complete():
+    pytest.importorskip("ucxx")
+    times = progress._round_trips("ucx", [1024, 1 << 20], 20)
     assert all(0 < t < 1.0 for t in times.values())

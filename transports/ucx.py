@@ -18,17 +18,16 @@ zero-copy receives:
   The runtime's data frames (a small header, then a whole chunk) always line
   up, so chunks never take that path.
 
-Progress runs in ucxx's ``blocking`` mode: the worker's event fd is watched by
-the asyncio loop. In that mode ucxx (0.52) waits for a request by yielding to
-the loop until it completes (``UCXRequest.wait_yield``), so a process with a
-receive posted, which a node always has (the directory connection's next
-message), keeps one core busy even when idle: measured 99 % of a core per
-process here, against 0 % over TCP. In exchange a 1 KiB round trip takes
-40 us. ``UCXPY_PROGRESS_MODE=thread`` with ``UCXPY_ENABLE_PYTHON_FUTURE=1``
-completes requests from ucxx's notifier thread instead: 3 % of a core idle,
-but 544 us per 1 KiB round trip and 1.4 ms per 1 MiB one (against 262 us),
-and processes that used it did not exit in our runs; see README "GPUs and
-UCX" and ``python -m benchmarks progress``.
+Progress runs in ucxx's ``blocking`` mode, but driven by `ucx_progress`: ucxx
+(0.52) itself kept one core per process busy even when idle (99 % measured
+here, against 0 % over TCP), because its requests are awaited by yielding to
+the loop until they complete and its event fd is never re-armed. With
+`ucx_progress` an idle process sleeps on the worker's fd (0 % measured), the
+worker is polled while a transfer is in flight and for 0.2 ms after it, and a
+1 KiB round trip takes 51 us (40 us spinning). Where `ucx_progress` does not
+recognise the installed ucxx, or ``UCXPY_PROGRESS_MODE`` picks another mode,
+ucxx's own awaitables are used, with their costs; see README "GPUs and UCX"
+and ``python -m benchmarks progress``.
 
 Peer failure: endpoints are made through a listener with UCX endpoint error
 handling on, so a peer that dies fails the pending requests, which become
@@ -50,6 +49,7 @@ from typing import Any
 
 from hoplite_gpu.errors import ConnectionRefused, InvalidArgument, Timeout, TransportClosed
 
+from . import ucx_progress
 from .base import Backend, Handler, Listener, Stream, split_address
 
 #: UCX settings applied unless the user set them (environment wins).
@@ -166,9 +166,12 @@ def describe() -> str:
     device = [t for t in tls if t.startswith("cuda") or t in ("rc", "dc", "ud", "gdr_copy")]
     tls_env = os.environ.get("UCX_TLS", "?")
     mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
-    cost = ("each process keeps a core busy, also when idle" if mode != "thread"
-            or os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "0") == "0"
-            else "idle processes stay cold; slower per message")
+    if ucx_progress.supported(ucxx):
+        cost = "event-driven: idle processes use no CPU"
+    elif mode == "thread" and os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "0") != "0":
+        cost = "idle processes stay cold; slower per message"
+    else:
+        cost = "each process keeps a core busy, also when idle"
     return (f"UCX {ucxx.__ucx_version__}, ucxx {ucxx.__version__}; UCX_TLS={tls_env}; "
             f"available: {', '.join(tls)}; device-capable: {', '.join(device) or 'none'}; "
             f"progress: {mode} ({cost}; see README 'GPUs and UCX')")
@@ -190,6 +193,28 @@ class UCXStream(Stream):
         #: Records received but not yet consumed: [kind, size, inline bytes or None, offset].
         self._pending: list[list] = []
         self._busy: set[asyncio.Task] = set()
+        #: Event-driven request waits (None: ucxx's own, which spin; see ucx_progress).
+        self._driver = ucx_progress.installed(asyncio.get_running_loop())
+        self._tags = None
+        if self._driver is not None:
+            head = ucx_progress.endpoint_tags(endpoint, _HEAD_TAG)
+            data = ucx_progress.endpoint_tags(endpoint, _DATA_TAG)
+            if head is None or data is None:
+                self._driver = None
+            else:
+                self._tags = (head, data)
+
+    def _send(self, buf: Any, data: bool) -> Any:
+        if self._driver is None:
+            return self._ep.send(buf, tag=_DATA_TAG if data else _HEAD_TAG)
+        return self._driver.send(self._ep, self._tags[data][0], buf)
+
+    def _recv(self, buf: Any, data: bool) -> Any:
+        """A receive of the next head (passive: the peer may stay silent) or of
+        a data message whose head has arrived (active)."""
+        if self._driver is None:
+            return self._ep.recv(buf, tag=_DATA_TAG if data else _HEAD_TAG)
+        return self._driver.recv(self._ep, self._tags[data][1], buf, active=data)
 
     @property
     def closed(self) -> bool:
@@ -229,17 +254,16 @@ class UCXStream(Stream):
                 _sync_device(buf)
         async with self._send_lock:
             if not data:  # a head alone (control messages, acks): no tasks to make
-                await self._guard("send", self._ep.send(head, tag=_HEAD_TAG))
+                await self._guard("send", self._send(head, False))
                 return
             # gather starts its tasks in order, and each posts its UCX request
             # before its first suspension: the messages leave in this order.
             await self._guard("send", asyncio.gather(
-                self._ep.send(head, tag=_HEAD_TAG),
-                *(self._ep.send(buf, tag=_DATA_TAG) for buf in data)))
+                self._send(head, False), *(self._send(buf, True) for buf in data)))
 
     # ---------------------------------------------------------- receive ---
     async def _next_head(self) -> None:
-        await self._guard("receive", self._ep.recv(self._head, tag=_HEAD_TAG))
+        await self._guard("receive", self._recv(self._head, False))
         count, inline = _HEAD.unpack_from(self._head, 0)
         pos = _HEAD.size
         body = pos + count * _RECORD.size
@@ -275,14 +299,13 @@ class UCXStream(Stream):
                 kind, size, data, offset = rec
                 if data is None and size <= want - got:
                     # The whole message fits: receive it in place (zero copy).
-                    await self._guard("receive",
-                                      self._ep.recv(dest[got:got + size], tag=_DATA_TAG))
+                    await self._guard("receive", self._recv(dest[got:got + size], True))
                     got += size
                     self._pending.pop(0)
                     continue
                 if data is None:  # straddles this call: stage it on the host
                     staged = bytearray(size)
-                    await self._guard("receive", self._ep.recv(staged, tag=_DATA_TAG))
+                    await self._guard("receive", self._recv(staged, True))
                     rec[2] = data = memoryview(staged)
                 take = min(size - offset, want - got)
                 _copy_into(dest, got, data, offset, take)
@@ -380,6 +403,7 @@ class UCXListener(Listener):
         except OSError as exc:
             raise ConnectionRefused(f"cannot listen on {self._host}:{port}: {exc}") from exc
         loop = asyncio.get_running_loop()
+        ucx_progress.install(ucxx, loop)
         bound = _ports.get(port) if port else None
         if bound is not None and bound.owner is None and bound.loop is loop:
             bound.owner = self
@@ -442,6 +466,7 @@ class UCXBackend(Backend):
     async def connect(self, address: str, timeout: float) -> Stream:
         _, host, port = split_address(address, "ucx")
         ucxx = _load()
+        ucx_progress.install(ucxx, asyncio.get_running_loop())
         try:
             async with asyncio.timeout(timeout):
                 ep = await ucxx.create_endpoint(host, port, connect_timeout=timeout)

@@ -131,7 +131,14 @@ class Progress:
         if active:
             self._active += 1
         self._wake()
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            entry = self._pending.get(request)
+            if entry is not None and entry[2]:  # nobody waits: stop polling for it
+                self._pending[request] = (entry[0], entry[1], False)
+                self._active -= 1
+            raise
 
     def send(self, endpoint: Any, tag: int, buffer: Any) -> Any:
         """Post a tagged send on `endpoint` (a ucxx Endpoint); an awaitable."""

@@ -55,6 +55,21 @@ def test_bulk_256mib(scheme):
 
 
 @by_scheme
+def test_recv_steps(scheme):
+    run(tc.check_recv_steps, scheme)
+
+
+@by_scheme
+def test_recv_steps_peer_closes_early(scheme):
+    run(tc.check_recv_steps_peer_closes_early, scheme)
+
+
+@by_scheme
+def test_close_wakes_pending_recv_steps(scheme):
+    run(tc.check_close_wakes_pending_recv_steps, scheme)
+
+
+@by_scheme
 def test_peer_closes_early(scheme):
     run(tc.check_peer_closes_early, scheme)
 

@@ -254,6 +254,54 @@ async def check_bulk_transfer(scheme: str, total: int, chunk: int = 4 * MiB) -> 
     np.testing.assert_array_equal(dest, data)
 
 
+@deadline(20)
+async def check_recv_steps(scheme: str, total: int = 9 * MiB + 5, step: int = 256 * 1024) -> None:
+    """recv_steps fills the buffer exactly and reports progress: marks rise, the
+    last is the whole buffer, and every reported byte is already in place."""
+    data = random_bytes(total, seed=11)
+    dest = np.zeros(total, dtype=np.uint8)
+    marks: list[int] = []
+
+    def on_step(n: int) -> None:
+        if n >= 64:  # the bytes a mark reports are in the buffer when it is reported
+            np.testing.assert_array_equal(dest[n - 64:n], data[n - 64:n])
+        marks.append(n)
+
+    async with connected_pair(scheme) as (client, server):
+        sending = asyncio.ensure_future(client.send(memoryview(data)))
+        await server.recv_steps(memoryview(dest), step, on_step)
+        await sending
+    np.testing.assert_array_equal(dest, data)
+    assert marks and marks[-1] == total
+    assert marks == sorted(set(marks)), "marks only rise"
+    assert all(b - a >= step for a, b in zip(marks, marks[1:-1], strict=False)), \
+        "a mark comes after at least a step"
+
+
+@deadline(10)
+async def check_recv_steps_peer_closes_early(scheme: str) -> None:
+    """recv_steps when the peer sends part and closes: TransportClosed, and the
+    marks never pass what arrived."""
+    marks: list[int] = []
+    async with connected_pair(scheme) as (client, server):
+        await server.send(bytes(1000))
+        await server.close()
+        with pytest.raises(TransportClosed):
+            await client.recv_steps(memoryview(bytearray(100_000)), 100, marks.append)
+    assert all(m <= 1000 for m in marks)
+
+
+@deadline(10)
+async def check_close_wakes_pending_recv_steps(scheme: str) -> None:
+    """close() while another task waits in recv_steps: it raises TransportClosed."""
+    async with connected_pair(scheme) as (client, _server):
+        pending = asyncio.ensure_future(
+            client.recv_steps(memoryview(bytearray(1 << 20)), 4096, lambda n: None))
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        await _close_and_expect_closed(client, pending)
+
+
 # -- closing ------------------------------------------------------------------------------------
 
 

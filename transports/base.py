@@ -32,6 +32,19 @@ class Stream(abc.ABC):
         """Fill `buffer` exactly, writing straight into it. Raises TransportClosed
         if the stream ends first (the buffer is then partly written)."""
 
+    async def recv_steps(self, buffer: memoryview, step: int,
+                         on_step: Callable[[int], None]) -> None:
+        """Fill `buffer` exactly, calling `on_step(n)` whenever at least `step`
+        more bytes (or the last ones) are in, `n` being how many are in so far:
+        a relay can serve each step while the rest is still on its way. This
+        default receives step by step; byte streams override it to wake the
+        caller once for the whole buffer."""
+        want = len(buffer)
+        for got in range(0, want, step):
+            upto = min(got + step, want)
+            await self.recv_into(buffer[got:upto])
+            on_step(upto)
+
     async def recv_some(self, buffer: memoryview) -> int:
         """Receive at least one byte into `buffer`, as many as have arrived, and
         return how many. Only byte streams (`partial_receive`) implement it."""

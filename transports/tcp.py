@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import errno
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
@@ -85,6 +85,65 @@ class TCPStream(Stream):
                 await self.close()
                 raise TransportClosed(f"connection to {self.peer} ended after {got} of {want} bytes")
             got += n
+
+    async def recv_steps(self, buffer: memoryview, step: int,
+                         on_step: Callable[[int], None]) -> None:
+        """Fill `buffer` from a reader callback that stays registered until it is
+        full: one wake-up of the caller per buffer, where `recv_into` per step
+        costs a task wake-up, a future and two epoll_ctl calls per step."""
+        if self._closed:
+            raise self._lost(None, "receive")
+        view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        want = len(view)
+        if want == 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        got = mark = 0
+        sock = self._sock
+
+        def readable() -> None:
+            nonlocal got, mark
+            if fut.done():
+                return
+            try:
+                n = sock.recv_into(view[got:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, ValueError) as exc:
+                fut.set_exception(exc)
+                return
+            if n == 0:
+                fut.set_exception(ConnectionResetError(
+                    f"connection to {self.peer} ended after {got} of {want} bytes"))
+                return
+            got += n
+            try:
+                if got - mark >= step or got == want:
+                    mark = got
+                    on_step(got)
+            except BaseException as exc:  # noqa: BLE001 - the caller's error, raised there
+                fut.set_exception(exc)
+                return
+            if got == want:
+                fut.set_result(None)
+            else:
+                rest = want - got
+                self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+
+        rest = want
+        self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+        readable()  # often some of it is there already
+        if fut.done():
+            await self._guarded("receive", fut)  # its error, as TransportClosed
+            return
+        fd = sock.fileno()
+        loop.add_reader(fd, readable)
+        try:
+            await self._guarded("receive", fut)
+        finally:
+            if not self._closed:
+                loop.remove_reader(fd)
 
     async def recv_some(self, buffer: memoryview) -> int:
         if self._closed:

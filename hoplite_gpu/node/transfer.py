@@ -235,13 +235,12 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                         raise ProtocolError(f"{address} sent {n} bytes at {pos}; wanted at most {end - pos}")
                     if n == 0:
                         continue  # a keepalive: the sender is alive, its bytes are not ready yet
-                    if staging is None:
+                    if staging is None and step is None:  # whole messages (UCX)
+                        await stream.recv_into(view[pos:pos + n])
+                    elif staging is None:
                         # In steps, each servable downstream as soon as it is in.
-                        piece = step or n
-                        for got in range(pos, pos + n, piece):
-                            upto = min(got + piece, pos + n)
-                            await stream.recv_into(view[got:upto])
-                            obj.advance(upto)
+                        await stream.recv_steps(view[pos:pos + n], step,
+                                                lambda upto, at=pos: obj.advance(at + upto))
                     else:  # device bytes over a host-only transport
                         if n > len(staging):
                             staging = device.staging(n)

@@ -11,6 +11,7 @@ Run inside a host's network namespace."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,6 +59,10 @@ def main() -> int:
     try:
         value = make_input(args.rank, args.size) if args.op != "broadcast" or args.rank == 0 else None
         fn = getattr(collectives, args.op)
+        if args.op == "reduce":
+            # Every rank returns once the reduce is done, as MPI_Reduce and Gloo's
+            # reduce do; inputs are then lent, not copied.
+            fn = functools.partial(fn, wait=True)
         print(json.dumps({"ready": True}), flush=True)
         t0 = json.loads(sys.stdin.readline())["t0"]
         starts, ends, out = [], [], None

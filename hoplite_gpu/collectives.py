@@ -47,16 +47,21 @@ def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple
 
 
 def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: str = "sum",
-           num_objects: int | None = None, timeout: float | None = None) -> Any:
+           num_objects: int | None = None, timeout: float | None = None,
+           wait: bool = False) -> Any:
     """The reduction of the first `num_objects` ready values, returned on `root`
     (None elsewhere). The root's own host array is read in place, not copied
-    (leave it unchanged until the call returns); the others' are copied."""
+    (leave it unchanged until the call returns). A non-root returns as soon as
+    its input is put, so its input is copied (a restarted tree may need it
+    later); with `wait`, it returns only once the reduce is done, as
+    MPI_Reduce does, and its input is read in place too: no copy, and S less
+    memory per rank."""
     _check(rank, size, root)
     ids, target = _reduce_ids(name, size, op, num_objects)
     # Idempotent across ranks; the root's own input takes the tree's root, so
     # the result is produced where it is wanted (no extra hop to fetch it).
     args = api._reduce_args(ids, op, num_objects, target, ids[root])
-    return _reduce_and_get(args, value, ids[rank], rank == root, timeout)
+    return _reduce_and_get(args, value, ids[rank], rank == root, timeout, wait)
 
 
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
@@ -73,18 +78,21 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     return _reduce_and_get(args, value, ids[rank], True, timeout)
 
 
-def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, wait: bool,
-                    timeout: float | None) -> Any:
-    """Ask for the reduce, put our input `mine` and, if `wait`, get the result,
-    all at once. A rank that waits returns only once the reduce is done, so it
-    lends its input instead of copying it; one that does not (a non-root of
-    `reduce`) returns once its input is put, and a restarted tree may still
-    need it, so it copies."""
+def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
+                    timeout: float | None, wait: bool = True) -> Any:
+    """Ask for the reduce, put our input `mine` and, if `fetch`, get the result,
+    all at once. A rank that fetches or `wait`s returns only once the reduce is
+    done, so it lends its input instead of copying it; one that does neither (a
+    non-root of `reduce`) returns once its input is put, and a restarted tree
+    may still need it, so it copies."""
     target = args[3]
+    lend = fetch or wait
     out = _together(lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, mine, lend=wait)),
-        *([node.get(target, limit)] if wait else [])], timeout, lent=mine if wait else None)
-    return out[2] if wait else None
+        node.reduce(*args), _finish(node.put(value, mine, lend=lend)),
+        *([node.get(target, limit)] if fetch else
+          [node.reduced_inputs(target, limit)] if wait else [])],
+        timeout, lent=mine if lend else None)
+    return out[2] if fetch else None
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,

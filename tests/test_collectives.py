@@ -152,6 +152,46 @@ def test_a_reduce_copies_a_non_roots_input(local):
     collectives.delete("copy", size=3)
 
 
+def test_a_waiting_non_root_returns_after_the_reduce_and_lends_its_input(local):
+    """With wait=True a non-root returns only once the reduce is done (as
+    MPI_Reduce), and its input was read in place: nothing is left of it."""
+    import threading
+
+    _put_rank("waits", 0, np.full(50_000, 1.0))
+    mine = np.full(50_000, 2.0)
+    done = threading.Event()
+    out: list = []
+
+    def non_root() -> None:
+        out.append(collectives.reduce(mine, name="waits", rank=1, size=3, timeout=10, wait=True))
+        done.set()
+
+    t = threading.Thread(target=non_root)
+    t.start()
+    assert not done.wait(0.5), "returned before rank 2's input existed"
+    _put_rank("waits", 2, np.full(50_000, 4.0))
+    assert done.wait(10)
+    t.join()
+    assert out == [None]
+    assert hg.api.runtime().node.store.get(collectives.input_id("waits", 1)) is None
+    assert _gone(collectives.input_id("waits", 1))
+    mine[:] = -100.0  # the caller owns its array again: the result does not change
+    result = collectives.reduce(np.full(50_000, 1.0), name="waits-root", rank=0, size=1,
+                                timeout=10)  # unrelated call: the node still works
+    assert float(result[0]) == 1.0
+    got = hg.get(collectives._reduce_ids("waits", 3, "sum", None)[1], timeout=10)
+    assert float(got[0]) == float(got[-1]) == 7.0
+    collectives.delete("waits", size=3)
+
+
+def test_a_waiting_non_root_that_times_out_lets_its_input_go(local):
+    with pytest.raises(hg.Timeout):
+        collectives.reduce(np.ones(50_000), name="lonely-wait", rank=1, size=3, timeout=0.5,
+                           wait=True)
+    assert hg.api.runtime().node.store.get(collectives.input_id("lonely-wait", 1)) is None
+    assert _gone(collectives.input_id("lonely-wait", 1))
+
+
 def test_a_failed_allreduce_lets_its_input_go_too(local):
     with pytest.raises(hg.Timeout):
         collectives.allreduce(np.ones(50_000), name="lonely", rank=0, size=3, timeout=0.5)

@@ -70,6 +70,11 @@ def test_close_wakes_pending_recv_steps(scheme):
 
 
 @by_scheme
+def test_cancelled_recv_never_misplaces_a_message(scheme):
+    run(tc.check_cancelled_recv_never_misplaces_a_message, scheme)
+
+
+@by_scheme
 def test_peer_closes_early(scheme):
     run(tc.check_peer_closes_early, scheme)
 

@@ -302,6 +302,27 @@ async def check_close_wakes_pending_recv_steps(scheme: str) -> None:
         await _close_and_expect_closed(client, pending)
 
 
+@deadline(10)
+async def check_cancelled_recv_never_misplaces_a_message(scheme: str) -> None:
+    """A receive cancelled before anything arrived (a timeout) must not take the
+    next message: the next receive gets it whole, or the stream says it is
+    closed (UCX cannot withdraw a posted receive, so it ends the stream)."""
+    async with connected_pair(scheme) as (client, server):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await client.recv_into(memoryview(bytearray(5)))
+        with contextlib.suppress(TransportClosed):
+            await server.send(b"first")
+            await server.send(b"secon")
+        dest = bytearray(5)
+        try:
+            await client.recv_into(memoryview(dest))
+        except TransportClosed:
+            assert client.closed
+        else:
+            assert bytes(dest) == b"first"
+
+
 # -- closing ------------------------------------------------------------------------------------
 
 

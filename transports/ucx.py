@@ -205,6 +205,8 @@ class UCXStream(Stream):
                 self._tags = (head, data)
 
     def _send(self, buf: Any, data: bool) -> Any:
+        if self._closed:  # closed while this task waited for the lock
+            raise _closed_error(self.peer, "send", None)
         if self._driver is None:
             return self._ep.send(buf, tag=_DATA_TAG if data else _HEAD_TAG)
         return self._driver.send(self._ep, self._tags[data][0], buf)
@@ -212,6 +214,8 @@ class UCXStream(Stream):
     def _recv(self, buf: Any, data: bool) -> Any:
         """A receive of the next head (passive: the peer may stay silent) or of
         a data message whose head has arrived (active)."""
+        if self._closed:
+            raise _closed_error(self.peer, "receive", None)
         if self._driver is None:
             return self._ep.recv(buf, tag=_DATA_TAG if data else _HEAD_TAG)
         return self._driver.recv(self._ep, self._tags[data][1], buf, active=data)
@@ -328,6 +332,10 @@ class UCXStream(Stream):
             if self._closed and task is not None and task.cancelling():
                 task.uncancel()
                 raise _closed_error(self.peer, what, None) from None
+            # A message cut short leaves the stream out of step (a receive stays
+            # posted and would take the peer's next message; a send may have
+            # sent its head only): end the stream, which cancels its requests.
+            await self.close()
             raise
         except Exception as exc:  # ucxx raises UCXError subclasses, and ValueError
             await self.close()

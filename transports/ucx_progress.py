@@ -29,6 +29,11 @@ What we do instead, for the event loops hoplite-gpu runs UCX on:
 * A watchdog progresses the worker every `WATCHDOG_S` seconds in case an event
   is missed (ucxx does the same, once a second).
 
+Not measured yet: over InfiniBand a head above UCX's rendezvous threshold is
+read by RDMA; if that completion raises no fd event, a waiting receiver
+notices it only at the next watchdog tick. Sends count as active, so a sender
+polls while its peer is slow to post the matching receive (as ucxx did).
+
 This reaches into ucxx internals (``Endpoint._ep``, ``Endpoint._tags``, the
 progress table, the progress object ucxx.init made). `install` checks for each and returns None when one is
 missing; the transport then uses ucxx's own awaitables and its documented
@@ -38,7 +43,11 @@ spinning.
 from __future__ import annotations
 
 import asyncio
+import logging
+import weakref
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: Seconds between safety progress calls while the worker is armed.
 WATCHDOG_S = 0.25
@@ -107,22 +116,29 @@ class Progress:
                 self._progress()
                 if self._worker.arm():  # nothing pending in UCX: sleep on the fd
                     return
+        except Exception:  # a worker error: the watchdog and the next event go on
+            log.exception("UCX progress failed")
         finally:
             self._task = None
 
     def _on_event(self) -> None:
+        if self._task is not None:
+            return  # polling: the fd stays readable until the worker is armed again
         self._progress()
         self._wake()
 
     def _on_watchdog(self) -> None:
         if self._closed:
             return
+        self._watchdog = self._loop.call_later(WATCHDOG_S, self._on_watchdog)
         self._progress()
         self._wake()
-        self._watchdog = self._loop.call_later(WATCHDOG_S, self._on_watchdog)
 
     # ---------------------------------------------------------- requests ---
     async def _wait(self, request: Any, buffer: Any, active: bool) -> None:
+        """Wait for a request posted just now. Called in the same step as the
+        post, so the request and its buffer are held until UCX is done with
+        them, whatever happens to the waiter."""
         if request.completed:
             request.check_error()
             return
@@ -140,18 +156,20 @@ class Progress:
                 self._active -= 1
             raise
 
-    def send(self, endpoint: Any, tag: int, buffer: Any) -> Any:
-        """Post a tagged send on `endpoint` (a ucxx Endpoint); an awaitable."""
+    async def send(self, endpoint: Any, tag: int, buffer: Any) -> None:
+        """Post a tagged send on `endpoint` (a ucxx Endpoint) and wait for it.
+        Nothing is posted unless this coroutine runs (a cancelled caller that
+        never started it sends nothing)."""
         buf = buffer if isinstance(buffer, self._array) else self._array(buffer)
-        request = endpoint._ep.tag_send(buf, self._tag(tag))
-        return self._wait(request, buf, True)
+        await self._wait(endpoint._ep.tag_send(buf, self._tag(tag)), buf, True)
 
-    def recv(self, endpoint: Any, tag: int, buffer: Any, active: bool) -> Any:
-        """Post a tagged receive into `buffer`; an awaitable. `active`: the
-        message is known to be on its way (its head arrived)."""
+    async def recv(self, endpoint: Any, tag: int, buffer: Any, active: bool) -> None:
+        """Post a tagged receive into `buffer` and wait for it. `active`: the
+        message is known to be on its way (its head arrived). A receive whose
+        waiter is cancelled stays posted (UCX offers no cancel of one request):
+        the stream must be closed then, which cancels it."""
         buf = buffer if isinstance(buffer, self._array) else self._array(buffer)
-        request = endpoint._ep.tag_recv(buf, self._tag(tag), _TAG_MASK_FULL)
-        return self._wait(request, buf, active)
+        await self._wait(endpoint._ep.tag_recv(buf, self._tag(tag), _TAG_MASK_FULL), buf, active)
 
     def close(self) -> None:
         self._closed = True
@@ -161,7 +179,9 @@ class Progress:
 
 _TAG_MASK_FULL: Any = None
 _HASH64BITS: Any = None
-_drivers: dict[asyncio.AbstractEventLoop, Progress] = {}
+#: Weak: a runtime's loop that has closed takes its driver with it.
+_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Progress] = (
+    weakref.WeakKeyDictionary())
 
 
 def _internals(ucxx: Any) -> dict | None:

@@ -7,7 +7,9 @@ tests/test_progress_bench.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -72,15 +74,20 @@ def _run(case):
     return test
 
 
-async def _driver() -> tuple[Progress, FakeWorker]:
+@contextlib.asynccontextmanager
+async def _driver() -> AsyncIterator[tuple[Progress, FakeWorker]]:
     worker = FakeWorker()
-    return Progress(worker, asyncio.get_running_loop(), int, bytes), worker
+    driver = Progress(worker, asyncio.get_running_loop(), int, bytes)
+    try:
+        yield driver, worker
+    finally:
+        driver.close()
+        worker.close()
 
 
 @_run
 async def test_an_idle_wait_sleeps_on_the_fd_and_wakes_on_an_event():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         req = FakeRequest()
         waiter = asyncio.ensure_future(driver._wait(req, None, active=False))
         await asyncio.sleep(0.05)  # settle: armed, asleep
@@ -90,15 +97,11 @@ async def test_an_idle_wait_sleeps_on_the_fd_and_wakes_on_an_event():
         assert not waiter.done()
         worker.signal(req)
         await asyncio.wait_for(waiter, 1.0)
-    finally:
-        driver.close()
-        worker.close()
 
 
 @_run
 async def test_a_transfer_in_flight_is_polled_until_it_completes():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         req = FakeRequest()
         waiter = asyncio.ensure_future(driver._wait(req, None, active=True))
         await asyncio.sleep(0.02)
@@ -109,15 +112,11 @@ async def test_a_transfer_in_flight_is_polled_until_it_completes():
         calls = worker.progress_calls
         await asyncio.sleep(0.05)
         assert worker.progress_calls - calls <= 1
-    finally:
-        driver.close()
-        worker.close()
 
 
 @_run
 async def test_a_cancelled_active_waiter_stops_the_polling():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         waiter = asyncio.ensure_future(driver._wait(FakeRequest(), None, active=True))
         await asyncio.sleep(0.01)
         waiter.cancel()
@@ -127,15 +126,11 @@ async def test_a_cancelled_active_waiter_stops_the_polling():
         calls = worker.progress_calls
         await asyncio.sleep(0.05)
         assert worker.progress_calls - calls <= 1
-    finally:
-        driver.close()
-        worker.close()
 
 
 @_run
 async def test_a_failed_request_raises_in_its_waiter():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         req = FakeRequest()
         req.error = ConnectionResetError("peer gone")
         waiter = asyncio.ensure_future(driver._wait(req, None, active=False))
@@ -143,29 +138,21 @@ async def test_a_failed_request_raises_in_its_waiter():
         worker.signal(req)
         with pytest.raises(ConnectionResetError):
             await asyncio.wait_for(waiter, 1.0)
-    finally:
-        driver.close()
-        worker.close()
 
 
 @_run
 async def test_the_watchdog_completes_a_request_whose_event_was_missed():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         req = FakeRequest()
         waiter = asyncio.ensure_future(driver._wait(req, None, active=False))
         await asyncio.sleep(0.01)
         worker.due.append(req)  # completes at the next progress, but no event comes
         await asyncio.wait_for(waiter, ucx_progress.WATCHDOG_S * 2 + 0.5)
-    finally:
-        driver.close()
-        worker.close()
 
 
 @_run
 async def test_arming_waits_until_ucx_has_no_work_left():
-    driver, worker = await _driver()
-    try:
+    async with _driver() as (driver, worker):
         worker.busy = True
         worker.signal()
         await asyncio.sleep(0.02)
@@ -175,6 +162,3 @@ async def test_arming_waits_until_ucx_has_no_work_left():
         calls = worker.progress_calls
         await asyncio.sleep(0.05)
         assert worker.progress_calls - calls <= 1
-    finally:
-        driver.close()
-        worker.close()

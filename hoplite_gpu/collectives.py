@@ -79,7 +79,7 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
-                    timeout: float | None, wait: bool = True) -> Any:
+                    timeout: float | None, wait: bool = False) -> Any:
     """Ask for the reduce, put our input `mine` and, if `fetch`, get the result,
     all at once. A rank that fetches or `wait`s returns only once the reduce is
     done, so it lends its input instead of copying it; one that does neither (a

@@ -14,7 +14,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from .netbench import SYSTEMS, lower_bound
+from .netbench import DEFAULT_SYSTEMS, SYSTEMS, lower_bound
 
 QUICK_SIZES = ["1K", "64M", "256M"]
 FULL_SIZES = ["1K", "32K", "1M", "16M", "64M", "256M", "1G"]
@@ -254,7 +254,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="least seconds between the start slots of two calls (small sizes)")
     e.add_argument("--latency-budget", type=float, default=5.0,
                    help="seconds of call slots per launch at most (small sizes)")
-    e.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    e.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+                   help="default: every system but hoplite-gpu-ucx (hoplite-gpu over UCX's tcp)")
     e.add_argument("--ops", nargs="+", default=OPS, choices=[*OPS, "allreduce-dynamic"])
     e.add_argument("--gap", type=float, default=0.5,
                    help="seconds between inputs becoming ready (allreduce-dynamic)")

@@ -32,7 +32,12 @@ from .emulated import PY, EmulatedCluster
 from .payload import holds_result, link_volume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned")
+SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx")
+#: What `--systems` runs unless told: hoplite-gpu over UCX is asked for by name.
+DEFAULT_SYSTEMS = SYSTEMS[:5]
+#: hoplite-gpu over UCX: UCX's tcp transport on the shaped eth0 only (no shared
+#: memory, no loopback lanes), so every byte crosses the emulated links.
+UCX_ENV = {"HOPLITE_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 
 
 def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
@@ -73,12 +78,13 @@ def _readline(p: subprocess.Popen, what: str) -> dict:
 def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: int = 1,
                 iters: int = 1, warmup: int = 0, period: float = 0.0,
                 ready: list[float] | None = None, chunk: int | None = None,
-                sync: bool = False) -> list[dict]:
+                sync: bool = False, ucx: bool = False) -> list[dict]:
     """hoplite-gpu: a directory on host 0 and one node per host; every rank
-    calls `hoplite_gpu.collectives.<op>`. Returns every rank's report."""
+    calls `hoplite_gpu.collectives.<op>` (over UCX with `ucx`). Returns every
+    rank's report."""
     token = new_token()
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
-           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout)}
+           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **(UCX_ENV if ucx else {})}
     directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
                             "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
     procs: list[subprocess.Popen] = []
@@ -196,10 +202,11 @@ def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, it
             warmup: int, period: float, ready: list[float] | None, sync: bool = False):
     before = c.link_bytes()
     extra: dict = {}
-    if system in ("hoplite-gpu", "star"):
+    if system in ("hoplite-gpu", "star", "hoplite-gpu-ucx"):
         fanout = c.hosts - 1 if system == "star" else 1
         ranks = hoplite_run(c, op, size, tag, fanout=fanout, iters=iters, warmup=warmup,
-                            period=period, ready=ready, sync=sync)
+                            period=period, ready=ready, sync=sync,
+                            ucx=system == "hoplite-gpu-ucx")
     elif system == "gloo":
         ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready,
                          sync=sync)

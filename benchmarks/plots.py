@@ -87,7 +87,7 @@ def _dynamic(data: dict, out: Path) -> Path:
     return out
 
 
-_ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned")
+_ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx")
 
 
 def _size(n: int) -> str:

@@ -23,8 +23,9 @@ Progress runs in ucxx's ``blocking`` mode, but driven by `ucx_progress`: ucxx
 here, against 0 % over TCP), because its requests are awaited by yielding to
 the loop until they complete and its event fd is never re-armed. With
 `ucx_progress` an idle process sleeps on the worker's fd (0 % measured), the
-worker is polled while a transfer is in flight and for 0.2 ms after it, and a
-1 KiB round trip takes 51 us (40 us spinning). Where `ucx_progress` does not
+worker is polled while a device transfer is in flight and for 0.5 ms after
+any request was posted or completed, and a 1 KiB round trip takes 41 us (40
+us spinning). Where `ucx_progress` does not
 recognise the installed ucxx, or ``UCXPY_PROGRESS_MODE`` picks another mode,
 ucxx's own awaitables are used, with their costs; see README "GPUs and UCX"
 and ``python -m benchmarks progress``.
@@ -209,16 +210,16 @@ class UCXStream(Stream):
             raise _closed_error(self.peer, "send", None)
         if self._driver is None:
             return self._ep.send(buf, tag=_DATA_TAG if data else _HEAD_TAG)
-        return self._driver.send(self._ep, self._tags[data][0], buf)
+        return self._driver.send(self._ep, self._tags[data][0], buf, active=_is_device(buf))
 
     def _recv(self, buf: Any, data: bool) -> Any:
-        """A receive of the next head (passive: the peer may stay silent) or of
-        a data message whose head has arrived (active)."""
+        """A receive of the next head or of a data message whose head has
+        arrived; polled to completion only into device memory (ucx_progress)."""
         if self._closed:
             raise _closed_error(self.peer, "receive", None)
         if self._driver is None:
             return self._ep.recv(buf, tag=_DATA_TAG if data else _HEAD_TAG)
-        return self._driver.recv(self._ep, self._tags[data][1], buf, active=data)
+        return self._driver.recv(self._ep, self._tags[data][1], buf, active=_is_device(buf))
 
     @property
     def closed(self) -> bool:

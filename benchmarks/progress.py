@@ -32,6 +32,7 @@ import numpy as np
 SETTINGS = [
     ("tcp", "tcp", {}),
     ("ucx blocking (default)", "ucx", {"UCXPY_PROGRESS_MODE": "blocking"}),
+    ("ucx event (opt-in)", "ucx", {"UCXPY_PROGRESS_MODE": "event"}),
     ("ucx thread + python future", "ucx",
      {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}),
 ]

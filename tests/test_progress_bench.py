@@ -21,16 +21,18 @@ def test_round_trips_are_timed_per_size():
     assert all(0 < t < 1.0 for t in times.values())
 
 
-def test_an_idle_ucx_node_does_not_spin():
-    """ucxx's own blocking mode kept a core busy per process (99-100 % here);
-    the transport's event-driven progress (transports/ucx_progress.py) must not."""
+def test_an_idle_ucx_node_does_not_spin_with_event_progress(monkeypatch):
+    """ucxx's own blocking mode keeps a core busy per process (99-100 % here);
+    the opt-in event-driven progress (transports/ucx_progress.py) must not."""
     pytest.importorskip("ucxx")
+    monkeypatch.setenv("UCXPY_PROGRESS_MODE", "event")
     fractions = progress._idle("ucx", 1, 1.0)
     assert len(fractions) == 2  # the node and the directory
     assert all(0 <= f < 0.3 for f in fractions), fractions
 
 
-def test_ucx_round_trips_still_complete():
+def test_ucx_round_trips_still_complete_with_event_progress(monkeypatch):
     pytest.importorskip("ucxx")
+    monkeypatch.setenv("UCXPY_PROGRESS_MODE", "event")
     times = progress._round_trips("ucx", [1024, 1 << 20], 20)
     assert all(0 < t < 1.0 for t in times.values())

@@ -18,17 +18,16 @@ zero-copy receives:
   The runtime's data frames (a small header, then a whole chunk) always line
   up, so chunks never take that path.
 
-Progress runs in ucxx's ``blocking`` mode, but driven by `ucx_progress`: ucxx
-(0.52) itself kept one core per process busy even when idle (99 % measured
-here, against 0 % over TCP), because its requests are awaited by yielding to
-the loop until they complete and its event fd is never re-armed. With
-`ucx_progress` an idle process sleeps on the worker's fd (0 % measured), the
-worker is polled while a device transfer is in flight and for 0.5 ms after
-any request was posted or completed, and a 1 KiB round trip takes 41 us (40
-us spinning). Where `ucx_progress` does not
-recognise the installed ucxx, or ``UCXPY_PROGRESS_MODE`` picks another mode,
-ucxx's own awaitables are used, with their costs; see README "GPUs and UCX"
-and ``python -m benchmarks progress``.
+Progress runs in ucxx's ``blocking`` mode. ucxx (0.52) itself keeps one core
+per process busy in it, even when idle (99 % measured here, against 0 % over
+TCP): its requests are awaited by yielding to the loop until they complete,
+and its event fd is never re-armed. ``UCXPY_PROGRESS_MODE=event`` (opt-in)
+lets `ucx_progress` drive the worker instead: an idle process sleeps on the
+worker's fd (0 % measured), and a 1 KiB round trip takes 41 us (40 us
+spinning). It is not the default because in the chaos test over UCX a node
+process crashed (a segfault inside UCX calls) in about 1 of 5 runs with it,
+and in none of 6 without; see README "GPUs and UCX" and ``python -m
+benchmarks progress``.
 
 Peer failure: endpoints are made through a listener with UCX endpoint error
 handling on, so a peer that dies fails the pending requests, which become
@@ -80,6 +79,10 @@ _HEAD_MAX = _HEAD.size + _MAX_RECORDS * _RECORD.size + _INLINE_BUDGET
 #: First bytes an accepted connection receives.
 _WELCOME = b"hoplite-ucx/1"
 
+#: UCXPY_PROGRESS_MODE value that turns on the event-driven progress of
+#: ucx_progress (opt-in: see the module doc).
+EVENT_MODE = "event"
+
 _init_lock = threading.Lock()
 _ucxx: Any = None
 
@@ -113,9 +116,17 @@ def _load() -> Any:
 
             # Blocking unless the user picks another of ucxx's modes with its own
             # variable (UCXPY_PROGRESS_MODE): see README "Configuration".
-            ucxx.init(progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "blocking"))
+            # "event" is ours: ucxx's blocking mode driven by ucx_progress.
+            mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
+            ucxx.init(progress_mode="blocking" if mode == EVENT_MODE else mode)
             _ucxx = ucxx
     return _ucxx
+
+
+def _event_progress(ucxx: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Let ucx_progress drive `loop`'s UCX progress, where the user opted in."""
+    if os.environ.get("UCXPY_PROGRESS_MODE") == EVENT_MODE:
+        ucx_progress.install(ucxx, loop)
 
 
 def _is_device(buf: Any) -> bool:
@@ -167,8 +178,8 @@ def describe() -> str:
     device = [t for t in tls if t.startswith("cuda") or t in ("rc", "dc", "ud", "gdr_copy")]
     tls_env = os.environ.get("UCX_TLS", "?")
     mode = os.environ.get("UCXPY_PROGRESS_MODE", "blocking")
-    if ucx_progress.supported(ucxx):
-        cost = "event-driven: idle processes use no CPU"
+    if mode == EVENT_MODE and ucx_progress.supported(ucxx):
+        cost = "event-driven: idle processes use no CPU; opt-in, see README"
     elif mode == "thread" and os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", "0") != "0":
         cost = "idle processes stay cold; slower per message"
     else:
@@ -412,7 +423,7 @@ class UCXListener(Listener):
         except OSError as exc:
             raise ConnectionRefused(f"cannot listen on {self._host}:{port}: {exc}") from exc
         loop = asyncio.get_running_loop()
-        ucx_progress.install(ucxx, loop)
+        _event_progress(ucxx, loop)
         bound = _ports.get(port) if port else None
         if bound is not None and bound.owner is None and bound.loop is loop:
             bound.owner = self
@@ -475,7 +486,7 @@ class UCXBackend(Backend):
     async def connect(self, address: str, timeout: float) -> Stream:
         _, host, port = split_address(address, "ucx")
         ucxx = _load()
-        ucx_progress.install(ucxx, asyncio.get_running_loop())
+        _event_progress(ucxx, asyncio.get_running_loop())
         try:
             async with asyncio.timeout(timeout):
                 ep = await ucxx.create_endpoint(host, port, connect_timeout=timeout)

@@ -85,15 +85,21 @@ async def _driver() -> AsyncIterator[tuple[Progress, FakeWorker]]:
         worker.close()
 
 
+async def _calls_during(worker: FakeWorker, seconds: float, settle: float = 0.01) -> int:
+    """Progress calls in `seconds`, counted after `settle` (past the linger)."""
+    await asyncio.sleep(settle)
+    calls = worker.progress_calls
+    await asyncio.sleep(seconds)
+    return worker.progress_calls - calls
+
+
 @_run
 async def test_an_idle_wait_sleeps_on_the_fd_and_wakes_on_an_event():
     async with _driver() as (driver, worker):
         req = FakeRequest()
         waiter = asyncio.ensure_future(driver._wait(req, None, active=False))
-        await asyncio.sleep(0.05)  # settle: armed, asleep
-        calls = worker.progress_calls
-        await asyncio.sleep(0.1)
-        assert worker.progress_calls - calls <= 1  # the watchdog at most, no polling
+        # settled: armed, asleep
+        assert await _calls_during(worker, 0.1, settle=0.05) <= 1  # the watchdog at most
         assert not waiter.done()
         worker.signal(req)
         await asyncio.wait_for(waiter, 1.0)
@@ -104,16 +110,11 @@ async def test_a_transfer_in_flight_is_polled_until_it_completes():
     async with _driver() as (driver, worker):
         req = FakeRequest()
         waiter = asyncio.ensure_future(driver._wait(req, None, active=True))
-        await asyncio.sleep(0.01)  # past the linger that any request gets
-        calls = worker.progress_calls
-        await asyncio.sleep(0.02)
-        assert worker.progress_calls - calls > 5  # every loop iteration, not on events only
+        # past the linger that any request gets: every loop iteration, not on events only
+        assert await _calls_during(worker, 0.02) > 5
         req.completed = True  # completes without any fd event (a device copy)
         await asyncio.wait_for(waiter, 1.0)
-        await asyncio.sleep(0.01)  # linger, then armed again
-        calls = worker.progress_calls
-        await asyncio.sleep(0.05)
-        assert worker.progress_calls - calls <= 1
+        assert await _calls_during(worker, 0.05) <= 1  # linger, then armed again
 
 
 @_run
@@ -124,10 +125,7 @@ async def test_a_cancelled_active_waiter_stops_the_polling():
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        await asyncio.sleep(0.01)
-        calls = worker.progress_calls
-        await asyncio.sleep(0.05)
-        assert worker.progress_calls - calls <= 1
+        assert await _calls_during(worker, 0.05) <= 1
 
 
 @_run
@@ -160,7 +158,4 @@ async def test_arming_waits_until_ucx_has_no_work_left():
         await asyncio.sleep(0.02)
         assert worker.progress_calls > 5  # arm() refused: keep progressing
         worker.busy = False
-        await asyncio.sleep(0.01)
-        calls = worker.progress_calls
-        await asyncio.sleep(0.05)
-        assert worker.progress_calls - calls <= 1
+        assert await _calls_during(worker, 0.05) <= 1

@@ -78,8 +78,7 @@ class TCPStream(Stream):
         view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         got, want = 0, len(view)
         while got < want:
-            rest = want - got
-            self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+            self._expect(want - got)
             n = await self._wait_recv(view[got:])
             if n == 0:
                 await self.close()
@@ -128,21 +127,18 @@ class TCPStream(Stream):
             if got == want:
                 fut.set_result(None)
             else:
-                rest = want - got
-                self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+                self._expect(want - got)
 
-        rest = want
-        self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
+        self._expect(want)
         readable()  # often some of it is there already
-        if fut.done():
-            await self._guarded("receive", fut)  # its error, as TransportClosed
-            return
-        fd = sock.fileno()
-        loop.add_reader(fd, readable)
+        fd = None
+        if not fut.done():
+            fd = sock.fileno()
+            loop.add_reader(fd, readable)
         try:
-            await self._guarded("receive", fut)
+            await self._guarded("receive", fut)  # errors become TransportClosed
         finally:
-            if not self._closed:
+            if fd is not None and not self._closed:
                 loop.remove_reader(fd)
 
     async def recv_some(self, buffer: memoryview) -> int:
@@ -190,6 +186,10 @@ class TCPStream(Stream):
             return 0
         except (OSError, ValueError) as exc:
             raise self._lost(exc, "send") from exc
+
+    def _expect(self, rest: int) -> None:
+        """Wake for the next `rest` bytes of a receive in SO_RCVLOWAT steps."""
+        self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
 
     def _set_lowat(self, nbytes: int) -> None:
         # Never more than the rest of this message: the peer may send nothing more.

@@ -255,7 +255,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--latency-budget", type=float, default=5.0,
                    help="seconds of call slots per launch at most (small sizes)")
     e.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
-                   help="default: every system but hoplite-gpu-ucx (hoplite-gpu over UCX's tcp)")
+                   help="default: every system but the hoplite-gpu variants: hoplite-gpu-ucx "
+                        "(over UCX's tcp) and hoplite-gpu-sliced (allreduce slicing on)")
     e.add_argument("--ops", nargs="+", default=OPS, choices=[*OPS, "allreduce-dynamic"])
     e.add_argument("--gap", type=float, default=0.5,
                    help="seconds between inputs becoming ready (allreduce-dynamic)")

@@ -32,14 +32,18 @@ from .emulated import PY, EmulatedCluster
 from .payload import holds_result, link_volume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx")
-#: What `--systems` runs unless told: hoplite-gpu over UCX is asked for by name.
+SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
+           "hoplite-gpu-sliced")
+#: What `--systems` runs unless told: the hoplite-gpu variants are asked for by name.
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 #: hoplite-gpu over UCX: UCX's tcp transport on the shaped eth0 only (no shared
 #: memory, no loopback lanes), so every byte crosses the emulated links; with
 #: the event-driven progress (8 spinning processes would take the 2 cores).
 UCX_ENV = {"HOPLITE_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
            "UCXPY_PROGRESS_MODE": "event"}
+#: hoplite-gpu with settings other than its defaults, run as systems of their own.
+VARIANT_ENV = {"hoplite-gpu-ucx": UCX_ENV,
+               "hoplite-gpu-sliced": {"HOPLITE_ALLREDUCE_SLICING": "auto"}}
 
 
 def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
@@ -80,13 +84,13 @@ def _readline(p: subprocess.Popen, what: str) -> dict:
 def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: int = 1,
                 iters: int = 1, warmup: int = 0, period: float = 0.0,
                 ready: list[float] | None = None, chunk: int | None = None,
-                sync: bool = False, ucx: bool = False) -> list[dict]:
+                sync: bool = False, variant: str = "") -> list[dict]:
     """hoplite-gpu: a directory on host 0 and one node per host; every rank
-    calls `hoplite_gpu.collectives.<op>` (over UCX with `ucx`). Returns every
-    rank's report."""
+    calls `hoplite_gpu.collectives.<op>` (with the settings of `variant`, a
+    key of VARIANT_ENV, if given). Returns every rank's report."""
     token = new_token()
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
-           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **(UCX_ENV if ucx else {})}
+           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **VARIANT_ENV.get(variant, {})}
     directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
                             "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
     procs: list[subprocess.Popen] = []
@@ -189,10 +193,13 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
         ranks, extra, before, after = _launch(c, system, op, size, tag=tag, iters=iters,
                                               warmup=warmup, period=period, ready=ready, sync=sync)
     row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
-    down = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    moved = [[a - b for a, b in zip(x, y, strict=True)] for x, y in zip(after, before, strict=True)]
+    down = sum(m[0] for m in moved)
     floor = link_volume(op, c.hosts, size) * (iters + warmup)
+    up_packets = sum(m[3] for m in moved)
     row.update(extra, sync=sync, link_bytes_down=down, link_bytes_floor=floor,
-               link_bytes_hosts=[[a[0] - b[0], a[1] - b[1]] for a, b in zip(after, before, strict=True)],
+               link_bytes_hosts=[m[:2] for m in moved], link_packets_up=up_packets,
+               bytes_per_packet_up=sum(m[1] for m in moved) / max(up_packets, 1),
                cpu=cpu.window(min(row["start_min"]), max(row["end_max"])))
     if down < floor:
         raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "
@@ -202,13 +209,12 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
 
 def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int,
             warmup: int, period: float, ready: list[float] | None, sync: bool = False):
-    before = c.link_bytes()
+    before = c.link_counters()
     extra: dict = {}
-    if system in ("hoplite-gpu", "star", "hoplite-gpu-ucx"):
+    if system in ("hoplite-gpu", "star", *VARIANT_ENV):
         fanout = c.hosts - 1 if system == "star" else 1
         ranks = hoplite_run(c, op, size, tag, fanout=fanout, iters=iters, warmup=warmup,
-                            period=period, ready=ready, sync=sync,
-                            ucx=system == "hoplite-gpu-ucx")
+                            period=period, ready=ready, sync=sync, variant=system)
     elif system == "gloo":
         ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready,
                          sync=sync)
@@ -221,7 +227,7 @@ def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, it
         extra = {"mca": report["mca"], "library": report["library"]}
     else:
         raise ValueError(f"unknown system {system!r}")
-    return ranks, extra, before, c.link_bytes()
+    return ranks, extra, before, c.link_counters()
 
 
 def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict], *, iters: int,

@@ -87,7 +87,8 @@ def _dynamic(data: dict, out: Path) -> Path:
     return out
 
 
-_ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx")
+_ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
+          "hoplite-gpu-sliced")
 
 
 def _size(n: int) -> str:

@@ -9,10 +9,14 @@ be used for one call only (objects are immutable); `delete` frees its objects.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
+
 from . import api
+from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument
 from .ids import ObjectID
 
@@ -71,11 +75,89 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     The input is not copied: the reduce reads `value`'s own memory (a host
     array's), so leave it unchanged until the call returns. Every rank returns
     only once the reduce is done, so its input is no longer needed then and
-    leaves the cluster (it cannot be fetched by its id afterwards)."""
+    leaves the cluster (it cannot be fetched by its id afterwards).
+
+    With the setting ``allreduce_slicing="auto"``, a large NumPy array (each
+    rank's 1/size of it at least one chunk) of an allreduce of every rank is
+    sliced: slice j is reduced on a chain rooted at rank j and sent from there
+    to every rank, so each link carries 2 (size-1)/size of the object instead
+    of twice it (see `_sliced_allreduce`). The result is then a new array, not
+    a view of the node's store."""
     _check(rank, size)
+    if _slices(value, size, num_objects) > 1:
+        return _sliced_allreduce(value, name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     return _reduce_and_get(args, value, ids[rank], True, timeout)
+
+
+def _slices(value: Any, size: int, num_objects: int | None) -> int:
+    """How many slices an allreduce of `value` takes. Only an allreduce of every
+    rank is sliced: with a subset (`num_objects` < size), the slices' reduces
+    could each choose different inputs."""
+    config = api.runtime().config
+    if (config.allreduce_slicing == "off" or num_objects not in (None, size)
+            or not isinstance(value, np.ndarray) or not value.flags.c_contiguous
+            or value.size < size):
+        return 1
+    return allreduce_slices(value.nbytes, size, config.chunk_size)
+
+
+def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
+                                                        list[ObjectID]]:
+    """(inputs[j][r], results[j], ready[r]) of a sliced allreduce named `name`."""
+    inputs = [[ObjectID.from_name(f"{name}/slice/{j}/in/{r}") for r in range(size)]
+              for j in range(size)]
+    results = [ObjectID.from_name(f"{name}/slice/{j}/reduce/{op}") for j in range(size)]
+    ready = [ObjectID.from_name(f"{name}/slice/ready/{r}") for r in range(size)]
+    return inputs, results, ready
+
+
+def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: str,
+                      timeout: float | None) -> np.ndarray:
+    """The allreduce as `size` reduces and broadcasts of slices, a ring's traffic
+    with the directory's trees.
+
+    1. Every rank lends its slices (views of `value`, no copy).
+    2. A barrier (a tiny marker object per rank, each fetched by every rank):
+       all slices are ready before any reduce is asked for, so the directory
+       places each chain's inputs in the order the request lists them.
+    3. Slice j's chain is rank j+1, j+2, ..., j-1, ending at rank j: every rank
+       starts at the leaf of one chain, at once, and sits one step further in
+       each of the others, as in a ring; its result's holder serves size-1
+       receivers at once, so rank j sends slice j to every rank straight away.
+    4. Every rank gets every slice's result and joins them."""
+    flat = value.reshape(-1)
+    edges = [flat.size * j // size for j in range(size + 1)]
+    inputs, results, ready = _slice_ids(name, size, op)
+    mine = [inputs[j][rank] for j in range(size)]
+    rt = api.runtime()
+    limit = api._timeout(rt, timeout)
+    for j in range(size):
+        api._reduce_args(inputs[j], op, None, results[j])  # bad op: refused before any put
+
+    async def run(node: Any) -> list[Any]:
+        deadline = time.monotonic() + limit
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True))
+                               for j in range(size)])
+        await node.put(b"", ready[rank])
+        await asyncio.gather(*[node.fetch(oid, left()) for oid in ready])
+        await asyncio.gather(*[
+            node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
+                        results[j], inputs[j][j], fanout=size - 1)
+            for j in range(size)])
+        return await asyncio.gather(*[node.get(oid, left()) for oid in results])
+
+    parts = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
+    out = np.empty_like(value)
+    flat_out = out.reshape(-1)
+    for j, part in enumerate(parts):
+        flat_out[edges[j]:edges[j + 1]] = part
+    return out
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
@@ -120,13 +202,13 @@ def _finish(put: Coroutine) -> asyncio.Future:
 
 
 def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None,
-              lent: ObjectID | None = None) -> list[Any]:
+              lent: ObjectID | list[ObjectID] | None = None) -> list[Any]:
     """Run a call's node operations at once, in one blocking call, and return
     their results. Each starts in order (so the directory sees e.g. a reduce
     request before the put of an input, on the one ordered connection), and a
     call of small objects costs one round trip instead of one per step. If one
     fails, the others are cancelled (a put is left to finish, see `_finish`) and
-    its error is raised; `timeout` bounds the whole call. `lent`: an input put
+    its error is raised; `timeout` bounds the whole call. `lent`: inputs put
     with ``lend=True``, reclaimed before the call returns, however it ends."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
@@ -138,8 +220,8 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
         finally:
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
-            if lent is not None:
-                await rt.node.reclaim(lent)
+            for oid in [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent:
+                await rt.node.reclaim(oid)
 
     return rt.call(run(), limit)
 
@@ -151,8 +233,11 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     k-1 at step k keeps its memory flat, and the freed buffers are reused."""
     _check(0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
-    for oid in [ObjectID.from_name(f"{name}/bcast"), target, *ids]:
-        api.delete(oid)
+    doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
+    if num_objects in (None, size) and size > 1:  # a sliced allreduce's, if it was one
+        inputs, results, ready = _slice_ids(name, size, op)
+        doomed += [oid for row in inputs for oid in row] + results + ready
+    _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)
 
 
 def allgather(value: Any, *, name: str, rank: int, size: int,

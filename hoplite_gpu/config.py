@@ -61,8 +61,15 @@ class Config:
     link_bytes_per_s: float = 1.25e9
     #: Log level name for the "hoplite_gpu" logger (DEBUG, INFO, WARNING, ...).
     log_level: str = "WARNING"
+    #: "auto" slices a large allreduce of NumPy arrays into one piece per rank
+    #: (a ring's traffic, 2(N-1)/N of the object per link instead of 2x); "off"
+    #: (the default) reduces whole objects, which measured faster on the CPU-bound
+    #: emulated cluster (docs/cost-model.md, "Sliced allreduce").
+    allreduce_slicing: str = "off"
 
     def __post_init__(self) -> None:
+        if self.allreduce_slicing not in ("off", "auto"):
+            raise ConfigError(f"allreduce_slicing must be 'off' or 'auto'; got {self.allreduce_slicing!r}")
         for name in ("chunk_size", "device_chunk_size"):
             if getattr(self, name) < 4 * KiB:
                 raise ConfigError(f"{name} must be at least 4096 bytes; got {getattr(self, name)}")

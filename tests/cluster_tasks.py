@@ -115,6 +115,23 @@ def allreduce_worker(name: str, rank: int, size: int, n: int, delay: float, op: 
     return zlib.crc32(np.ascontiguousarray(out)), float(out[:1000].astype(np.float64).sum())
 
 
+def sliced_allreduce_worker(name: str, rank: int, size: int, n: int):
+    """An allreduce large enough to be sliced; reports the result's checksum, this
+    node, and for every slice its result's origins and the nodes that sent it."""
+    from hoplite_gpu import collectives
+
+    value = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    out = collectives.allreduce(value, name=name, rank=rank, size=size, timeout=120)
+    _, results, _ = collectives._slice_ids(name, size, "sum")
+    slices = []
+    for oid in results:
+        info = hg.object_info(oid)
+        slices.append(([h["node"] for h in info["holders"] if h["origin"]],
+                       sorted({sender for _, sender in info["edges"]})))
+    return (zlib.crc32(np.ascontiguousarray(out)), node_id(), slices, out.shape,
+            out[::4099].astype(np.float64))
+
+
 def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: float):
     """collectives.reduce of float32 values after `delay`; the root reports the
     result's checksum and which nodes produced it (the reduce tree's root)."""
@@ -252,3 +269,11 @@ def reduce_device(names: list[str], op: str, target: str, array_type: str = "cup
     ids = [hg.ObjectID.from_name(n) for n in names]
     hg.reduce(ids, op, object_id=hg.ObjectID.from_name(target))
     return get_device(target, array_type)
+
+
+def object_exists(name: str) -> bool:
+    try:
+        hg.object_info(hg.ObjectID.from_name(name))
+    except hg.ObjectNotFound:
+        return False
+    return True

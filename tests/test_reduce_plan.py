@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.reduce_plan import (
+    allreduce_slices,
     choose_degree,
     inorder_tree,
     reduce_time,
@@ -316,3 +317,45 @@ def test_long_chains_build_without_recursion():
     parent, children = inorder_tree(5000, 1)
     assert parent[0] == 1 and parent[4999] is None and children[4999] == (4998,)
     assert tree_depth(5000, 1) == 4999
+
+
+def test_inputs_ready_before_the_request_take_the_chain_in_the_listed_order():
+    """A sliced allreduce asks for its reduces after every input is ready, and
+    rotates each chain by listing the inputs in the order it wants."""
+    d = directory(bytes_per_s=1.25e8)
+    for i in range(4):
+        put_complete(d, f"n{i + 1}", oid(i))
+    listed = (oid(2), oid(3), oid(0), oid(1))
+    out = d.handle(s.ReduceRequested("n0", 1, oid(100), listed, "sum", 4, root_input=oid(1)))
+    assert d.reduces[oid(100)].chosen == list(listed)
+    assert [c.node for c in steps(out)] == ["n4", "n1", "n2"]  # chain 2 -> 3 -> 0 -> 1
+
+
+def test_a_reduce_results_fanout_lets_its_root_serve_every_receiver_at_once():
+    d = directory(bytes_per_s=1.25e8, max_receivers_per_sender=1)
+    inputs = tuple(oid(i) for i in range(3))
+    for i in range(3):
+        put_complete(d, f"n{i + 1}", oid(i))
+    d.handle(s.ReduceRequested("n0", 1, oid(100), inputs, "sum", 3, root_input=oid(0), fanout=5))
+    d.handle(s.ReduceRequested("n0", 2, oid(101), inputs, "sum", 3, root_input=oid(0)))
+    senders = {}
+    for target in (oid(100), oid(101)):
+        for r in range(4, 9):
+            d.handle(s.Locate(f"n{r}", 10 + r, target))
+        senders[target] = {e[1] for e in d.objects[target].edges}
+    assert senders[oid(100)] == {"n1"} and len(d.objects[oid(100)].edges) == 5
+    # the directory's setting: a chain, each receiver pulling from the one before
+    assert senders[oid(101)] == {"n1", "n4", "n5", "n6", "n7"}
+
+
+def test_a_negative_fanout_is_refused():
+    d = directory()
+    out = d.handle(s.ReduceRequested("n0", 1, oid(100), (oid(0), oid(1)), "sum", 2, fanout=-1))
+    assert out[0].body["error"] == "InvalidArgument" and "fanout" in out[0].body["message"]
+
+
+@pytest.mark.parametrize("nbytes,ranks,chunk,want", [
+    (256 * MiB, 8, 4 * MiB, 8), (32 * MiB, 8, 4 * MiB, 8), (32 * MiB - 1, 8, 4 * MiB, 1),
+    (1024, 8, 4 * MiB, 1), (256 * MiB, 1, 4 * MiB, 1)])
+def test_an_allreduce_is_sliced_only_when_every_slice_is_a_chunk(nbytes, ranks, chunk, want):
+    assert allreduce_slices(nbytes, ranks, chunk) == want

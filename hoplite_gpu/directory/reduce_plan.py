@@ -101,3 +101,19 @@ def broadcast_fanout(size: int, receivers: int, latency_s: float, bytes_per_s: f
         return 1
     return min(range(1, max_fanout + 1),
                key=lambda d: (reduce_time(size, receivers + 1, d, latency_s, bytes_per_s, chunk), d))
+
+
+def allreduce_slices(nbytes: int, ranks: int, chunk: int) -> int:
+    """Slices of an allreduce of `ranks` objects of `nbytes` each: 1 (reduce the
+    whole object, then broadcast it) or `ranks` (slice j reduced on a chain
+    rooted at rank j, then sent from there to every rank, as a ring allreduce
+    moves data).
+
+    Whole, every uplink but the last one's in each chain carries 2 S (the
+    reduce's stream and the broadcast's); sliced, every uplink carries
+    2 (N-1)/N S, 1.75 S at N = 8. Slicing costs N reduces and N^2 pulls
+    instead of one and N, and each slice pays its own pipeline fill, so it is
+    chosen only when every slice is at least one chunk."""
+    if ranks < 2 or nbytes < ranks * max(chunk, 1):
+        return 1
+    return ranks

@@ -167,6 +167,10 @@ class ReduceRequested:
     #: An input whose node should hold the result (the tree's root): the node
     #: that will get the result, so it need not pull it from elsewhere.
     root_input: Key | None = None
+    #: Receivers the result's holders may serve at once (0: the directory's
+    #: setting). A sliced allreduce asks for N-1, so each slice's root sends it
+    #: straight to every rank and every uplink carries the same share.
+    fanout: int = 0
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,8 @@ class Entry:
     waiting: deque[tuple[NodeId, int]] = field(default_factory=deque)
     #: Every (receiver, sender) pair ever assigned, for tests, demos and tools.
     edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
+    #: receivers one holder may serve at once; 0: the directory's setting
+    fanout: int = 0
 
 
 @dataclass
@@ -318,6 +324,8 @@ class ReduceTask:
     at: dict[int, int] = field(default_factory=dict)
     #: the input that takes the tree's root when it arrives among the first k
     root_input: Key | None = None
+    #: the result's fanout (see ReduceRequested.fanout)
+    fanout: int = 0
     inline_data: list[bytes] = field(default_factory=list)
     backups: list[Key] = field(default_factory=list)
     started: set[int] = field(default_factory=set)
@@ -604,6 +612,7 @@ class Directory:
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
         task.root_input = ev.root_input if ev.root_input in ev.inputs else None
+        task.fanout = ev.fanout
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
@@ -798,7 +807,8 @@ class Directory:
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
-        entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None)
+        entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None,
+                                                  fanout=task.fanout)
         entry.holders[node] = Holder(origin=True)
         entry.waiting.extend(self.pending.pop(task.target, deque()))
         self._serve_waiting(task.target, entry, out)
@@ -906,8 +916,11 @@ class Directory:
             del self.pending[key]
 
     def _fanout(self, entry: Entry) -> int:
-        """Receivers one holder may serve at once: the configured number, or with 0
-        ("auto") the cost model's choice for the receivers seen so far."""
+        """Receivers one holder may serve at once: the object's own (a reduce
+        result's, when its request named one), else the configured number, or
+        with 0 ("auto") the cost model's choice for the receivers seen so far."""
+        if entry.fanout > 0:
+            return entry.fanout
         if self.max_receivers_per_sender > 0:
             return self.max_receivers_per_sender
         receivers = len(entry.holders) + len(entry.waiting)
@@ -1004,6 +1017,8 @@ def _check_reduce_args(ev: ReduceRequested) -> str | None:
         return "a reduce cannot write into one of its own inputs"
     if not 1 <= ev.num_objects <= len(ev.inputs):
         return f"num_objects must be between 1 and {len(ev.inputs)}; got {ev.num_objects}"
+    if ev.fanout < 0:
+        return f"fanout must be 0 (the directory's setting) or more; got {ev.fanout}"
     return None
 
 

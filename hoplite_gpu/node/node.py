@@ -479,11 +479,14 @@ class Node:
 
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
-                     target: ObjectID, root_input: ObjectID | None = None) -> ObjectID:
+                     target: ObjectID, root_input: ObjectID | None = None,
+                     fanout: int = 0) -> ObjectID:
         msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
                "op_name": op, "num_objects": num_objects}
         if root_input is not None:
             msg["root_input"] = root_input.binary
+        if fanout:
+            msg["fanout"] = fanout
         await self._request(msg, self.config.timeout_s)
         # Asked again of a restarted directory, until this node sees the final
         # result, deletes it or hears it dropped; the oldest are forgotten past

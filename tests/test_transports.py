@@ -191,3 +191,38 @@ def test_split_address_rejects(bad):
     with pytest.raises(InvalidArgument) as info:
         split_address(bad)
     assert repr(bad) in str(info.value)
+
+
+def test_a_closed_ucx_stream_leaves_no_endpoint_finalizer():
+    """ucxx closes an endpoint in a weakref finalizer, which runs in whatever
+    thread drops the last reference; a closed stream runs it at once on the
+    loop's thread, so no other thread touches the UCX worker for it later."""
+    import weakref
+
+    try:
+        backend = get_backend("ucx")
+    except ConfigError as exc:
+        pytest.skip(f"UCX not usable here: {exc}")
+
+    def finalizers(obj):
+        return [i for i in weakref.finalize._registry.values() if i.weakref() is obj]
+
+    async def check():
+        served = asyncio.Event()
+
+        async def handler(stream):
+            served.set()
+            await asyncio.sleep(1)
+
+        listener = await backend.listen("127.0.0.1", 0, handler)
+        try:
+            stream = await backend.connect(listener.address, 10)
+            endpoint = stream._ep
+            await asyncio.wait_for(served.wait(), 10)
+            assert finalizers(endpoint)  # ucxx's own, while open
+            await stream.close()
+            assert not finalizers(endpoint)
+        finally:
+            await listener.close()
+
+    run(check)

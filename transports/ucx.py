@@ -25,9 +25,9 @@ and its event fd is never re-armed. ``UCXPY_PROGRESS_MODE=event`` (opt-in)
 lets `ucx_progress` drive the worker instead: an idle process sleeps on the
 worker's fd (0 % measured), and a 1 KiB round trip takes 41 us (40 us
 spinning). It is not the default because in the chaos test over UCX a node
-process crashed (a segfault inside UCX calls) in about 1 of 5 runs with it,
-and in none of 6 without; see README "GPUs and UCX" and ``python -m
-benchmarks progress``.
+process crashed (a segfault inside UCX calls) in 6 of 28 runs with it, and
+in none of 16 without; see README "GPUs and UCX" and ``python -m benchmarks
+progress``.
 
 Peer failure: endpoints are made through a listener with UCX endpoint error
 handling on, so a peer that dies fails the pending requests, which become
@@ -45,6 +45,7 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from typing import Any
 
 from hoplite_gpu.errors import ConnectionRefused, InvalidArgument, Timeout, TransportClosed
@@ -127,6 +128,28 @@ def _event_progress(ucxx: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Let ucx_progress drive `loop`'s UCX progress, where the user opted in."""
     if os.environ.get("UCXPY_PROGRESS_MODE") == EVENT_MODE:
         ucx_progress.install(ucxx, loop)
+
+
+def _abort(endpoint: Any) -> None:
+    """Close `endpoint` (a ucxx Endpoint) now, and let its UCX objects go now,
+    on this thread (the loop's).
+
+    ucxx ends an endpoint in a `weakref.finalize` callback, which runs in
+    whatever thread drops the Python object's last reference: often the user's
+    thread, when a garbage collection there finds a reference cycle through a
+    stream (an exception's traceback makes one), or at exit. That thread then
+    touches the UCX worker while the loop's thread progresses it, and UCX
+    workers are not thread-safe; counted in the chaos test over UCX: dozens
+    of such finalizers per run from the main thread. Running the finalizer
+    here, right after the abort, leaves nothing for another thread to do."""
+    with contextlib.suppress(Exception):
+        endpoint.abort()
+    registry = getattr(weakref.finalize, "_registry", None)
+    if isinstance(registry, dict):
+        for fin, info in list(registry.items()):
+            if getattr(info, "weakref", lambda: None)() is endpoint:
+                with contextlib.suppress(Exception):
+                    fin()
 
 
 def _is_device(buf: Any) -> bool:
@@ -359,8 +382,7 @@ class UCXStream(Stream):
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            self._ep.abort()
+        _abort(self._ep)
         me = asyncio.current_task()
         for task in list(self._busy):
             if task is not me:
@@ -397,7 +419,7 @@ _ports: dict[int, _Port] = {}
 async def _dispatch(port: _Port, endpoint: Any) -> None:
     owner = port.owner
     if owner is None or owner._closing:
-        endpoint.abort()  # the client's welcome never comes: it reports refusal
+        _abort(endpoint)  # the client's welcome never comes: it reports refusal
         return
     await owner._accept(endpoint)
 

@@ -15,8 +15,9 @@ per process while idle, against 0 % over TCP.
 
 What we do instead, where the user opts in with ``UCXPY_PROGRESS_MODE=event``
 (not the default: in the chaos test over UCX a node process crashed with a
-segfault inside UCX calls in about 1 of 5 runs with it, none of 6 without;
-not understood yet):
+segfault inside UCX calls in 6 of 28 runs with it, none of 16 without; the
+crash sites are ordinary allocations, so memory is corrupted earlier; not
+understood yet):
 
 * `Progress` takes the place of ucxx's progress object for that loop (it is
   registered in ucxx's table before the loop's first listener or endpoint, so

@@ -230,11 +230,14 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     """Free every object that one call named `name` made (its inputs, a
     broadcast value, a reduce's result), on every node. Call it once, from any
     rank, after every rank has its result: a training loop that deletes step
-    k-1 at step k keeps its memory flat, and the freed buffers are reused."""
+    k-1 at step k keeps its memory flat, and the freed buffers are reused.
+    A sliced allreduce's objects are freed where this process has
+    ``allreduce_slicing`` on, as the ranks that made them do."""
     _check(0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
-    if num_objects in (None, size) and size > 1:  # a sliced allreduce's, if it was one
+    sliced = api.runtime().config.allreduce_slicing != "off"
+    if sliced and num_objects in (None, size) and size > 1:  # a sliced allreduce's
         inputs, results, ready = _slice_ids(name, size, op)
         doomed += [oid for row in inputs for oid in row] + results + ready
     _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)

@@ -272,8 +272,22 @@ def reduce_device(names: list[str], op: str, target: str, array_type: str = "cup
 
 
 def object_exists(name: str) -> bool:
+    return object_exists_id(hg.ObjectID.from_name(name))
+
+
+def delete_sliced(name: str, size: int) -> list[bool]:
+    """collectives.delete of a sliced allreduce; whether each slice's result,
+    and rank 0's first input slice, still exist afterwards."""
+    from hoplite_gpu import collectives
+
+    collectives.delete(name, size=size)
+    inputs, results, _ = collectives._slice_ids(name, size, "sum")
+    return [object_exists_id(oid) for oid in [*results, inputs[0][0]]]
+
+
+def object_exists_id(oid) -> bool:
     try:
-        hg.object_info(hg.ObjectID.from_name(name))
+        hg.object_info(oid)
     except hg.ObjectNotFound:
         return False
     return True

@@ -219,3 +219,19 @@ def test_a_node_forgets_reduces_whose_result_it_has(local, monkeypatch):
     for step in range(4):
         collectives.reduce(np.ones(20_000), name=f"many-{step}", rank=1, size=2, timeout=10)
     assert len(rt.node._my_reduces) == 2
+
+
+def test_a_sliced_allreduce_missing_a_rank_times_out_and_lets_its_slices_go():
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="auto")
+    try:
+        value = np.ones(30_000)  # three slices of 80 kB: lent, not put inline
+        start = time.monotonic()
+        with pytest.raises(hg.Timeout):
+            collectives.allreduce(value, name="sliced-lonely", rank=0, size=3, timeout=0.5)
+        assert time.monotonic() - start < 5
+        inputs, _, _ = collectives._slice_ids("sliced-lonely", 3, "sum")
+        for j in range(3):
+            with pytest.raises(hg.ObjectNotFound):
+                hg.object_info(inputs[j][0])
+    finally:
+        hg.shutdown()

@@ -81,8 +81,8 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     rank's 1/size of it at least one chunk) of an allreduce of every rank is
     sliced: slice j is reduced on a chain rooted at rank j and sent from there
     to every rank, so each link carries 2 (size-1)/size of the object instead
-    of twice it (see `_sliced_allreduce`). The result is then a new array, not
-    a view of the node's store."""
+    of twice it (see `_sliced_allreduce`). The result is then a new read-only
+    array, whose memory the node serves to other ranks until `delete`."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
         return _sliced_allreduce(value, name, rank, size, op, timeout)
@@ -126,7 +126,10 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
        starts at the leaf of one chain, at once, and sits one step further in
        each of the others, as in a ring; its result's holder serves size-1
        receivers at once, so rank j sends slice j to every rank straight away.
-    4. Every rank gets every slice's result and joins them."""
+    4. Every rank gets every slice's result, each pulled (or, its own slice,
+       reduced) straight into its part of the output array, which is
+       returned read-only, as `get` returns a view of the node's copy: the
+       node serves those bytes to other ranks until `delete`."""
     flat = value.reshape(-1)
     edges = [flat.size * j // size for j in range(size + 1)]
     inputs, results, ready = _slice_ids(name, size, op)
@@ -135,6 +138,9 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     limit = api._timeout(rt, timeout)
     for j in range(size):
         api._reduce_args(inputs[j], op, None, results[j])  # bad op: refused before any put
+    out = np.empty_like(value)
+    parts = out.reshape(-1)
+    targets = [parts[edges[j]:edges[j + 1]] for j in range(size)]
 
     async def run(node: Any) -> list[Any]:
         deadline = time.monotonic() + limit
@@ -142,21 +148,27 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
-        await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True))
-                               for j in range(size)])
-        await node.put(b"", ready[rank])
-        await asyncio.gather(*[node.fetch(oid, left()) for oid in ready])
-        await asyncio.gather(*[
-            node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
-                        results[j], inputs[j][j], fanout=size - 1)
-            for j in range(size)])
-        return await asyncio.gather(*[node.get(oid, left()) for oid in results])
+        prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
+        try:
+            await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j],
+                                                    lend=True)) for j in range(size)])
+            await node.put(b"", ready[rank])
+            await asyncio.gather(*[node.fetch(oid, left()) for oid in ready])
+            await asyncio.gather(*[
+                node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
+                            results[j], inputs[j][j], fanout=size - 1)
+                for j in range(size)])
+            return await asyncio.gather(*[node.get(oid, left()) for oid in results])
+        except BaseException:
+            for oid in prepared:
+                node.unreceived(oid)
+            raise
 
-    parts = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
-    out = np.empty_like(value)
-    flat_out = out.reshape(-1)
-    for j, part in enumerate(parts):
-        flat_out[edges[j]:edges[j + 1]] = part
+    got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
+    for target, part in zip(targets, got, strict=True):
+        if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
+            target[...] = part
+    out.flags.writeable = False
     return out
 
 

@@ -128,8 +128,10 @@ def sliced_allreduce_worker(name: str, rank: int, size: int, n: int):
         info = hg.object_info(oid)
         slices.append(([h["node"] for h in info["holders"] if h["origin"]],
                        sorted({sender for _, sender in info["edges"]})))
+    # every slice landed in the returned array itself: no copy, no second buffer
+    in_place = all(np.may_share_memory(out, hg.get(oid, timeout=10)) for oid in results)
     return (zlib.crc32(np.ascontiguousarray(out)), node_id(), slices, out.shape,
-            out[::4099].astype(np.float64))
+            out[::4099].astype(np.float64), in_place, out.flags.writeable)
 
 
 def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: float):

@@ -233,5 +233,8 @@ def test_a_sliced_allreduce_missing_a_rank_times_out_and_lets_its_slices_go():
         for j in range(3):
             with pytest.raises(hg.ObjectNotFound):
                 hg.object_info(inputs[j][0])
+        store = hg.api.runtime().node.store
+        assert not [oid for oid in collectives._slice_ids("sliced-lonely", 3, "sum")[1]
+                    if oid in store]  # the results it was to receive are gone too
     finally:
         hg.shutdown()

@@ -73,6 +73,7 @@ def test_a_large_allreduce_is_sliced_and_each_slice_is_sent_from_its_rank(sliced
                              [("sliced", r, RANKS, n) for r in range(RANKS)], timeout=120)
     assert len({g[0] for g in got}) == 1, "ranks disagree on the allreduce result"
     assert all(g[3] == (n,) for g in got)
+    assert [(g[5], g[6]) for g in got] == [(True, False)] * RANKS  # zero-copy, read-only
     nodes = [g[1] for g in got]
     for j, (origins, senders) in enumerate(got[0][2]):
         assert origins == [nodes[j]] and nodes[j] in senders, (j, nodes, got[0][2])

@@ -186,6 +186,26 @@ class Node:
             self._post(self._complete_msg(obj))
         return oid
 
+    def receive_into(self, oid: ObjectID, value: np.ndarray) -> bool:
+        """Let the pull, or the reduce step, that makes `oid` here write into
+        `value`'s memory (a writable, C-contiguous host array of its layout)
+        instead of a buffer of the store's; False if `oid` is already here.
+        The object then lives in the caller's memory: the caller must not
+        write to it while the object is here (until `delete`)."""
+        self._check_open()
+        if self.store.get(oid) is not None:
+            return False
+        buf, layout = to_buffer(value)
+        self.store.create(oid, layout, np.frombuffer(buf, dtype=np.uint8)).receiving = True
+        return True
+
+    def unreceived(self, oid: ObjectID) -> None:
+        """Undo `receive_into` for an object that did not complete (a call that
+        gave up): it leaves this node, and the directory hears so."""
+        obj = self.store.get(oid)
+        if obj is not None and not obj.complete:
+            self._let_go(oid)
+
     async def reclaim(self, oid: ObjectID) -> None:
         """End the loan of a `put(lend=True)`: the object leaves this node (the
         directory forgets it), and this returns once no peer reads the caller's
@@ -589,7 +609,9 @@ class Node:
             if old is not None:
                 old.cancel("replaced by a new step")
             stale = self.store.get(out)
-            if stale is not None and not stale.complete:
+            # (A first step into memory set aside by `receive_into` keeps it.)
+            fresh = stale is not None and stale.receiving and old is None and not stale.ready
+            if stale is not None and not stale.complete and not fresh:
                 # a partial result of an earlier tree (e.g. before a directory restart)
                 # may hold other inputs: start over; its readers ask again
                 self.store.remove(out, _Retry("the reduce restarted"))

@@ -35,6 +35,8 @@ class StoredObject:
     removed: BaseException | None = None
     #: Its buffer is a caller's memory, lent for one call (`Node.put(lend=True)`).
     lent: bool = False
+    #: Its buffer is a caller's memory to be filled (`Node.receive_into`).
+    receiving: bool = False
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property

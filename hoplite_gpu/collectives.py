@@ -9,7 +9,6 @@ be used for one call only (objects are immutable); `delete` frees its objects.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 
 from . import api
 from .directory.reduce_plan import allreduce_slices
-from .errors import InvalidArgument
+from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
 
 
@@ -85,7 +84,9 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     array, whose memory the node serves to other ranks until `delete`."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
-        return _sliced_allreduce(value, name, rank, size, op, timeout)
+        # (a non-contiguous array is sliced from a contiguous copy, as every
+        # rank decides alike from its size alone)
+        return _sliced_allreduce(np.ascontiguousarray(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     return _reduce_and_get(args, value, ids[rank], True, timeout)
@@ -97,8 +98,7 @@ def _slices(value: Any, size: int, num_objects: int | None) -> int:
     could each choose different inputs."""
     config = api.runtime().config
     if (config.allreduce_slicing == "off" or num_objects not in (None, size)
-            or not isinstance(value, np.ndarray) or not value.flags.c_contiguous
-            or value.size < size):
+            or not isinstance(value, np.ndarray) or value.size < size):
         return 1
     return allreduce_slices(value.nbytes, size, config.chunk_size)
 
@@ -141,28 +141,37 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     out = np.empty_like(value)
     parts = out.reshape(-1)
     targets = [parts[edges[j]:edges[j + 1]] for j in range(size)]
+    # The barrier's marker says what this rank passed: ranks whose arrays
+    # differ fail at once, as a whole-object reduce does, instead of reducing
+    # slices that do not line up.
+    shape = f"{value.dtype.str} {value.shape}".encode()
 
     async def run(node: Any) -> list[Any]:
-        deadline = time.monotonic() + limit
-
-        def left() -> float:
-            return max(0.0, deadline - time.monotonic())
-
         prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
         try:
-            await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j],
-                                                    lend=True)) for j in range(size)])
-            await node.put(b"", ready[rank])
-            await asyncio.gather(*[node.fetch(oid, left()) for oid in ready])
-            await asyncio.gather(*[
-                node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
-                            results[j], inputs[j][j], fanout=size - 1)
-                for j in range(size)])
-            return await asyncio.gather(*[node.get(oid, left()) for oid in results])
-        except BaseException:
+            async with asyncio.timeout(limit):
+                await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j],
+                                                        lend=True)) for j in range(size)])
+                await node.put(shape, ready[rank])
+                shapes = await asyncio.gather(*[node.get(oid, limit) for oid in ready])
+                odd = {r: bytes(s).decode() for r, s in enumerate(shapes) if bytes(s) != shape}
+                if odd:
+                    raise InvalidArgument(
+                        f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
+                        + ", ".join(f"rank {r} {s}" for r, s in odd.items())
+                        + "; every rank must pass the same dtype and shape")
+                await asyncio.gather(*[
+                    node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
+                                results[j], inputs[j][j], fanout=size - 1)
+                    for j in range(size)])
+                return await asyncio.gather(*[node.get(oid, limit) for oid in results])
+        except TimeoutError as exc:
+            if isinstance(exc, Timeout):
+                raise  # a step's own, more precise deadline error
+            raise Timeout(f"allreduce {name!r} did not finish within {limit:g}s") from None
+        finally:
             for oid in prepared:
-                node.unreceived(oid)
-            raise
+                node.unreceived(oid)  # only those that did not complete
 
     got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
     for target, part in zip(targets, got, strict=True):
@@ -232,8 +241,9 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
         finally:
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
-            for oid in [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent:
-                await rt.node.reclaim(oid)
+            loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
+            # All at once: each may wait up to a second for a reader to let go.
+            await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
 
     return rt.call(run(), limit)
 

@@ -278,13 +278,15 @@ def object_exists(name: str) -> bool:
 
 
 def delete_sliced(name: str, size: int) -> list[bool]:
-    """collectives.delete of a sliced allreduce; whether each slice's result,
-    and rank 0's first input slice, still exist afterwards."""
+    """collectives.delete of a sliced allreduce; whether each slice's result and
+    each rank's barrier marker (only delete removes those) exist before, and
+    after."""
     from hoplite_gpu import collectives
 
+    _, results, ready = collectives._slice_ids(name, size, "sum")
+    before = [object_exists_id(oid) for oid in [*results, *ready]]
     collectives.delete(name, size=size)
-    inputs, results, _ = collectives._slice_ids(name, size, "sum")
-    return [object_exists_id(oid) for oid in [*results, inputs[0][0]]]
+    return before, [object_exists_id(oid) for oid in [*results, *ready]]
 
 
 def object_exists_id(oid) -> bool:

@@ -238,3 +238,41 @@ def test_a_sliced_allreduce_missing_a_rank_times_out_and_lets_its_slices_go():
                     if oid in store]  # the results it was to receive are gone too
     finally:
         hg.shutdown()
+
+
+def _sliced_ranks(name, values, timeout=20):
+    """A sliced allreduce with one thread per rank in this process."""
+    import threading
+
+    got = {}
+
+    def rank(r):
+        try:
+            got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
+                                           timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout + 10)
+    return [got[r] for r in range(len(values))]
+
+
+def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
+    """Same element count, different shapes: whole objects would not match, and
+    slices must not either."""
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="auto")
+    try:
+        start = time.monotonic()
+        got = _sliced_ranks("sliced-shapes", [np.ones((3, 10_000)), np.ones((10_000, 3))])
+        assert time.monotonic() - start < 10
+        assert all(isinstance(g, hg.InvalidArgument) and "same dtype and shape" in str(g)
+                   for g in got), got
+        ok = _sliced_ranks("sliced-fortran", [np.ones((3, 10_000)),
+                                              np.asfortranarray(np.ones((3, 10_000)))])
+        assert all(isinstance(g, np.ndarray) and (g == 2).all() for g in ok), ok
+    finally:
+        hg.shutdown()

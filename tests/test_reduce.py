@@ -80,7 +80,8 @@ def test_a_large_allreduce_is_sliced_and_each_slice_is_sent_from_its_rank(sliced
     want = oracle(range(RANKS), n)
     # every element, through the slices' edges too: a sample in each slice
     np.testing.assert_allclose(got[0][4], want[::4099], rtol=1e-4, atol=1e-4)
-    assert not any(sliced_cluster.run(0, t.delete_sliced, "sliced", RANKS))
+    before, after = sliced_cluster.run(0, t.delete_sliced, "sliced", RANKS)
+    assert all(before) and not any(after)
 
 
 def test_mismatched_inputs_fail_every_waiter(cluster):

@@ -145,11 +145,13 @@ def _abort(endpoint: Any) -> None:
     with contextlib.suppress(Exception):
         endpoint.abort()
     registry = getattr(weakref.finalize, "_registry", None)
-    if isinstance(registry, dict):
-        for fin, info in list(registry.items()):
-            if getattr(info, "weakref", lambda: None)() is endpoint:
-                with contextlib.suppress(Exception):
-                    fin()
+    if not isinstance(registry, dict):
+        return
+    with contextlib.suppress(Exception):  # e.g. a collection changed it while we copy
+        mine = [fin for fin, info in registry.copy().items()
+                if getattr(info, "weakref", lambda: None)() is endpoint]
+        for fin in mine:
+            fin()
 
 
 def _is_device(buf: Any) -> bool:

@@ -109,9 +109,9 @@ def allreduce_slices(nbytes: int, ranks: int, chunk: int) -> int:
     rooted at rank j, then sent from there to every rank, as a ring allreduce
     moves data).
 
-    Whole, every uplink but the last one's in each chain carries 2 S (the
-    reduce's stream and the broadcast's); sliced, every uplink carries
-    2 (N-1)/N S, 1.75 S at N = 8. Slicing costs N reduces and N^2 pulls
+    Whole, a host in the middle of both chains sends 2 S (the reduce's stream
+    and the broadcast's); sliced, every uplink carries 2 (N-1)/N S, 1.75 S at
+    N = 8 (the same total, spread evenly). Slicing costs N reduces and N^2 pulls
     instead of one and N, and each slice pays its own pipeline fill, so it is
     chosen only when every slice is at least one chunk."""
     if ranks < 2 or nbytes < ranks * max(chunk, 1):

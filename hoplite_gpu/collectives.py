@@ -136,8 +136,7 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     mine = [inputs[j][rank] for j in range(size)]
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
-    for j in range(size):
-        api._reduce_args(inputs[j], op, None, results[j])  # bad op: refused before any put
+    api._reduce_args(inputs[0], op, None, results[0])  # a bad op: refused before any put
     out = np.empty_like(value)
     parts = out.reshape(-1)
     targets = [parts[edges[j]:edges[j + 1]] for j in range(size)]

@@ -29,7 +29,49 @@ def plot_all(results: Path) -> list[Path]:
             made.append(_loopback(data, path.with_suffix(".png")))
         elif kind == "allreduce-dynamic-emulated":
             made.append(_dynamic(data, path.with_suffix(".png")))
+    sweep = _gap_sweep(results)
+    if sweep is not None:
+        made.append(sweep)
     return made
+
+
+def _gap_sweep(results: Path) -> Path | None:
+    """Steady-state dynamic allreduces of one size and host count at several
+    gaps (`emulated-dynamic-gap*.json`, one run per gap): seconds after the
+    last input against the gap, with the two bounds of docs/cost-model.md:
+    S/B for any schedule, and 2S/B - g for one that moves whole objects."""
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for path in sorted(results.glob("emulated-dynamic-gap*.json")):
+        rows += [r for r in json.loads(path.read_text()).get("rows", [])
+                 if r.get("op") == "allreduce-dynamic" and r.get("sync") and "gap_s" in r]
+    if not rows:
+        return None
+    key = max({(r["hosts"], r["size_bytes"], r["bandwidth_bps"]) for r in rows},
+              key=lambda k: sum((r["hosts"], r["size_bytes"], r["bandwidth_bps"]) == k for r in rows))
+    rows = [r for r in rows if (r["hosts"], r["size_bytes"], r["bandwidth_bps"]) == key]
+    gaps = sorted({r["gap_s"] for r in rows})
+    if len(gaps) < 2:
+        return None
+    hosts, size, bps = key
+    # the bounds at the links' measured rate where the runs measured it
+    measured = [r["measured_link_bps"] for r in rows if r.get("measured_link_bps")]
+    one = size * 8 / (statistics.median(measured) if measured else bps)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for system in sorted({r["system"] for r in rows}, key=lambda s: (_ORDER + (s,)).index(s)):
+        pts = sorted((r["gap_s"], r["seconds_after_last_ready"]) for r in rows if r["system"] == system)
+        ax.plot([g for g, _ in pts], [t for _, t in pts], marker="o", label=system)
+    grid = [gaps[0] + (gaps[-1] - gaps[0]) * i / 100 for i in range(101)]
+    ax.plot(grid, [max(one, 2 * one - g) for g in grid], color="gray", linestyle="--",
+            label="whole objects: max(S/B, 2S/B - g)")
+    ax.axhline(one, color="black", linewidth=0.8, linestyle=":", label="any schedule: S/B")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds between inputs becoming ready (g)")
+    ax.set_ylabel("seconds after the last input")
+    ax.set_title(f"allreduce of {_size(size)}, {hosts} emulated hosts, {bps / 1e9:g} Gbit/s")
+    ax.legend(fontsize=8)
+    return _save(fig, results / "dynamic-arrival-vs-gap.png")
 
 
 def _emulated(data: dict, out: Path) -> Path:

@@ -31,6 +31,7 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
+from . import shm
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range
@@ -58,7 +59,9 @@ class Node:
         self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
             f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.store = ChunkStore(config.pool_bytes)
+        if config.shared_memory:
+            shm.raise_fd_limit()  # each shared buffer holds a descriptor
+        self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
@@ -83,9 +86,12 @@ class Node:
 
     async def start(self) -> None:
         await self.server.start()
+        address = advertised(self.server.address, self.directory_address)
+        if self.config.shared_memory:
+            self.server.listen_local(address)  # pullers on this host find it by that address
         self.client = await DirectoryClient.connect(
             self.directory_address, token=self.token, node=self.node_id,
-            data_address=advertised(self.server.address, self.directory_address),
+            data_address=address,
             timeout=self.config.connect_timeout_s, on_push=self._on_push)
         self._connected.set()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())

@@ -96,3 +96,40 @@ def test_reduce_on_one_host_goes_through_shared_memory():
         assert sorted(used) == [0, 1, 2]
         pulls = c.map(t.local_pulls, [()] * 3, workers=range(3))
         assert sum(pulls) >= 2, pulls  # a chain's two hops, at least
+
+
+def test_a_shared_buffer_cannot_be_cut_short_under_its_mapping():
+    mapped = shm.shared_map(host_buffer(2 * MiB, shared=True))
+    with pytest.raises(PermissionError):  # sealed: a puller could otherwise SIGBUS us
+        os.ftruncate(mapped.fd, MiB)
+
+
+def test_shared_buffers_stop_at_their_share_of_descriptors(monkeypatch):
+    monkeypatch.setattr(shm, "_fd_budget", lambda: 2 * shm._live)  # no room for one more
+    assert shm.shared_buffer(2 * MiB) is None
+    assert shm.shared_map(host_buffer(2 * MiB, shared=True)) is None  # plain memory instead
+    assert host_buffer(2 * MiB, shared=True).nbytes == 2 * MiB
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_puller_uses_only_its_own_users_socket(monkeypatch, ours):
+    from hoplite_gpu.node import transfer
+
+    address = f"tcp://127.0.0.1:1{os.getpid() % 10000}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(shm.socket_name(address))
+    listener.listen(1)
+    # As if another user had bound the name first: we must not talk to it.
+    monkeypatch.setattr(shm, "same_user", lambda sock: ours)
+
+    async def main():
+        return await transfer._connect_local(address)
+
+    try:
+        stream = asyncio.run(main())
+        assert (stream is not None) == ours
+        if stream is not None:
+            asyncio.run(stream.close())
+    finally:
+        listener.close()
+    assert asyncio.run(transfer._connect_local("tcp://127.0.0.1:1")) is None  # nobody there

@@ -31,7 +31,6 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
-from . import shm
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range
@@ -59,8 +58,6 @@ class Node:
         self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
             f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
-        if config.shared_memory:
-            shm.raise_fd_limit()  # each shared buffer holds a descriptor
         self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)
@@ -86,7 +83,8 @@ class Node:
 
     async def start(self) -> None:
         await self.server.start()
-        address = advertised(self.server.address, self.directory_address)
+        # (kept for reconnects: the same-host socket is named after it)
+        self._data_address = address = advertised(self.server.address, self.directory_address)
         if self.config.shared_memory:
             self.server.listen_local(address)  # pullers on this host find it by that address
         self.client = await DirectoryClient.connect(
@@ -570,7 +568,7 @@ class Node:
             try:
                 client = await DirectoryClient.connect(
                     self.directory_address, token=self.token, node=self.node_id,
-                    data_address=advertised(self.server.address, self.directory_address),
+                    data_address=self._data_address,
                     timeout=self.config.connect_timeout_s, on_push=self._on_push)
             except HopliteError as exc:
                 log.info("reconnect to %s failed: %s", self.directory_address, exc)

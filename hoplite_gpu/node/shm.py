@@ -27,6 +27,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import mmap
 import os
 import resource
@@ -52,21 +53,47 @@ class SharedMap(mmap.mmap):
     readers: int = 0
 
 
+#: Shared buffers alive in this process. Each holds two descriptors (the
+#: memfd and the one `mmap` keeps), so they stop at a quarter of the
+#: descriptor limit, which this process's sockets and user code also need;
+#: past it, new buffers are plain memory and pulls of them use bytes.
+_live = 0
+
+
+def _fd_budget() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (1 << 16) if soft == resource.RLIM_INFINITY else soft // 4
+
+
+def _freed(fd: int) -> None:
+    global _live
+    _live -= 1
+    os.close(fd)
+
+
 def shared_buffer(nbytes: int) -> np.ndarray | None:
     """A writable uint8 array of `nbytes` backed by a memfd file, or None where
-    memfds are not available (or this process is out of file descriptors)."""
+    memfds are not available or this process holds its share of descriptors.
+    The file is sealed against shrinking and growing: a puller holding its
+    descriptor cannot cut it short under our mapping (SIGBUS)."""
+    global _live
+    if 2 * (_live + 1) > _fd_budget():
+        return None
     try:
-        fd = os.memfd_create("hoplite-gpu", os.MFD_CLOEXEC)
+        fd = os.memfd_create("hoplite-gpu", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
         return None
     try:
         os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mapped = SharedMap(fd, nbytes)
-    except OSError:
+    except (OSError, AttributeError):
         os.close(fd)
         return None
     mapped.fd = fd
-    weakref.finalize(mapped, os.close, fd)
+    _live += 1
+    weakref.finalize(mapped, _freed, fd)
     return np.frombuffer(mapped, dtype=np.uint8)
 
 
@@ -94,17 +121,10 @@ def socket_name(address: str) -> bytes:
     return b"\0" + (_NAME + address).encode()
 
 
-def raise_fd_limit() -> None:
-    """Every shared buffer holds a file descriptor: allow as many as the hard limit."""
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                        else max(soft, 1 << 16), hard))
-
-
 def same_user(sock: socket.socket) -> bool:
-    """Whether the peer of a Unix socket runs as our user."""
+    """Whether the peer of a connected Unix socket runs as our user (a
+    listener checks who connected; a puller checks who listens, since any
+    user can bind a name in the abstract namespace first)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid == os.getuid()
@@ -151,7 +171,8 @@ async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> int | No
     except TimeoutError:
         raise Timeout(f"peer {peer} sent nothing for {timeout:g}s (stall timeout)") from None
     finally:
-        loop.remove_reader(sock)
+        with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
+            loop.remove_reader(sock)
     size = struct.calcsize("i")
     try:
         msg, anc, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(size))

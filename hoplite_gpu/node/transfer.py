@@ -88,7 +88,8 @@ class DataServer:
             sock.bind(shm.socket_name(address))
             sock.listen(128)
         except OSError as exc:  # e.g. the name is taken: pulls from this host use the transport
-            log.info("no same-host data socket for %s: %s", address, exc)
+            log.warning("no same-host data socket for %s (%s): peers on this host pull "
+                        "through the transport", address, exc)
             sock.close()
             return
         sock.setblocking(False)
@@ -103,8 +104,10 @@ class DataServer:
                 conn, _ = self._local.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:
-                log.info("accept on the same-host data socket failed: %s", exc)
+            except OSError as exc:  # e.g. out of descriptors: pause rather than spin
+                log.warning("accept on the same-host data socket failed: %s", exc)
+                loop.remove_reader(self._local)
+                loop.call_later(0.1, self._resume_accept, self._local)
                 return
             if not shm.same_user(conn):  # the token handshake follows for the rest
                 conn.close()
@@ -113,6 +116,10 @@ class DataServer:
             task = loop.create_task(self._serve_local(stream))
             self._local_tasks.add(task)
             task.add_done_callback(self._local_tasks.discard)
+
+    def _resume_accept(self, sock: socket.socket) -> None:
+        if self._local is sock:  # (not closed meanwhile)
+            asyncio.get_running_loop().add_reader(sock, self._accept_local)
 
     async def _serve_local(self, stream: Stream) -> None:
         try:
@@ -160,10 +167,10 @@ class DataServer:
         valid = 0 <= offset <= end <= obj.size
         mapped = shm.shared_map(obj.buffer) if moded and valid else None
         if moded:
-            await stream.send_mode(None if mapped is None else mapped.fd,
-                                   self.config.stall_timeout_s)
             if mapped is not None:
                 mapped.readers += 1  # not reused until the puller says it is done
+            await stream.send_mode(None if mapped is None else mapped.fd,
+                                   self.config.stall_timeout_s)
         if not valid:
             await send_error_frame(stream, "ProtocolError",
                                    f"range [{offset}, {end}) outside object of {obj.size} bytes")
@@ -183,12 +190,14 @@ class DataServer:
     async def _await_copied(self, stream: Stream, mapped: shm.SharedMap) -> None:
         """The puller copied every announced byte out of our mapping: the buffer
         may be reused. (On any failure it stays counted, so never reused.)"""
+        # The last announcement may cover the whole object: copying it can take
+        # far longer than a stall, so the puller gets the call deadline.
         try:
-            async with asyncio.timeout(self.config.stall_timeout_s):
+            async with asyncio.timeout(self.config.timeout_s):
                 msg = await recv_msg(stream)
         except TimeoutError:
             raise Timeout(f"{stream.peer} did not finish copying within "
-                          f"{self.config.stall_timeout_s:g}s") from None
+                          f"{self.config.timeout_s:g}s") from None
         if msg.get("op") != "copied":
             raise ProtocolError(f"expected 'copied', got {msg.get('op')!r}")
         mapped.readers -= 1
@@ -333,7 +342,12 @@ async def _connect_local(address: str) -> Stream | None:
     sock.setblocking(False)
     try:
         await asyncio.get_running_loop().sock_connect(sock, shm.socket_name(address))
+        # Only our own user's node: any user may bind the name first, and a
+        # node of another user refuses us (both then use the transport).
+        mine = shm.same_user(sock)
     except OSError:
+        mine = False
+    if not mine:
         sock.close()
         return None
     return shm.LocalStream(sock, f"{address} (same host)")
@@ -358,12 +372,20 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         if moded:
             fd = await stream.recv_mode(config.stall_timeout_s)
             if fd is not None:
-                mapped = shm.map_readonly(fd, end)
+                try:
+                    mapped = shm.map_readonly(fd, end)
+                except (OSError, ValueError) as exc:
+                    raise PeerLost(f"cannot map the buffer {address} passed: {exc}") from exc
                 pool.local_pulls += 1
                 pool.local_bytes += end - pos
                 await _copy_announced(stream, obj, memoryview(mapped), pos, end, address, config,
                                       on_progress)
-                await send_msg(stream, {"op": "copied"})  # the sender may reuse its buffer
+                mapped.close()
+                mapped = None
+                try:  # the sender may reuse its buffer now
+                    await send_msg(stream, {"op": "copied"})
+                except HopliteError:  # (then it never will; our copy is complete all the same)
+                    return
                 ok = True
                 return
         view = _sendable(obj.buffer, stream)

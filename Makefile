@@ -25,14 +25,19 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/hoplite-gpu demo
 
+RUNTIME_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py \
+	tests/test_channel.py tests/test_store.py tests/test_auth.py tests/test_liveness.py
+
 test: setup
 	$(BIN)/python -m pytest -q
-	@# The runtime's tests again over UCX, where ucxx is installed (UCX over TCP
-	@# here; see README "Tests and benchmarks").
+	@# Nodes of one machine pull through shared memory by default; the runtime's
+	@# tests again with it off, so their bytes cross the transports: TCP, then
+	@# UCX where ucxx is installed (UCX over TCP here; README "Tests and benchmarks").
+	@echo "== again with HOPLITE_SHARED_MEMORY=0 (bytes over TCP)"
+	HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS)
 	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
-	    echo "== again with HOPLITE_TRANSPORT=ucx"; HOPLITE_TRANSPORT=ucx $(BIN)/python -m pytest -q \
-	      tests/test_api.py tests/test_broadcast.py tests/test_reduce.py tests/test_channel.py \
-	      tests/test_store.py tests/test_auth.py tests/test_liveness.py; \
+	    echo "== again with HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0"; \
+	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS); \
 	else echo "ucxx not installed: the UCX pass is skipped"; fi
 
 test-fast: setup

@@ -29,35 +29,46 @@ def _machine() -> dict:
 
 
 def broadcast(args: argparse.Namespace, console: Console) -> dict:
-    """Broadcast to N-1 receivers over loopback vs one point-to-point transfer."""
+    """Broadcast to N-1 receivers over loopback vs one point-to-point transfer,
+    with same-host pulls through shared memory and/or over TCP."""
     import hoplite_gpu as hg
     from hoplite_gpu.cluster import LocalCluster
     from hoplite_gpu.demo import measure_broadcast
 
+    variants = {"both": [True, False], "on": [True], "off": [False]}[args.shared_memory]
     rows = []
     for size_mib in args.sizes:
-        with LocalCluster(args.workers) as cluster:
-            hg.init(cluster.address, token=cluster.token)
-            try:
-                m = measure_broadcast(cluster, size_mib << 20, args.repeats, tag=f"b{size_mib}")
-            finally:
-                hg.shutdown()
-        p2p, bc = statistics.median(m["p2p_s"]), statistics.median(m["broadcast_s"])
-        rows.append({"size_bytes": size_mib << 20, "workers": args.workers,
-                     "receivers": args.workers - 1, "repeats": args.repeats,
-                     "p2p_s": m["p2p_s"], "broadcast_s": m["broadcast_s"],
-                     "p2p_median_s": p2p, "broadcast_median_s": bc,
-                     "ratio_broadcast_to_p2p": bc / p2p, "byte_identical": m["ok"],
-                     "edges": m["info"]["edges"]})
-        console.print(f"{size_mib} MiB: p2p {p2p * 1e3:.1f} ms, broadcast {bc * 1e3:.1f} ms, "
-                      f"ratio {bc / p2p:.2f}")
+        for shared in variants:
+            with LocalCluster(args.workers, shared_memory=shared) as cluster:
+                hg.init(cluster.address, token=cluster.token)
+                try:
+                    m = measure_broadcast(cluster, size_mib << 20, args.repeats,
+                                          tag=f"b{size_mib}")
+                finally:
+                    hg.shutdown()
+            p2p, bc = statistics.median(m["p2p_s"]), statistics.median(m["broadcast_s"])
+            rows.append({"size_bytes": size_mib << 20, "workers": args.workers,
+                         "receivers": args.workers - 1, "repeats": args.repeats,
+                         "shared_memory": shared,
+                         "p2p_s": m["p2p_s"], "broadcast_s": m["broadcast_s"],
+                         "p2p_median_s": p2p, "broadcast_median_s": bc,
+                         "ratio_broadcast_to_p2p": bc / p2p, "byte_identical": m["ok"],
+                         "edges": m["info"]["edges"]})
+            console.print(f"{size_mib} MiB, shared memory {'on' if shared else 'off'}: "
+                          f"p2p {p2p * 1e3:.1f} ms, broadcast {bc * 1e3:.1f} ms, "
+                          f"ratio {bc / p2p:.2f}")
     table = Table(title=f"broadcast to {args.workers - 1} receivers vs point-to-point (loopback)")
-    for col in ("size", "p2p median (ms)", "broadcast median (ms)", "ratio", "star bound", "ok"):
+    for col in ("size", "shared memory", "p2p median (ms)", "broadcast median (ms)", "ratio",
+                "star bound", "broadcast, off / on", "ok"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['size_bytes'] >> 20} MiB", f"{r['p2p_median_s'] * 1e3:.1f}",
+        off = [o for o in rows if o["size_bytes"] == r["size_bytes"] and not o["shared_memory"]]
+        speedup = (f"{off[0]['broadcast_median_s'] / r['broadcast_median_s']:.2f}"
+                   if r["shared_memory"] and off else "")
+        table.add_row(f"{r['size_bytes'] >> 20} MiB", "on" if r["shared_memory"] else "off",
+                      f"{r['p2p_median_s'] * 1e3:.1f}",
                       f"{r['broadcast_median_s'] * 1e3:.1f}", f"{r['ratio_broadcast_to_p2p']:.2f}",
-                      f"{r['receivers']}", "yes" if r["byte_identical"] else "NO")
+                      f"{r['receivers']}", speedup, "yes" if r["byte_identical"] else "NO")
     console.print(table)
     return {"benchmark": "broadcast-loopback", "rows": rows}
 
@@ -154,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--workers", type=int, default=8)
     b.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--shared-memory", choices=["both", "on", "off"], default="both",
+                   help="same-host pulls through shared memory, over TCP, or each in turn")
     b.add_argument("--no-save", action="store_true")
     b.set_defaults(func=broadcast)
     r = sub.add_parser("reduce", help="loopback reduce vs point-to-point; dynamic vs all-at-once")

@@ -98,9 +98,12 @@ def _loopback(data: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    labels = [f"{r['size_bytes'] >> 20} MiB" for r in rows]
-    ax.bar(labels, [r["ratio_broadcast_to_p2p"] for r in rows], label="broadcast to 7")
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    labels = [f"{r['size_bytes'] >> 20} MiB" + {True: "\nshared memory", False: "\nTCP"}.get(
+        r.get("shared_memory"), "") for r in rows]
+    bars = ax.bar(labels, [r["ratio_broadcast_to_p2p"] for r in rows], label="broadcast to 7")
+    ax.bar_label(bars, labels=[f"{r['broadcast_median_s'] * 1e3:.0f} ms" for r in rows],
+                 fontsize=8)
     ax.axhline(rows[0]["receivers"], color="red", linestyle="--", linewidth=0.8,
                label="a star's ratio")
     ax.set_ylabel("broadcast time / point-to-point time")

@@ -66,6 +66,10 @@ class Config:
     #: (the default) reduces whole objects, which measured faster on the CPU-bound
     #: emulated cluster (docs/cost-model.md, "Sliced allreduce").
     allreduce_slicing: str = "off"
+    #: Pull from nodes on the same host (the same network namespace) through
+    #: shared memory: the sender's buffer is mapped and copied, not sent
+    #: through sockets (see `hoplite_gpu.node.shm`). Host objects only.
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.allreduce_slicing not in ("off", "auto"):

@@ -295,3 +295,17 @@ def object_exists_id(oid) -> bool:
     except hg.ObjectNotFound:
         return False
     return True
+
+
+def local_pulls() -> int:
+    """Pulls this node made through a same-host sender's shared memory."""
+    from hoplite_gpu import api
+
+    return api.runtime().node.pool.local_pulls
+
+
+def pool_hits() -> int:
+    """Buffers this node's pool handed out again."""
+    from hoplite_gpu import api
+
+    return api.runtime().node.store.pool.hits

@@ -58,7 +58,7 @@ class Node:
         self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
             f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.store = ChunkStore(config.pool_bytes)
+        self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
@@ -83,9 +83,13 @@ class Node:
 
     async def start(self) -> None:
         await self.server.start()
+        # (kept for reconnects: the same-host socket is named after it)
+        self._data_address = address = advertised(self.server.address, self.directory_address)
+        if self.config.shared_memory:
+            self.server.listen_local(address)  # pullers on this host find it by that address
         self.client = await DirectoryClient.connect(
             self.directory_address, token=self.token, node=self.node_id,
-            data_address=advertised(self.server.address, self.directory_address),
+            data_address=address,
             timeout=self.config.connect_timeout_s, on_push=self._on_push)
         self._connected.set()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
@@ -564,7 +568,7 @@ class Node:
             try:
                 client = await DirectoryClient.connect(
                     self.directory_address, token=self.token, node=self.node_id,
-                    data_address=advertised(self.server.address, self.directory_address),
+                    data_address=self._data_address,
                     timeout=self.config.connect_timeout_s, on_push=self._on_push)
             except HopliteError as exc:
                 log.info("reconnect to %s failed: %s", self.directory_address, exc)

@@ -25,15 +25,23 @@ import sys
 
 import numpy as np
 
+from . import shm
+
 #: Smaller buffers are cheap to allocate; pooling them would only add bookkeeping.
 MIN_POOLED = 1 << 20
 
 
-def host_buffer(nbytes: int) -> np.ndarray:
+def host_buffer(nbytes: int, shared: bool = False) -> np.ndarray:
     """A writable uint8 array of `nbytes` (contents undefined), mapped in plain
-    pages when large; its memory is returned when the array is collected."""
+    pages when large; its memory is returned when the array is collected.
+    `shared`: a large one is a memfd mapping that pullers on this host can map
+    (`shm`), where this process can make one."""
     if nbytes < MIN_POOLED:
         return np.empty(nbytes, dtype=np.uint8)
+    if shared:
+        buffer = shm.shared_buffer(nbytes)
+        if buffer is not None:
+            return buffer
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
@@ -46,8 +54,10 @@ def _owns_its_memory(buffer: np.ndarray) -> bool:
 
 
 class BufferPool:
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, shared: bool = False) -> None:
         self.budget = budget
+        #: new buffers are memfd mappings (see `host_buffer`)
+        self.shared = shared
         self.pooled = 0
         self._free: dict[int, list[np.ndarray]] = {}
         self.hits = 0
@@ -58,7 +68,7 @@ class BufferPool:
             self.hits += 1
             self.pooled -= nbytes
             return free.pop()
-        return host_buffer(nbytes)
+        return host_buffer(nbytes, self.shared)
 
     def release(self, buffer: np.ndarray) -> bool:
         """Keep `buffer` for reuse if no one else holds it and the budget allows."""
@@ -68,6 +78,8 @@ class BufferPool:
         if n < MIN_POOLED or self.pooled + n > self.budget or sys.getrefcount(buffer) > 3:
             return False
         if not _owns_its_memory(buffer) or not buffer.flags.writeable:
+            return False
+        if shm.read_elsewhere(buffer):  # a puller on this host may still copy from it
             return False
         self._free.setdefault(n, []).append(buffer)
         self.pooled += n

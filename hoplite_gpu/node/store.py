@@ -102,10 +102,12 @@ _RELEASED = np.empty(0, dtype=np.uint8)
 class ChunkStore:
     """Objects this node holds, complete or partial."""
 
-    def __init__(self, pool_bytes: int = 0) -> None:
+    def __init__(self, pool_bytes: int = 0, shared: bool = False) -> None:
         self._objects: dict[ObjectID, StoredObject] = {}
         self._appear: dict[ObjectID, list[asyncio.Future]] = {}
-        self.pool = BufferPool(pool_bytes)
+        #: `shared`: large host buffers are memfd mappings that pulls from
+        #: this host can map (`shm`)
+        self.pool = BufferPool(pool_bytes, shared)
 
     def recycle(self, obj: StoredObject) -> None:
         """Give `obj`'s buffer back to the pool (kept only if nobody else holds it).

@@ -6,6 +6,12 @@ Wire: after the handshake the puller sends ``{"op": "pull", "oid", "offset",
 "end"}``; the server answers with frames (see `protocol.FRAME`): data frames
 in order until ``end``, or one error frame. A connection serves one pull at a
 time and goes back to the pool afterwards.
+
+Between nodes on one host (`shm`) the pull goes over a Unix socket and may
+carry ``"shm": true``; the server then answers with one byte first: ``F``
+with the buffer's file descriptor attached, after which each data frame's
+length says how many more bytes are ready in the mapping and no payload
+follows, or ``B``: frames as above, with their bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +41,7 @@ from hoplite_gpu.protocol import (
 )
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
+from . import shm
 from .store import ChunkStore, StoredObject
 
 log = logging.getLogger("hoplite_gpu.transfer")
@@ -44,6 +52,9 @@ log = logging.getLogger("hoplite_gpu.transfer")
 #: On the emulated 8-host, 1 Gbit/s cluster a 256 MiB broadcast took 2.33 s
 #: with 1 MiB steps and 2.28 s with 256 KiB (a 7-hop chain fills 4x sooner).
 STEP = 1 << 18
+#: Copies out of a same-host sender's mapping go in pieces of this size, each
+#: servable downstream at once.
+SHM_STEP = 1 << 20
 
 
 class DataServer:
@@ -57,6 +68,9 @@ class DataServer:
         self.address = ""
         #: oid -> the tasks serving a pull of it now (see `release`).
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
+        #: this host's Unix socket for pulls through shared memory, and its connections
+        self._local: socket.socket | None = None
+        self._local_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> str:
         backend = get_backend(self.config.transport)
@@ -64,7 +78,64 @@ class DataServer:
         self.address = self._listener.address
         return self.address
 
+    def listen_local(self, address: str) -> None:
+        """Also serve pulls from this host through shared memory, on the Unix
+        socket named after `address` (the data address peers are given)."""
+        if self._local is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(shm.socket_name(address))
+            sock.listen(128)
+        except OSError as exc:  # e.g. the name is taken: pulls from this host use the transport
+            log.warning("no same-host data socket for %s (%s): peers on this host pull "
+                        "through the transport", address, exc)
+            sock.close()
+            return
+        sock.setblocking(False)
+        self._local = sock
+        asyncio.get_running_loop().add_reader(sock, self._accept_local)
+
+    def _accept_local(self) -> None:
+        assert self._local is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = self._local.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of descriptors: pause rather than spin
+                log.warning("accept on the same-host data socket failed: %s", exc)
+                loop.remove_reader(self._local)
+                loop.call_later(0.1, self._resume_accept, self._local)
+                return
+            if not shm.same_user(conn):  # the token handshake follows for the rest
+                conn.close()
+                continue
+            stream = shm.LocalStream(conn, f"{self.address} (same host)")
+            task = loop.create_task(self._serve_local(stream))
+            self._local_tasks.add(task)
+            task.add_done_callback(self._local_tasks.discard)
+
+    def _resume_accept(self, sock: socket.socket) -> None:
+        if self._local is sock:  # (not closed meanwhile)
+            asyncio.get_running_loop().add_reader(sock, self._accept_local)
+
+    async def _serve_local(self, stream: Stream) -> None:
+        try:
+            await self._serve(stream)
+        finally:
+            await stream.close()
+
     async def close(self) -> None:
+        if self._local is not None:
+            asyncio.get_running_loop().remove_reader(self._local)
+            self._local.close()
+            self._local = None
+        for task in list(self._local_tasks):
+            task.cancel()
+        if self._local_tasks:
+            await asyncio.wait(list(self._local_tasks))
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -83,13 +154,24 @@ class DataServer:
     async def _serve_pull(self, stream: Stream, req: dict) -> None:
         oid = ObjectID(field(req, "oid", bytes))
         offset, end = field(req, "offset", int), field(req, "end", int)
+        # A same-host puller asked for the mode byte first (see the module doc).
+        moded = bool(req.get("shm")) and getattr(stream, "local", False)
         try:
             # A reduce parent may ask before our own step has created its output.
             obj = await self.store.wait_for(oid, self.config.timeout_s)
         except HopliteError as exc:
+            if moded:
+                await stream.send_mode(None, self.config.stall_timeout_s)
             await send_error_frame(stream, type(exc).__name__, str(exc))
             return
-        if not 0 <= offset <= end <= obj.size:
+        valid = 0 <= offset <= end <= obj.size
+        mapped = shm.shared_map(obj.buffer) if moded and valid else None
+        if moded:
+            if mapped is not None:
+                mapped.readers += 1  # not reused until the puller says it is done
+            await stream.send_mode(None if mapped is None else mapped.fd,
+                                   self.config.stall_timeout_s)
+        if not valid:
             await send_error_frame(stream, "ProtocolError",
                                    f"range [{offset}, {end}) outside object of {obj.size} bytes")
             return
@@ -97,11 +179,28 @@ class DataServer:
         serving = self._serving.setdefault(oid, set())
         serving.add(task)
         try:
-            await self._stream_range(stream, obj, offset, end)
+            sent = await self._stream_range(stream, obj, offset, end, announce=mapped is not None)
+            if sent and mapped is not None:
+                await self._await_copied(stream, mapped)
         finally:
             serving.discard(task)
             if not serving and self._serving.get(oid) is serving:
                 del self._serving[oid]
+
+    async def _await_copied(self, stream: Stream, mapped: shm.SharedMap) -> None:
+        """The puller copied every announced byte out of our mapping: the buffer
+        may be reused. (On any failure it stays counted, so never reused.)"""
+        # The last announcement may cover the whole object: copying it can take
+        # far longer than a stall, so the puller gets the call deadline.
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                msg = await recv_msg(stream)
+        except TimeoutError:
+            raise Timeout(f"{stream.peer} did not finish copying within "
+                          f"{self.config.timeout_s:g}s") from None
+        if msg.get("op") != "copied":
+            raise ProtocolError(f"expected 'copied', got {msg.get('op')!r}")
+        mapped.readers -= 1
 
     async def release(self, oid: ObjectID, timeout: float) -> None:
         """Return once no pull of `oid` is being served any more. Call it after
@@ -119,7 +218,11 @@ class DataServer:
         if stuck:
             await asyncio.wait(stuck)
 
-    async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int) -> None:
+    async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int,
+                            announce: bool = False) -> bool:
+        """Send bytes [pos, end) of `obj` as they become ready; with `announce`
+        (the puller maps our buffer) only how many more are ready. False if it
+        ended with an error frame instead."""
         src = _sendable(obj.buffer, stream)
         # Device memory that the transport moves itself goes in device-sized chunks.
         chunk = self.config.chunk_bytes(device.is_device_buffer(src))
@@ -127,13 +230,17 @@ class DataServer:
         staging = device.staging(chunk) if src is None else None  # device bytes over TCP
         while pos < end:
             if not await self._wait_or_keepalive(stream, obj, min(pos + step, end)):
-                return
+                return False
             # Send everything that is ready, in chunk-sized frames.
             upto = min(obj.ready, end)
             while pos < upto:
                 if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
                     await send_error_frame(stream, "ObjectNotFound", str(obj.removed))
-                    return
+                    return False
+                if announce:
+                    await stream.send(FRAME.pack(FRAME_DATA, upto - pos))
+                    pos = upto
+                    break
                 n = min(chunk, upto - pos)
                 if staging is None:
                     payload = src[pos:pos + n]
@@ -142,7 +249,7 @@ class DataServer:
                 await stream.send(FRAME.pack(FRAME_DATA, n), payload)
                 pos += n
                 await asyncio.sleep(0)  # let other pulls of this node progress too
-
+        return True
 
     async def _wait_or_keepalive(self, stream: Stream, obj: StoredObject, need: int) -> bool:
         """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
@@ -175,21 +282,39 @@ class PeerPool:
     def __init__(self, token: str, config: Config) -> None:
         self.token = token
         self.config = config
-        self._idle: dict[str, list[Stream]] = {}
+        #: (address, same-host?) -> idle connections
+        self._idle: dict[tuple[str, bool], list[Stream]] = {}
+        #: peers whose same-host socket is not there (another host or namespace)
+        self._remote: set[str] = set()
+        #: pulls served through a same-host sender's mapping, and their bytes
+        self.local_pulls = 0
+        self.local_bytes = 0
 
-    async def acquire(self, address: str) -> Stream:
-        idle = self._idle.get(address)
-        while idle:
-            stream = idle.pop()
-            if not stream.closed:
-                return stream
+    async def acquire(self, address: str, local: bool = True) -> Stream:
+        """A connection to the peer at `address`: through this host's Unix
+        socket where `local` allows and the peer is here (host objects: see
+        `shm`), else through the transport (device objects keep UCX's own
+        paths, e.g. CUDA IPC)."""
+        local = local and self.config.shared_memory and address not in self._remote
+        for key in ((address, True), (address, False)) if local else ((address, False),):
+            idle = self._idle.get(key)
+            while idle:
+                stream = idle.pop()
+                if not stream.closed:
+                    return stream
         scheme, _, _ = split_address(address)
         # A peer that cannot finish connecting within the stall timeout is as
         # good as a stalled sender: fail over instead of waiting out the whole
         # connect timeout. (Over TCP the kernel accepts for a stopped process
         # and the handshake hangs; over UCX the endpoint's wire-up does.)
         timeout = min(self.config.connect_timeout_s, self.config.stall_timeout_s)
-        stream = await get_backend(scheme).connect(address, timeout)
+        stream = None
+        if local:
+            stream = await _connect_local(address)
+            if stream is None:
+                self._remote.add(address)
+        if stream is None:
+            stream = await get_backend(scheme).connect(address, timeout)
         try:
             await client_handshake(stream, self.token, timeout)
         except BaseException:
@@ -199,13 +324,33 @@ class PeerPool:
 
     def release(self, address: str, stream: Stream) -> None:
         if not stream.closed:
-            self._idle.setdefault(address, []).append(stream)
+            key = (address, bool(getattr(stream, "local", False)))
+            self._idle.setdefault(key, []).append(stream)
 
     async def close(self) -> None:
         for streams in self._idle.values():
             for stream in streams:
                 await stream.close()
         self._idle.clear()
+
+
+async def _connect_local(address: str) -> Stream | None:
+    """A connection to the data server at `address` through this host's Unix
+    socket, or None where there is none (the peer is on another host or in
+    another network namespace, or runs without shared memory)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, shm.socket_name(address))
+        # Only our own user's node: any user may bind the name first, and a
+        # node of another user refuses us (both then use the transport).
+        mine = shm.same_user(sock)
+    except OSError:
+        mine = False
+    if not mine:
+        sock.close()
+        return None
+    return shm.LocalStream(sock, f"{address} (same host)")
 
 
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
@@ -215,11 +360,34 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     Every frame must start within the stall timeout, or the peer counts as
     failed. On any error the connection is closed, never reused.
     """
-    stream = await pool.acquire(address)
+    host = not device.is_device_buffer(obj.buffer)
+    stream = await pool.acquire(address, local=host)
     ok = False
+    mapped = None
     try:
         pos = obj.ready
-        await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end})
+        moded = host and getattr(stream, "local", False)
+        await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end,
+                                **({"shm": True} if moded else {})})
+        if moded:
+            fd = await stream.recv_mode(config.stall_timeout_s)
+            if fd is not None:
+                try:
+                    mapped = shm.map_readonly(fd, end)
+                except (OSError, ValueError) as exc:
+                    raise PeerLost(f"cannot map the buffer {address} passed: {exc}") from exc
+                pool.local_pulls += 1
+                pool.local_bytes += end - pos
+                await _copy_announced(stream, obj, memoryview(mapped), pos, end, address, config,
+                                      on_progress)
+                mapped.close()
+                mapped = None
+                try:  # the sender may reuse its buffer now
+                    await send_msg(stream, {"op": "copied"})
+                except HopliteError:  # (then it never will; our copy is complete all the same)
+                    return
+                ok = True
+                return
         view = _sendable(obj.buffer, stream)
         staging = device.staging(config.chunk_size) if view is None else None
         # A transport without partial receives takes each frame whole.
@@ -259,11 +427,46 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
             await asyncio.sleep(0)
         ok = True
     finally:
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # (a view still held: freed when collected)
+                mapped.close()
         if ok:
             pool.release(address, stream)
         else:
             with contextlib.suppress(Exception):
                 await stream.close()
+
+
+async def _copy_announced(stream: Stream, obj: StoredObject, source: memoryview, pos: int,
+                          end: int, address: str, config: Config,
+                          on_progress: Callable[[int], None]) -> None:
+    """Copy bytes out of a same-host sender's mapping as it announces them."""
+    stall = config.stall_timeout_s
+    view = None
+    try:
+        view = memoryview(obj.buffer).cast("B")
+        while pos < end:
+            try:
+                async with asyncio.timeout(stall):
+                    kind, n = await recv_frame_header(stream)
+            except TimeoutError:
+                raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)") from None
+            if kind != FRAME_DATA:
+                _raise_peer_error(address, await recv_error_body(stream, n))
+            if n > end - pos:
+                raise ProtocolError(f"{address} announced {n} bytes at {pos}; wanted at most {end - pos}")
+            upto = pos + n
+            while pos < upto:
+                step = min(SHM_STEP, upto - pos)
+                view[pos:pos + step] = source[pos:pos + step]
+                pos += step
+                obj.advance(pos)
+                on_progress(pos)
+                await asyncio.sleep(0)  # relays of these bytes can serve them now
+    finally:
+        source.release()
+        if view is not None:
+            view.release()
 
 
 def _sendable(buffer: Any, stream: Stream) -> Any:

@@ -1,0 +1,199 @@
+"""Pulls between nodes on one host through shared memory instead of sockets.
+
+A node's large store buffers are memory-mapped *memfd* files. A puller on the
+same host reaches the sender's data server over a Unix socket in the
+abstract namespace, named after the sender's data address; the sender passes
+the buffer's file descriptor (SCM_RIGHTS) and then only says how many more
+bytes are ready, and the puller copies them straight from the mapping into
+its own buffer: one memory copy per hop instead of a send and a receive
+through the kernel's socket buffers.
+
+"Same host" means the same network namespace: abstract Unix sockets belong
+to one, so nodes in different namespaces (containers, the emulated hosts of
+`benchmarks/emulated.py`) never find each other this way and use their
+transport. The socket accepts only processes of the same user (SO_PEERCRED),
+and then the usual token handshake runs on it.
+
+A puller says when it has copied everything it was promised; until then the
+buffer counts a reader and the pool does not reuse it (the puller may still
+copy from its mapping after the object is freed here, and must see the
+bytes it was promised). A puller that never says so (it died, stalled, or
+the pull failed) leaves the count up for good: that buffer is never reused,
+and its pages go when the last mapping goes.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import fcntl
+import mmap
+import os
+import resource
+import socket
+import struct
+import weakref
+from typing import Any
+
+import numpy as np
+
+from hoplite_gpu.errors import PeerLost, Timeout
+from hoplite_gpu.transports.tcp import TCPStream
+
+_NAME = "hoplite-gpu-data "
+
+
+class SharedMap(mmap.mmap):
+    """A mapping of a memfd file; `fd` stays open while the mapping lives."""
+
+    fd: int = -1
+    #: pullers that mapped it and have not said they are done: while any
+    #: remain, the pool must not reuse it
+    readers: int = 0
+
+
+#: Shared buffers alive in this process. Each holds two descriptors (the
+#: memfd and the one `mmap` keeps), so they stop at a quarter of the
+#: descriptor limit, which this process's sockets and user code also need;
+#: past it, new buffers are plain memory and pulls of them use bytes.
+_live = 0
+
+
+def _fd_budget() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (1 << 16) if soft == resource.RLIM_INFINITY else soft // 4
+
+
+def _freed(fd: int) -> None:
+    global _live
+    _live -= 1
+    os.close(fd)
+
+
+def shared_buffer(nbytes: int) -> np.ndarray | None:
+    """A writable uint8 array of `nbytes` backed by a memfd file, or None where
+    memfds are not available or this process holds its share of descriptors.
+    The file is sealed against shrinking and growing: a puller holding its
+    descriptor cannot cut it short under our mapping (SIGBUS)."""
+    global _live
+    if 2 * (_live + 1) > _fd_budget():
+        return None
+    try:
+        fd = os.memfd_create("hoplite-gpu", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError):
+        return None
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mapped = SharedMap(fd, nbytes)
+    except (OSError, AttributeError):
+        os.close(fd)
+        return None
+    mapped.fd = fd
+    _live += 1
+    weakref.finalize(mapped, _freed, fd)
+    return np.frombuffer(mapped, dtype=np.uint8)
+
+
+def shared_map(buffer: Any) -> SharedMap | None:
+    """The SharedMap that `buffer` covers whole (a store buffer from
+    `shared_buffer`), else None: a lent array, a slice, device memory."""
+    if not isinstance(buffer, np.ndarray):
+        return None
+    base = buffer.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    if isinstance(base, SharedMap) and len(base) == buffer.nbytes and not base.closed:
+        return base
+    return None
+
+
+def read_elsewhere(buffer: Any) -> bool:
+    """Whether a puller may still be copying from `buffer`'s mapping."""
+    mapped = shared_map(buffer)
+    return mapped is not None and mapped.readers > 0
+
+
+def socket_name(address: str) -> bytes:
+    """The abstract Unix socket of the data server at `address`."""
+    return b"\0" + (_NAME + address).encode()
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the peer of a connected Unix socket runs as our user (a
+    listener checks who connected; a puller checks who listens, since any
+    user can bind a name in the abstract namespace first)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+class LocalStream(TCPStream):
+    """A data connection over this host's Unix socket: a TCP stream's calls,
+    plus the one byte that says how a pull is served (`send_mode`)."""
+
+    local = True
+
+    async def send_mode(self, fd: int | None, timeout: float) -> None:
+        """b"F" with `fd` attached (the puller maps it), or b"B": bytes follow."""
+        if fd is None:
+            await self.send(b"B")
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        while True:
+            try:
+                self._sock.sendmsg([b"F"], rights)
+                return
+            except (BlockingIOError, InterruptedError):
+                if loop.time() > deadline:
+                    raise Timeout(f"could not pass a descriptor within {timeout:g}s") from None
+                await asyncio.sleep(0.001)
+            except OSError as exc:
+                await self.close()
+                raise PeerLost(f"connection to {self.peer} failed: {exc}") from exc
+
+    async def recv_mode(self, timeout: float) -> int | None:
+        """The descriptor `send_mode` passed, or None where bytes follow."""
+        return await _recv_mode(self._sock, timeout, self.peer)
+
+
+async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> int | None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock, lambda: ready.done() or ready.set_result(None))
+    try:
+        async with asyncio.timeout(timeout):
+            await ready
+    except TimeoutError:
+        raise Timeout(f"peer {peer} sent nothing for {timeout:g}s (stall timeout)") from None
+    finally:
+        with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
+            loop.remove_reader(sock)
+    size = struct.calcsize("i")
+    try:
+        msg, anc, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(size))
+    except OSError as exc:
+        raise PeerLost(f"connection to {peer} failed: {exc}") from exc
+    fds = [struct.unpack("i", data[:size])[0] for level, kind, data in anc
+           if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= size]
+    if msg == b"B" and not fds:
+        return None
+    if msg == b"F" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise PeerLost(f"{peer} sent {msg!r} where a pull's mode belongs (connection closed?)")
+
+
+def map_readonly(fd: int, nbytes: int) -> mmap.mmap:
+    """Map a passed descriptor read-only (and close it: the mapping keeps the file)."""
+    try:
+        # (not MAP_POPULATE: the first bytes can be copied before the last
+        # pages are mapped)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)

@@ -1,0 +1,135 @@
+"""Pulls between nodes on one host through shared memory (`hoplite_gpu.node.shm`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import cluster_tasks as t
+import numpy as np
+import pytest
+
+from hoplite_gpu.cluster import LocalCluster
+from hoplite_gpu.errors import PeerLost
+from hoplite_gpu.node import shm
+from hoplite_gpu.node.pool import BufferPool, host_buffer
+
+MiB = 1 << 20
+
+
+def test_shared_buffers_are_memfd_maps_and_small_ones_are_not():
+    buf = host_buffer(2 * MiB, shared=True)
+    mapped = shm.shared_map(buf)
+    assert mapped is not None and os.fstat(mapped.fd).st_size == 2 * MiB
+    assert shm.shared_map(buf[1:]) is None  # only a whole mapping can be handed out
+    assert shm.shared_map(host_buffer(2 * MiB)) is None
+    assert shm.shared_map(host_buffer(1000, shared=True)) is None
+    assert shm.shared_map(np.zeros(2 * MiB, np.uint8)) is None
+
+
+def test_the_pool_does_not_reuse_a_buffer_a_puller_may_still_read():
+    pool = BufferPool(64 * MiB, shared=True)
+    kept = pool.acquire(2 * MiB)
+    assert pool.release(kept)
+    again = pool.acquire(2 * MiB)
+    assert again is kept
+    del kept
+    shm.shared_map(again).readers += 1
+    assert not pool.release(again)  # a puller may still copy from its mapping
+    assert pool.acquire(2 * MiB) is not again
+    shm.shared_map(again).readers -= 1  # it said it is done
+    assert pool.release(again)
+
+
+def test_a_passed_descriptor_maps_the_same_bytes():
+    async def main():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        left, right = shm.LocalStream(a, "left"), shm.LocalStream(b, "right")
+        buf = host_buffer(2 * MiB, shared=True)
+        buf[:] = np.arange(2 * MiB, dtype=np.uint8)
+        await left.send_mode(shm.shared_map(buf).fd, 5)
+        fd = await right.recv_mode(5)
+        view = shm.map_readonly(fd, 2 * MiB)
+        assert bytes(view[:1000]) == buf[:1000].tobytes() and view[-1] == buf[-1]
+        view.close()
+        await left.send_mode(None, 5)
+        assert await right.recv_mode(5) is None
+        await left.send(b"x")  # anything else is a broken peer, not a mode
+        with pytest.raises(PeerLost):
+            await right.recv_mode(5)
+        await left.close()
+        with pytest.raises(PeerLost):  # closed: no mode comes
+            await right.recv_mode(5)
+        await right.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_broadcast_on_one_host_goes_through_shared_memory(shared):
+    with LocalCluster(4, chunk_size=MiB, shared_memory=shared) as c:
+        for r in range(2):
+            crc = c.run(0, t.put_pattern, f"shm-bcast-{r}", 64 * MiB + 5)
+            got = c.map(t.get_summary, [(f"shm-bcast-{r}",)] * 3, workers=range(1, 4))
+            assert all(g[0] == crc for g in got)
+            c.run(0, t.delete, f"shm-bcast-{r}")
+        pulls = c.map(t.local_pulls, [()] * 3, workers=range(1, 4))
+        if shared:
+            assert all(p >= 2 for p in pulls), pulls
+        else:
+            assert pulls == [0, 0, 0]
+        # Relays' buffers were read through their mappings, and each puller
+        # said it was done: the second round reuses them.
+        hits = c.map(t.pool_hits, [()] * 3, workers=range(1, 4))
+        assert all(h >= 1 for h in hits), hits
+
+
+def test_reduce_on_one_host_goes_through_shared_memory():
+    with LocalCluster(3, chunk_size=MiB) as c:
+        names = [f"shm-red-{i}" for i in range(3)]
+        n = 4 * MiB  # float32 elements: 16 MiB objects
+        c.map(t.put_float32, [(names[i], n, i) for i in range(3)], workers=range(3))
+        value, used = c.run(0, t.reduce_and_get, names, "sum", 3, "shm-red-out")
+        want = sum(np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(3))
+        np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-5)
+        assert sorted(used) == [0, 1, 2]
+        pulls = c.map(t.local_pulls, [()] * 3, workers=range(3))
+        assert sum(pulls) >= 2, pulls  # a chain's two hops, at least
+
+
+def test_a_shared_buffer_cannot_be_cut_short_under_its_mapping():
+    mapped = shm.shared_map(host_buffer(2 * MiB, shared=True))
+    with pytest.raises(PermissionError):  # sealed: a puller could otherwise SIGBUS us
+        os.ftruncate(mapped.fd, MiB)
+
+
+def test_shared_buffers_stop_at_their_share_of_descriptors(monkeypatch):
+    monkeypatch.setattr(shm, "_fd_budget", lambda: 2 * shm._live)  # no room for one more
+    assert shm.shared_buffer(2 * MiB) is None
+    assert shm.shared_map(host_buffer(2 * MiB, shared=True)) is None  # plain memory instead
+    assert host_buffer(2 * MiB, shared=True).nbytes == 2 * MiB
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_puller_uses_only_its_own_users_socket(monkeypatch, ours):
+    from hoplite_gpu.node import transfer
+
+    address = f"tcp://127.0.0.1:1{os.getpid() % 10000}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(shm.socket_name(address))
+    listener.listen(1)
+    # As if another user had bound the name first: we must not talk to it.
+    monkeypatch.setattr(shm, "same_user", lambda sock: ours)
+
+    async def main():
+        return await transfer._connect_local(address)
+
+    try:
+        stream = asyncio.run(main())
+        assert (stream is not None) == ours
+        if stream is not None:
+            asyncio.run(stream.close())
+    finally:
+        listener.close()
+    assert asyncio.run(transfer._connect_local("tcp://127.0.0.1:1")) is None  # nobody there

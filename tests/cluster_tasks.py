@@ -298,10 +298,12 @@ def object_exists_id(oid) -> bool:
 
 
 def local_pulls() -> int:
-    """Pulls this node made through a same-host sender's shared memory."""
+    """Pulls this node made through a same-host sender's shared memory
+    (copied from its mapping, or kept as a mapping of its complete copy)."""
     from hoplite_gpu import api
 
-    return api.runtime().node.pool.local_pulls
+    pool = api.runtime().node.pool
+    return pool.local_pulls + pool.local_maps
 
 
 def pool_hits() -> int:

@@ -31,9 +31,10 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
+from .pool import MIN_POOLED
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
-from .transfer import DataServer, PeerPool, fetch_range
+from .transfer import DataServer, PeerPool, fetch_range, map_object
 
 log = logging.getLogger("hoplite_gpu.node")
 
@@ -374,10 +375,15 @@ class Node:
                 # The directory thinks we hold it but we do not: correct it, ask again.
                 self._post({"op": "dropped", "oid": oid.binary})
                 continue
+            sender, address = reply["sender"], reply["address"]
             if obj is None or obj.error is not None:
+                obj = await self._map_from(oid, layout, address)
+                if obj is not None:  # the sender's complete copy, mapped: nothing to pull
+                    obj.reduce_tag = reply.get("reduce_tag")
+                    self._post(self._complete_msg(obj))
+                    return obj
                 obj = self.store.create(oid, layout)
             obj.reduce_tag = reply.get("reduce_tag")
-            sender, address = reply["sender"], reply["address"]
             try:
                 await self._fetch_from(obj, address)
             except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
@@ -395,6 +401,23 @@ class Node:
                 raise
             self._post(self._complete_msg(obj))
             return obj
+
+    async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:
+        """Keep a same-host sender's complete copy as ours, mapped read-only
+        (`transfer.map_object`): None where that cannot be (then pull)."""
+        if (not self.config.shared_memory or layout.nbytes < MIN_POOLED
+                or (layout.kind == "device" and device.gpu_present())):
+            return None
+        try:
+            mapped = await map_object(self.pool, address, oid, layout.nbytes, self.config)
+        except (HopliteError, OSError) as exc:  # the pull that follows meets it too, and fails over
+            log.info("mapping %s from %s failed: %s", oid.hex(), address, exc)
+            return None
+        if mapped is None:
+            return None
+        obj = self.store.create(oid, layout, np.frombuffer(mapped, dtype=np.uint8))
+        obj.advance(obj.size)
+        return obj
 
     async def _locate(self, oid: ObjectID, deadline: float) -> dict:
         try:

@@ -65,9 +65,13 @@ class BufferPool:
     def acquire(self, nbytes: int) -> np.ndarray:
         free = self._free.get(nbytes)
         if free:
-            self.hits += 1
-            self.pooled -= nbytes
-            return free.pop()
+            # Newest first; one that another process still reads is passed over
+            # (kept for later: its readers let go when they drop their copies).
+            for i in range(len(free) - 1, -1, -1):
+                if not shm.read_elsewhere(free[i]):
+                    self.hits += 1
+                    self.pooled -= nbytes
+                    return free.pop(i)
         return host_buffer(nbytes, self.shared)
 
     def release(self, buffer: np.ndarray) -> bool:
@@ -79,8 +83,8 @@ class BufferPool:
             return False
         if not _owns_its_memory(buffer) or not buffer.flags.writeable:
             return False
-        if shm.read_elsewhere(buffer):  # a puller on this host may still copy from it
-            return False
+        # One that another process on this host still reads (`shm`) is kept
+        # too, but handed out only once it no longer is (`acquire` checks).
         self._free.setdefault(n, []).append(buffer)
         self.pooled += n
         return True

@@ -51,6 +51,9 @@ class SharedMap(mmap.mmap):
     #: pullers that mapped it and have not said they are done: while any
     #: remain, the pool must not reuse it
     readers: int = 0
+    #: handed to a puller that keeps it as its own copy (mode ``M``): from
+    #: then on only `_exclusive` says whether the pool may reuse it
+    kept_elsewhere: bool = False
 
 
 #: Shared buffers alive in this process. Each holds two descriptors (the
@@ -111,9 +114,53 @@ def shared_map(buffer: Any) -> SharedMap | None:
 
 
 def read_elsewhere(buffer: Any) -> bool:
-    """Whether a puller may still be copying from `buffer`'s mapping."""
+    """Whether another process may still read `buffer`'s memory: a puller
+    still copying from it, or one that keeps a mapping of it as its copy."""
     mapped = shared_map(buffer)
-    return mapped is not None and mapped.readers > 0
+    if mapped is None:
+        return False
+    if mapped.readers > 0:
+        return True
+    return mapped.kept_elsewhere and not _exclusive(mapped.fd)
+
+
+def _exclusive(fd: int) -> bool:
+    """Whether no other process holds a mapping of this file as its copy:
+    each holds a shared flock on its own open file description for as long
+    as its mapping lives (`map_kept`), so ours can take an exclusive one."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def map_kept(fd: int, nbytes: int) -> SharedMap | None:
+    """Keep a passed descriptor's file as this process's read-only copy of an
+    object: reopened (our own open file description, so our lock is ours),
+    share-locked for as long as the mapping lives (the owner's pool does not
+    reuse the memory meanwhile), and mapped read-only. Closes `fd`. None if
+    the lock cannot be had at once (the owner is checking right now)."""
+    global _live
+    try:
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        os.close(fd)
+        return None
+    os.close(fd)
+    try:
+        fcntl.flock(own, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        if os.fstat(own).st_size < nbytes:
+            raise OSError("the passed file is shorter than the object")
+        mapped = SharedMap(own, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError:
+        os.close(own)
+        return None
+    mapped.fd = own
+    _live += 1
+    weakref.finalize(mapped, _freed, own)  # closing it drops the lock
+    return mapped
 
 
 def socket_name(address: str) -> bytes:
@@ -136,17 +183,18 @@ class LocalStream(TCPStream):
 
     local = True
 
-    async def send_mode(self, fd: int | None, timeout: float) -> None:
-        """b"F" with `fd` attached (the puller maps it), or b"B": bytes follow."""
+    async def send_mode(self, mode: bytes, fd: int | None, timeout: float) -> None:
+        """One mode byte (see `hoplite_gpu.node.transfer`), with `fd` attached
+        where given."""
         if fd is None:
-            await self.send(b"B")
+            await self.send(mode)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         while True:
             try:
-                self._sock.sendmsg([b"F"], rights)
+                self._sock.sendmsg([mode], rights)
                 return
             except (BlockingIOError, InterruptedError):
                 if loop.time() > deadline:
@@ -156,12 +204,17 @@ class LocalStream(TCPStream):
                 await self.close()
                 raise PeerLost(f"connection to {self.peer} failed: {exc}") from exc
 
-    async def recv_mode(self, timeout: float) -> int | None:
-        """The descriptor `send_mode` passed, or None where bytes follow."""
+    async def recv_mode(self, timeout: float) -> tuple[bytes, int | None]:
+        """The mode byte `send_mode` sent, and the descriptor if one came with it."""
         return await _recv_mode(self._sock, timeout, self.peer)
 
 
-async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> int | None:
+#: Mode bytes: F (a descriptor: copy what is announced), M (a descriptor of a
+#: complete object: keep it mapped), B (bytes follow), N (no mapping offered).
+MODES = {b"F": True, b"M": True, b"B": False, b"N": False}
+
+
+async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> tuple[bytes, int | None]:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
     loop.add_reader(sock, lambda: ready.done() or ready.set_result(None))
@@ -180,10 +233,8 @@ async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> int | No
         raise PeerLost(f"connection to {peer} failed: {exc}") from exc
     fds = [struct.unpack("i", data[:size])[0] for level, kind, data in anc
            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= size]
-    if msg == b"B" and not fds:
-        return None
-    if msg == b"F" and len(fds) == 1:
-        return fds[0]
+    if msg in MODES and len(fds) == int(MODES[msg]):
+        return msg, (fds[0] if fds else None)
     for fd in fds:
         os.close(fd)
     raise PeerLost(f"{peer} sent {msg!r} where a pull's mode belongs (connection closed?)")

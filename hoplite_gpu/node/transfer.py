@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -156,12 +157,15 @@ class DataServer:
         offset, end = field(req, "offset", int), field(req, "end", int)
         # A same-host puller asked for the mode byte first (see the module doc).
         moded = bool(req.get("shm")) and getattr(stream, "local", False)
+        if moded and req.get("map"):
+            await self._offer_map(stream, oid)
+            return
         try:
             # A reduce parent may ask before our own step has created its output.
             obj = await self.store.wait_for(oid, self.config.timeout_s)
         except HopliteError as exc:
             if moded:
-                await stream.send_mode(None, self.config.stall_timeout_s)
+                await stream.send_mode(b"B", None, self.config.stall_timeout_s)
             await send_error_frame(stream, type(exc).__name__, str(exc))
             return
         valid = 0 <= offset <= end <= obj.size
@@ -169,7 +173,8 @@ class DataServer:
         if moded:
             if mapped is not None:
                 mapped.readers += 1  # not reused until the puller says it is done
-            await stream.send_mode(None if mapped is None else mapped.fd,
+            await stream.send_mode(b"B" if mapped is None else b"F",
+                                   None if mapped is None else mapped.fd,
                                    self.config.stall_timeout_s)
         if not valid:
             await send_error_frame(stream, "ProtocolError",
@@ -186,6 +191,35 @@ class DataServer:
             serving.discard(task)
             if not serving and self._serving.get(oid) is serving:
                 del self._serving[oid]
+
+    async def _offer_map(self, stream: Stream, oid: ObjectID) -> None:
+        """Hand a same-host puller our complete copy of `oid` to keep mapped as
+        its own (mode ``M``), or say no (``N``): then it pulls as usual."""
+        try:
+            # We may be a receiver ourselves that has just been asked to relay:
+            # one that keeps a mapping creates its copy complete, at once.
+            # (Answered before the puller's own wait for the mode runs out.)
+            obj = await self.store.wait_for(oid, self.config.stall_timeout_s / 2)
+        except HopliteError:
+            obj = None
+        mapped = shm.shared_map(obj.buffer) if obj is not None and obj.complete else None
+        if mapped is None or len(mapped) < obj.size:
+            await stream.send_mode(b"N", None, self.config.stall_timeout_s)
+            return
+        # Until it says it holds its own lock, our count (and, if we are not
+        # the owner, our own lock: `obj` stays referenced) keeps the pages.
+        mapped.readers += 1
+        mapped.kept_elsewhere = True
+        await stream.send_mode(b"M", mapped.fd, self.config.stall_timeout_s)
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                msg = await recv_msg(stream)
+        except TimeoutError:
+            raise Timeout(f"{stream.peer} did not take the mapping within "
+                          f"{self.config.timeout_s:g}s") from None
+        if msg.get("op") != "kept":
+            raise ProtocolError(f"expected 'kept', got {msg.get('op')!r}")
+        mapped.readers -= 1
 
     async def _await_copied(self, stream: Stream, mapped: shm.SharedMap) -> None:
         """The puller copied every announced byte out of our mapping: the buffer
@@ -289,6 +323,8 @@ class PeerPool:
         #: pulls served through a same-host sender's mapping, and their bytes
         self.local_pulls = 0
         self.local_bytes = 0
+        #: objects kept as mappings of a same-host sender's copy (`map_object`)
+        self.local_maps = 0
 
     async def acquire(self, address: str, local: bool = True) -> Stream:
         """A connection to the peer at `address`: through this host's Unix
@@ -353,6 +389,40 @@ async def _connect_local(address: str) -> Stream | None:
     return shm.LocalStream(sock, f"{address} (same host)")
 
 
+async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
+                     config: Config) -> shm.SharedMap | None:
+    """A same-host sender's complete copy of `oid`, mapped read-only to keep
+    as ours (no byte copied), or None: the sender is elsewhere, has no
+    complete shared copy, or the mapping could not be had; then pull as usual."""
+    stream = await pool.acquire(address)
+    if not getattr(stream, "local", False):
+        pool.release(address, stream)
+        return None
+    ok = False
+    try:
+        await send_msg(stream, {"op": "pull", "oid": oid.binary, "offset": 0, "end": nbytes,
+                                "shm": True, "map": True})
+        mode, fd = await stream.recv_mode(config.stall_timeout_s)
+        if mode not in (b"M", b"N"):
+            if fd is not None:
+                os.close(fd)
+            raise ProtocolError(f"{address} answered a mapping request with mode {mode!r}")
+        mapped = None
+        if fd is not None:
+            mapped = shm.map_kept(fd, nbytes)
+            await send_msg(stream, {"op": "kept"})  # (failed or not: its count goes down)
+            if mapped is not None:
+                pool.local_maps += 1
+        ok = True
+        return mapped
+    finally:
+        if ok:
+            pool.release(address, stream)
+        else:
+            with contextlib.suppress(Exception):
+                await stream.close()
+
+
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                       config: Config, on_progress: Callable[[int], None]) -> None:
     """Pull bytes [obj.ready, end) of `obj` from the peer at `address` into its buffer.
@@ -370,7 +440,11 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end,
                                 **({"shm": True} if moded else {})})
         if moded:
-            fd = await stream.recv_mode(config.stall_timeout_s)
+            mode, fd = await stream.recv_mode(config.stall_timeout_s)
+            if mode not in (b"F", b"B"):
+                if fd is not None:
+                    os.close(fd)
+                raise ProtocolError(f"{address} answered a pull with mode {mode!r}")
             if fd is not None:
                 try:
                     mapped = shm.map_readonly(fd, end)

@@ -150,9 +150,17 @@ def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: in
                   f"({size / t_p2p / 1e9:.2f} GB/s)")
     console.print(f"broadcast to {n - 1} receivers: {t_b * 1e3:.1f} ms  ->  "
                   f"[bold]{t_b / t_p2p:.2f} x[/bold] point-to-point")
-    console.print("note: on one machine every hop costs CPU copies, so this ratio is bounded by "
-                  "the cores, not the schedule; `hoplite-gpu simulate` and `python -m benchmarks "
-                  "emulated` show the schedule on bandwidth-limited links (docs/cost-model.md)")
+    if api.runtime().config.shared_memory:
+        console.print("note: on one machine receivers keep the sender's pages mapped (shared "
+                      "memory) instead of moving bytes; HOPLITE_SHARED_MEMORY=0 sends every byte "
+                      "over TCP, as between hosts. `hoplite-gpu simulate` and `python -m "
+                      "benchmarks emulated` show the schedule on bandwidth-limited links "
+                      "(docs/cost-model.md)")
+    else:
+        console.print("note: on one machine every hop costs CPU copies, so this ratio is bounded "
+                      "by the cores, not the schedule; `hoplite-gpu simulate` and `python -m "
+                      "benchmarks emulated` show the schedule on bandwidth-limited links "
+                      "(docs/cost-model.md)")
     console.print("all copies byte-identical: " + ("[green]yes" if m["ok"] else "[red]NO"))
     return 0 if m["ok"] else 1
 

@@ -92,6 +92,41 @@ def test_a_kept_mapping_stops_the_owner_reusing_the_buffer():
     assert pool.acquire(2 * MiB) is owner
 
 
+def test_a_buffer_a_puller_never_confirmed_is_never_reused():
+    pool = BufferPool(64 * MiB, shared=True)
+    buf = pool.acquire(2 * MiB)
+    mapped = shm.shared_map(buf)
+    mapped.readers += 1
+    assert pool.release(buf)  # pooled while a puller copies from it
+    shm.abandon(mapped)  # and that puller never says it is done
+    del mapped
+    assert pool.acquire(2 * MiB) is not buf
+    assert pool.pooled == 0  # let go, not kept forever
+    assert not pool.release(buf)
+
+
+def test_kept_copies_stop_at_their_share_of_descriptors(monkeypatch):
+    owner = host_buffer(2 * MiB, shared=True)
+    monkeypatch.setattr(shm, "_fd_budget", lambda: 2 * shm._live)  # no room for one more
+    fd = os.dup(shm.shared_map(owner).fd)
+    assert shm.map_kept(fd, 2 * MiB) is None  # the puller copies instead
+    with pytest.raises(OSError):
+        os.fstat(fd)  # and the passed descriptor is closed
+
+
+def test_the_owner_reuses_its_buffer_once_receivers_let_go():
+    with LocalCluster(3, chunk_size=MiB) as c:
+        for r in range(3):
+            crc = c.run(0, t.put_pattern, f"shm-reuse-{r}", 16 * MiB)
+            got = c.map(t.get_summary, [(f"shm-reuse-{r}",)] * 2, workers=range(1, 3))
+            assert all(g[0] == crc for g in got)
+            c.run(0, t.delete, f"shm-reuse-{r}")
+        assert c.map(t.local_pulls, [()] * 2, workers=range(1, 3)) == [3, 3]
+        # The receivers kept mappings of worker 0's pages; deleted, their locks
+        # went, and worker 0's next put reused the buffer.
+        assert c.run(0, t.pool_hits) >= 1
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_broadcast_on_one_host_goes_through_shared_memory(shared):
     with LocalCluster(4, chunk_size=MiB, shared_memory=shared) as c:

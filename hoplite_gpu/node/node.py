@@ -377,12 +377,14 @@ class Node:
                 continue
             sender, address = reply["sender"], reply["address"]
             if obj is None or obj.error is not None:
-                obj = await self._map_from(oid, layout, address)
-                if obj is not None:  # the sender's complete copy, mapped: nothing to pull
-                    obj.reduce_tag = reply.get("reduce_tag")
-                    self._post(self._complete_msg(obj))
-                    return obj
-                obj = self.store.create(oid, layout)
+                mapped = await self._map_from(oid, layout, address)
+                if mapped is not None:  # the sender's complete copy, mapped: nothing to pull
+                    mapped.reduce_tag = reply.get("reduce_tag")
+                    self._post(self._complete_msg(mapped))
+                    return mapped
+                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
+                if obj is None or obj.error is not None:
+                    obj = self.store.create(oid, layout)
             obj.reduce_tag = reply.get("reduce_tag")
             try:
                 await self._fetch_from(obj, address)
@@ -415,6 +417,9 @@ class Node:
             return None
         if mapped is None:
             return None
+        existing = self.store.get(oid)
+        if existing is not None and existing.error is None:
+            return None  # made here while we asked (`receive_into`, a put): keep that one
         obj = self.store.create(oid, layout, np.frombuffer(mapped, dtype=np.uint8))
         obj.advance(obj.size)
         return obj

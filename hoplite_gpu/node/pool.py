@@ -66,9 +66,13 @@ class BufferPool:
         free = self._free.get(nbytes)
         if free:
             # Newest first; one that another process still reads is passed over
-            # (kept for later: its readers let go when they drop their copies).
+            # (kept for later: its readers let go when they drop their copies),
+            # and one handed to a puller that never confirmed is let go.
             for i in range(len(free) - 1, -1, -1):
-                if not shm.read_elsewhere(free[i]):
+                if shm.abandoned(free[i]):
+                    free.pop(i)
+                    self.pooled -= nbytes
+                elif not shm.read_elsewhere(free[i]):
                     self.hits += 1
                     self.pooled -= nbytes
                     return free.pop(i)
@@ -81,7 +85,7 @@ class BufferPool:
         # else (no user view, no memoryview being sent) refers to the buffer.
         if n < MIN_POOLED or self.pooled + n > self.budget or sys.getrefcount(buffer) > 3:
             return False
-        if not _owns_its_memory(buffer) or not buffer.flags.writeable:
+        if not _owns_its_memory(buffer) or not buffer.flags.writeable or shm.abandoned(buffer):
             return False
         # One that another process on this host still reads (`shm`) is kept
         # too, but handed out only once it no longer is (`acquire` checks).

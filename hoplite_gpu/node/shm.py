@@ -8,6 +8,11 @@ bytes are ready, and the puller copies them straight from the mapping into
 its own buffer: one memory copy per hop instead of a send and a receive
 through the kernel's socket buffers.
 
+A receiver that finds the sender's copy complete need not copy at all: it
+keeps a read-only mapping of the sender's pages as its own copy
+(`map_kept`), under a shared flock that tells the owner's pool the pages are
+still someone's (`read_elsewhere`).
+
 "Same host" means the same network namespace: abstract Unix sockets belong
 to one, so nodes in different namespaces (containers, the emulated hosts of
 `benchmarks/emulated.py`) never find each other this way and use their
@@ -54,6 +59,25 @@ class SharedMap(mmap.mmap):
     #: handed to a puller that keeps it as its own copy (mode ``M``): from
     #: then on only `_exclusive` says whether the pool may reuse it
     kept_elsewhere: bool = False
+    #: a mapping of another process's pages that we keep as our copy (`map_kept`)
+    kept: bool = False
+    #: a puller took it and never said it was done: never reused (`abandon`)
+    poisoned: bool = False
+
+
+#: Kept copies whose pullers never said they took their own lock: held (and
+#: our lock with them) until the process ends, so the owner never reuses
+#: pages that such a puller may still map.
+_abandoned: list[SharedMap] = []
+
+
+def abandon(mapped: SharedMap) -> None:
+    """A puller was handed `mapped` and did not confirm: it may still read
+    it, so it is never reused, and if it is a copy we keep of someone else's
+    pages, our lock on them stays too."""
+    mapped.poisoned = True
+    if mapped.kept and mapped not in _abandoned:
+        _abandoned.append(mapped)
 
 
 #: Shared buffers alive in this process. Each holds two descriptors (the
@@ -119,9 +143,17 @@ def read_elsewhere(buffer: Any) -> bool:
     mapped = shared_map(buffer)
     if mapped is None:
         return False
-    if mapped.readers > 0:
+    if mapped.kept or mapped.poisoned or mapped.readers > 0:
+        # (never an exclusive lock on a kept copy's descriptor: failing, it
+        # would drop our shared one)
         return True
     return mapped.kept_elsewhere and not _exclusive(mapped.fd)
+
+
+def abandoned(buffer: Any) -> bool:
+    """Whether `buffer` went to a puller that never confirmed (`abandon`)."""
+    mapped = shared_map(buffer)
+    return mapped is not None and mapped.poisoned
 
 
 def _exclusive(fd: int) -> bool:
@@ -141,8 +173,12 @@ def map_kept(fd: int, nbytes: int) -> SharedMap | None:
     object: reopened (our own open file description, so our lock is ours),
     share-locked for as long as the mapping lives (the owner's pool does not
     reuse the memory meanwhile), and mapped read-only. Closes `fd`. None if
-    the lock cannot be had at once (the owner is checking right now)."""
+    the lock cannot be had at once (the owner is checking right now) or this
+    process holds its share of descriptors (two per kept copy)."""
     global _live
+    if 2 * (_live + 1) > _fd_budget():
+        os.close(fd)
+        return None
     try:
         own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -158,8 +194,9 @@ def map_kept(fd: int, nbytes: int) -> SharedMap | None:
         os.close(own)
         return None
     mapped.fd = own
+    mapped.kept = True
     _live += 1
-    weakref.finalize(mapped, _freed, own)  # closing it drops the lock
+    weakref.finalize(mapped, _freed, own)  # closing it (and mmap's own) drops the lock
     return mapped
 
 

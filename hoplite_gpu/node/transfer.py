@@ -170,24 +170,28 @@ class DataServer:
             return
         valid = 0 <= offset <= end <= obj.size
         mapped = shm.shared_map(obj.buffer) if moded and valid else None
-        if moded:
-            if mapped is not None:
-                mapped.readers += 1  # not reused until the puller says it is done
-            await stream.send_mode(b"B" if mapped is None else b"F",
-                                   None if mapped is None else mapped.fd,
-                                   self.config.stall_timeout_s)
-        if not valid:
-            await send_error_frame(stream, "ProtocolError",
-                                   f"range [{offset}, {end}) outside object of {obj.size} bytes")
-            return
+        if mapped is not None:
+            mapped.readers += 1  # not reused until the puller says it is done
+        done = False
         task = asyncio.current_task()
         serving = self._serving.setdefault(oid, set())
         serving.add(task)
         try:
+            if moded:
+                await stream.send_mode(b"B" if mapped is None else b"F",
+                                       None if mapped is None else mapped.fd,
+                                       self.config.stall_timeout_s)
+            if not valid:
+                await send_error_frame(stream, "ProtocolError",
+                                       f"range [{offset}, {end}) outside object of {obj.size} bytes")
+                return
             sent = await self._stream_range(stream, obj, offset, end, announce=mapped is not None)
             if sent and mapped is not None:
-                await self._await_copied(stream, mapped)
+                await self._await_ack(stream, "copied")
+                done = True
         finally:
+            if mapped is not None:
+                _settle(mapped, done)
             serving.discard(task)
             if not serving and self._serving.get(oid) is serving:
                 del self._serving[oid]
@@ -210,31 +214,26 @@ class DataServer:
         # the owner, our own lock: `obj` stays referenced) keeps the pages.
         mapped.readers += 1
         mapped.kept_elsewhere = True
-        await stream.send_mode(b"M", mapped.fd, self.config.stall_timeout_s)
+        done = False
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                msg = await recv_msg(stream)
-        except TimeoutError:
-            raise Timeout(f"{stream.peer} did not take the mapping within "
-                          f"{self.config.timeout_s:g}s") from None
-        if msg.get("op") != "kept":
-            raise ProtocolError(f"expected 'kept', got {msg.get('op')!r}")
-        mapped.readers -= 1
+            await stream.send_mode(b"M", mapped.fd, self.config.stall_timeout_s)
+            await self._await_ack(stream, "kept")
+            done = True
+        finally:
+            _settle(mapped, done)
 
-    async def _await_copied(self, stream: Stream, mapped: shm.SharedMap) -> None:
-        """The puller copied every announced byte out of our mapping: the buffer
-        may be reused. (On any failure it stays counted, so never reused.)"""
-        # The last announcement may cover the whole object: copying it can take
-        # far longer than a stall, so the puller gets the call deadline.
+    async def _await_ack(self, stream: Stream, op: str) -> None:
+        """The puller's word that it no longer reads our mapping (``copied``) or
+        holds its own lock on the pages (``kept``). Copying a whole object can
+        take far longer than a stall, so it gets the call deadline."""
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 msg = await recv_msg(stream)
         except TimeoutError:
-            raise Timeout(f"{stream.peer} did not finish copying within "
+            raise Timeout(f"{stream.peer} did not say {op!r} within "
                           f"{self.config.timeout_s:g}s") from None
-        if msg.get("op") != "copied":
-            raise ProtocolError(f"expected 'copied', got {msg.get('op')!r}")
-        mapped.readers -= 1
+        if msg.get("op") != op:
+            raise ProtocolError(f"expected {op!r}, got {msg.get('op')!r}")
 
     async def release(self, oid: ObjectID, timeout: float) -> None:
         """Return once no pull of `oid` is being served any more. Call it after
@@ -389,6 +388,14 @@ async def _connect_local(address: str) -> Stream | None:
     return shm.LocalStream(sock, f"{address} (same host)")
 
 
+def _settle(mapped: shm.SharedMap, done: bool) -> None:
+    """A puller we handed `mapped` to is done with it, or never said so."""
+    if done:
+        mapped.readers -= 1
+    else:
+        shm.abandon(mapped)
+
+
 async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
                      config: Config) -> shm.SharedMap | None:
     """A same-host sender's complete copy of `oid`, mapped read-only to keep
@@ -410,9 +417,12 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
         mapped = None
         if fd is not None:
             mapped = shm.map_kept(fd, nbytes)
-            await send_msg(stream, {"op": "kept"})  # (failed or not: its count goes down)
             if mapped is not None:
                 pool.local_maps += 1
+            try:  # (failed or not: its count goes down)
+                await send_msg(stream, {"op": "kept"})
+            except HopliteError:  # the sender went away: what we keep stays valid
+                return mapped
         ok = True
         return mapped
     finally:

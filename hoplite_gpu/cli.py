@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import platform
 import signal
 import sys
@@ -96,6 +97,7 @@ def _info(args: argparse.Namespace) -> int:
 
             detail = f" ({describe()})"
         print(f"transport {scheme}: usable{detail}")
+    print(f"shared memory between nodes of this host: {_shared_memory_summary(config)}")
     try:
         import cupy  # noqa: F401
         print("cupy: installed")
@@ -103,6 +105,22 @@ def _info(args: argparse.Namespace) -> int:
         print("cupy: not installed (device arrays need pip install 'hoplite-gpu[gpu]')")
     print(_gpu_summary())
     return 0
+
+
+def _shared_memory_summary(config: Config) -> str:
+    from .node import shm
+
+    if not config.shared_memory:
+        return "off (HOPLITE_SHARED_MEMORY=0): every byte goes over the transport"
+    buf = shm.shared_buffer(1 << 20)
+    if buf is None:
+        return "not usable here (no memfd, or no file descriptors left): bytes go over the transport"
+    fd = os.dup(shm.shared_map(buf).fd)
+    kept = shm.map_kept(fd, 1 << 20)
+    if kept is None:
+        return ("usable, but receivers copy (cannot reopen a passed descriptor through "
+                "/proc/self/fd, or lock it)")
+    return "usable (receivers keep read-only mappings of complete copies)"
 
 
 def _gpu_summary() -> str:

@@ -72,6 +72,7 @@ def test_info_command_runs_here():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "GPUs:" in out.stdout and "transport tcp: usable" in out.stdout
+    assert "shared memory between nodes of this host: " in out.stdout
     if "transport ucx: usable" in out.stdout and "UCXPY_PROGRESS_MODE" not in os.environ:
         # the default UCX progress mode, and what it costs
         assert "progress: blocking (each process keeps a core busy" in out.stdout

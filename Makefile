@@ -34,7 +34,7 @@ test: setup
 	@# tests again with it off, so their bytes cross the transports: TCP, then
 	@# UCX where ucxx is installed (UCX over TCP here; README "Tests and benchmarks").
 	@echo "== again with HOPLITE_SHARED_MEMORY=0 (bytes over TCP)"
-	HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS)
+	HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS) tests/test_chaos.py
 	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
 	    echo "== again with HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0"; \
 	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS); \

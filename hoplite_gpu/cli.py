@@ -112,6 +112,8 @@ def _shared_memory_summary(config: Config) -> str:
 
     if not config.shared_memory:
         return "off (HOPLITE_SHARED_MEMORY=0): every byte goes over the transport"
+    if not shm.usable():
+        return "not available on this platform (Linux only): every byte goes over the transport"
     buf = shm.shared_buffer(1 << 20)
     if buf is None:
         return "not usable here (no memfd, or no file descriptors left): bytes go over the transport"

@@ -150,7 +150,7 @@ def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: in
                   f"({size / t_p2p / 1e9:.2f} GB/s)")
     console.print(f"broadcast to {n - 1} receivers: {t_b * 1e3:.1f} ms  ->  "
                   f"[bold]{t_b / t_p2p:.2f} x[/bold] point-to-point")
-    if api.runtime().config.shared_memory:
+    if api.runtime().node.config.shared_memory:
         console.print("note: on one machine receivers keep the sender's pages mapped (shared "
                       "memory) instead of moving bytes; HOPLITE_SHARED_MEMORY=0 sends every byte "
                       "over TCP, as between hosts. `hoplite-gpu simulate` and `python -m "

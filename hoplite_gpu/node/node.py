@@ -31,6 +31,7 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
+from . import shm
 from .pool import MIN_POOLED
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
@@ -59,6 +60,8 @@ class Node:
         self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
             f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
+            config = self.config = config.replace(shared_memory=False)
         self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)

@@ -38,6 +38,7 @@ import os
 import resource
 import socket
 import struct
+import sys
 import weakref
 from typing import Any
 
@@ -47,6 +48,13 @@ from hoplite_gpu.errors import PeerLost, Timeout
 from hoplite_gpu.transports.tcp import TCPStream
 
 _NAME = "hoplite-gpu-data "
+
+
+def usable() -> bool:
+    """Whether this platform has what sharing needs: memfd, abstract Unix
+    sockets, SO_PEERCRED and /proc/self/fd (Linux)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+            and hasattr(socket, "SO_PEERCRED"))
 
 
 class SharedMap(mmap.mmap):

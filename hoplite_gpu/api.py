@@ -148,6 +148,17 @@ def object_info(object_id: ObjectID) -> dict[str, Any]:
     return rt.call(rt.node.query(as_object_id(object_id)), rt.config.timeout_s)
 
 
+def node_stats() -> dict[str, Any]:
+    """This process's node counters: `objects` held; `shared_memory` (on
+    here?); `kept_mappings` (objects kept as read-only mappings of a
+    same-host sender's copy), `copied_from_mappings` and
+    `bytes_copied_from_mappings` (pulls copied out of a same-host sender's
+    mapping); `pool_hits` and `pooled_bytes` (buffer reuse); `failovers`
+    (recent pulls that resumed at another sender, the last 1000 at most)."""
+    rt = runtime()
+    return rt.call(rt.node.stats(), rt.config.timeout_s)
+
+
 def node_id() -> str:
     """This process's node id, as it appears in `object_info`."""
     return runtime().node.node_id

@@ -300,14 +300,10 @@ def object_exists_id(oid) -> bool:
 def local_pulls() -> int:
     """Pulls this node made through a same-host sender's shared memory
     (copied from its mapping, or kept as a mapping of its complete copy)."""
-    from hoplite_gpu import api
-
-    pool = api.runtime().node.pool
-    return pool.local_pulls + pool.local_maps
+    stats = hg.node_stats()
+    return stats["kept_mappings"] + stats["copied_from_mappings"]
 
 
 def pool_hits() -> int:
     """Buffers this node's pool handed out again."""
-    from hoplite_gpu import api
-
-    return api.runtime().node.store.pool.hits
+    return hg.node_stats()["pool_hits"]

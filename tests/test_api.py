@@ -293,3 +293,15 @@ def test_config_names_the_allreduce_slicing_choices(monkeypatch):
         hg.Config.from_env()
     monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "auto")
     assert hg.Config.from_env().allreduce_slicing == "auto"
+
+
+def test_node_stats_counts_what_this_node_holds(local):
+    before = hg.node_stats()
+    assert set(before) == {"objects", "shared_memory", "kept_mappings", "copied_from_mappings",
+                           "bytes_copied_from_mappings", "pool_hits", "pooled_bytes", "failovers"}
+    oid = hg.put(np.zeros(2 << 20, dtype=np.uint8))
+    assert hg.node_stats()["objects"] == before["objects"] + 1
+    hg.delete(oid)
+    after = hg.node_stats()
+    assert after["objects"] == before["objects"]
+    assert after["pooled_bytes"] >= before["pooled_bytes"]  # its buffer kept for reuse

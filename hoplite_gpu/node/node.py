@@ -526,6 +526,15 @@ class Node:
         self.store.remove(oid, reason)
         self._post({"op": "dropped", "oid": oid.binary})
 
+    async def stats(self) -> dict[str, Any]:
+        """This node's counters (see `api.node_stats`)."""
+        return {"objects": len(self.store), "shared_memory": self.config.shared_memory,
+                "kept_mappings": self.pool.local_maps,
+                "copied_from_mappings": self.pool.local_pulls,
+                "bytes_copied_from_mappings": self.pool.local_bytes,
+                "pool_hits": self.store.pool.hits, "pooled_bytes": self.store.pool.pooled,
+                "failovers": len(self.failovers)}
+
     async def query(self, oid: ObjectID) -> dict:
         return await self._request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
 

@@ -190,3 +190,44 @@ def test_a_puller_uses_only_its_own_users_socket(monkeypatch, ours):
     finally:
         listener.close()
     assert asyncio.run(transfer._connect_local("tcp://127.0.0.1:1")) is None  # nobody there
+
+
+def test_a_puller_that_vanishes_with_the_descriptor_leaves_the_buffer_unreused():
+    from hoplite_gpu.auth import client_handshake, new_token
+    from hoplite_gpu.config import Config
+    from hoplite_gpu.ids import ObjectID
+    from hoplite_gpu.node import transfer
+    from hoplite_gpu.node.store import ChunkStore
+    from hoplite_gpu.protocol import send_msg
+    from hoplite_gpu.values import to_buffer
+
+    async def main():
+        token = new_token()
+        store = ChunkStore(64 * MiB, shared=True)
+        server = transfer.DataServer(store, token, Config.from_env({}, timeout_s=2.0))
+        await server.start()
+        server.listen_local(server.address)
+        src, layout = to_buffer(np.full(2 * MiB, 5, dtype=np.uint8))
+        oid = ObjectID.random()
+        obj = store.create(oid, layout)
+        obj.buffer[:] = np.frombuffer(src, dtype=np.uint8)
+        obj.advance(obj.size)
+        mapped = shm.shared_map(obj.buffer)
+        stream = await transfer._connect_local(server.address)
+        await client_handshake(stream, token, 5)
+        await send_msg(stream, {"op": "pull", "oid": oid.binary, "offset": 0, "end": obj.size,
+                                "shm": True, "map": True})
+        mode, fd = await stream.recv_mode(5)
+        assert mode == b"M"
+        await stream.close()  # gone before saying it holds its own lock
+        for _ in range(200):
+            if mapped.poisoned:
+                break
+            await asyncio.sleep(0.01)
+        assert mapped.poisoned  # it may still map these pages: never reused
+        store.remove(oid)
+        assert store.pool.pooled == 0
+        os.close(fd)
+        await server.close()
+
+    asyncio.run(main())

@@ -37,7 +37,9 @@ test: setup
 	HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS) tests/test_chaos.py
 	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
 	    echo "== again with HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0"; \
-	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS); \
+	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS) && \
+	    echo "== shared memory beside UCX" && \
+	    HOPLITE_TRANSPORT=ucx $(BIN)/python -m pytest -q tests/test_shm.py; \
 	else echo "ucxx not installed: the UCX pass is skipped"; fi
 
 test-fast: setup

@@ -58,50 +58,73 @@ def _decode(stream: Stream, body: bytes | memoryview) -> dict[str, Any]:
     return msg
 
 
-class MessageReader:
-    """Whole messages from one stream. On a byte stream (TCP) one receive takes
-    whatever has arrived, often several messages, into a buffer; a control
-    connection then costs one system call and one loop wake-up per burst
-    instead of two per message. Other streams read one message at a time."""
+async def read_messages(stream: Stream, on_message: Callable[[dict[str, Any]], None],
+                        size: int = 64 * 1024) -> None:
+    """Hand every message from `stream` to `on_message`, in order, until the
+    stream ends: raises TransportClosed then, ProtocolError for a bad message,
+    or what `on_message` raised. On a byte stream (TCP) one receive takes
+    whatever has arrived, often several messages, and the messages are handed
+    over from the receive itself: a control connection costs one system call
+    per burst, and no task wake-up. Other streams are read one message at a time."""
+    if not stream.partial_receive:
+        while True:
+            on_message(await recv_msg(stream))
+    framer = _Framer(stream, on_message, size)
+    await stream.receive_continuously(framer.space, framer.received)
 
-    def __init__(self, stream: Stream, size: int = 64 * 1024) -> None:
+
+class _Framer:
+    """Cuts received bytes into messages. The buffer grows for a message larger
+    than it and shrinks back once that message is out."""
+
+    def __init__(self, stream: Stream, on_message: Callable[[dict[str, Any]], None],
+                 size: int) -> None:
         self._stream = stream
-        self._buf = bytearray(size if stream.partial_receive else 0)
+        self._on_message = on_message
+        self._size = size
+        self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
 
-    async def recv(self) -> dict[str, Any]:
-        if not self._stream.partial_receive:
-            return await recv_msg(self._stream)
-        while True:
-            have = self._end - self._start
-            need = _LEN.size  # bytes of the next message's length, then of the whole message
-            if have >= _LEN.size:
-                (n,) = _LEN.unpack_from(self._buf, self._start)
-                _check_length(self._stream, n)
-                need += n
-                if have >= need:
-                    at = self._start + _LEN.size
-                    self._start = at + n
-                    return _decode(self._stream, self._view[at:at + n])
-                if need > len(self._buf):
-                    return await self._recv_large(n)
-            if self._start == self._end:
-                self._start = self._end = 0
-            elif self._start + need > len(self._buf):  # would not fit: move it to the front
+    def space(self) -> memoryview:
+        return self._view[self._end:]
+
+    def received(self, n: int) -> None:
+        self._end += n
+        need = _LEN.size  # bytes of the next message's length, then of the whole message
+        while self._end - self._start >= _LEN.size:
+            (body,) = _LEN.unpack_from(self._buf, self._start)
+            _check_length(self._stream, body)
+            need = _LEN.size + body
+            if self._end - self._start < need:
+                break
+            at = self._start + _LEN.size
+            self._start = at + body
+            msg = _decode(self._stream, self._view[at:self._start])
+            need = _LEN.size
+            self._on_message(msg)
+        self._make_room(need)
+
+    def _make_room(self, need: int) -> None:
+        """Room from `_start` for `need` bytes: the next message, whole."""
+        have = self._end - self._start
+        if have == 0:
+            self._start = self._end = 0
+            if len(self._buf) > self._size:
+                self._resize(self._size)
+        elif self._start + need > len(self._buf):
+            if need > len(self._buf):
+                self._resize(need)
+            else:  # move it to the front
                 self._buf[:have] = self._buf[self._start:self._end]
                 self._start, self._end = 0, have
-            self._end += await self._stream.recv_some(self._view[self._end:])
 
-    async def _recv_large(self, n: int) -> dict[str, Any]:
-        """A message larger than the buffer: what has arrived, then the rest in place."""
-        body = bytearray(n)
-        at = self._start + _LEN.size
-        got = self._end - at
-        body[:got] = self._buf[at:self._end]
-        self._start = self._end = 0
-        await self._stream.recv_into(memoryview(body)[got:])
-        return _decode(self._stream, body)
+    def _resize(self, size: int) -> None:
+        have = self._end - self._start
+        buf = bytearray(size)
+        buf[:have] = self._buf[self._start:self._end]
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, have
 
 
 class Outbox:
@@ -210,6 +233,6 @@ def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
 
 
 __all__ = [
-    "FRAME", "FRAME_DATA", "FRAME_ERROR", "MessageReader", "Outbox", "TransportClosed", "field", "pack", "recv_error_body",
-    "recv_frame_header", "recv_msg", "send_error_frame", "send_msg",
+    "FRAME", "FRAME_DATA", "FRAME_ERROR", "Outbox", "TransportClosed", "field", "pack", "recv_error_body",
+    "read_messages", "recv_frame_header", "recv_msg", "send_error_frame", "send_msg",
 ]

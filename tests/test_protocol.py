@@ -1,4 +1,4 @@
-"""Control-connection framing: MessageReader (many messages per receive) and
+"""Control-connection framing: read_messages (many messages per receive) and
 Outbox (write at once, queue the rest, keep the order), on a scripted stream
 whose receive and send sizes the test chooses, and over every real transport."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import tests.transport_checks as tc
 from hoplite_gpu.errors import ProtocolError, TransportClosed
-from hoplite_gpu.protocol import MAX_MESSAGE, MessageReader, Outbox, pack
+from hoplite_gpu.protocol import MAX_MESSAGE, Outbox, pack, read_messages
 from hoplite_gpu.transports import Stream, get_backend
 
 
@@ -71,10 +71,15 @@ def _msgs(n: int, size: int = 10) -> list[dict]:
 
 
 def _read_all(stream: Stream, count: int, size: int = 64 * 1024) -> list[dict]:
+    """Every message until the scripted stream ends, which must be after `count`."""
+    got: list[dict] = []
+
     async def go():
-        reader = MessageReader(stream, size)
-        return [await reader.recv() for _ in range(count)]
-    return asyncio.run(go())
+        with pytest.raises(TransportClosed):
+            await read_messages(stream, got.append, size)
+    asyncio.run(go())
+    assert len(got) == count
+    return got
 
 
 def test_a_burst_of_messages_is_one_receive():
@@ -110,14 +115,23 @@ def test_an_oversized_or_undecodable_message_is_a_protocol_error():
 
 def test_a_stream_that_ends_mid_message_is_closed():
     data = pack({"a": 1}) + pack({"b": b"x" * 100})[:50]
-    stream = Scripted(data)
+    assert _read_all(Scripted(data), 1) == [{"a": 1}]
+
+
+def test_the_handlers_error_ends_the_reading_and_reaches_the_caller():
+    stream = Scripted(b"".join(pack(m) for m in _msgs(5)))
+    seen = []
+
+    def handle(msg):
+        seen.append(msg["i"])
+        if msg["i"] == 2:
+            raise KeyError("boom")
 
     async def go():
-        reader = MessageReader(stream)
-        assert await reader.recv() == {"a": 1}
-        with pytest.raises(TransportClosed):
-            await reader.recv()
+        with pytest.raises(KeyError, match="boom"):
+            await read_messages(stream, handle)
     asyncio.run(go())
+    assert seen == [0, 1, 2]
 
 
 @pytest.mark.parametrize("takes", [None, 0, 1, 13])
@@ -176,25 +190,32 @@ def test_reader_and_outbox_over_a_real_transport(scheme):
         echoed = asyncio.get_running_loop().create_future()
 
         async def handler(stream):
-            reader = MessageReader(stream)
             out = Outbox(stream, lambda exc: None)
-            for _ in msgs:
-                out.post(await reader.recv())
+            echo = asyncio.get_running_loop().create_task(read_messages(stream, out.post))
+            await asyncio.sleep(0)
+            await echoed
+            echo.cancel()
             out.finish()
             await out.drain(10)
-            echoed.set_result(True)
             await asyncio.sleep(1)
 
         listener = await backend.listen(tc.HOST, 0, handler)
         try:
             stream = await backend.connect(listener.address, tc.CONNECT_TIMEOUT)
             out = Outbox(stream, lambda exc: None)
-            reader = MessageReader(stream)
+            got: list[dict] = []
+
+            def collect(msg):
+                got.append(msg)
+                if len(got) == len(msgs):
+                    echoed.set_result(True)
+            reading = asyncio.get_running_loop().create_task(read_messages(stream, collect))
             for m in msgs:
                 out.post(m)
             async with asyncio.timeout(30):
-                got = [await reader.recv() for _ in msgs]
                 await echoed
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
             await out.close()
             await stream.close()
             return got

@@ -50,6 +50,16 @@ class Stream(abc.ABC):
         return how many. Only byte streams (`partial_receive`) implement it."""
         raise NotImplementedError(f"{type(self).__name__} receives whole messages only")
 
+    async def receive_continuously(self, space: Callable[[], memoryview],
+                                   received: Callable[[int], None]) -> None:
+        """Until the stream ends, receive what has arrived into `space()` and
+        call `received(n)` with how many bytes that was. Never returns: raises
+        TransportClosed at the end, or what `received` raised. Byte streams
+        only; this default loops on `recv_some`, and a stream may instead call
+        `received` straight from its readiness callback (TCP does)."""
+        while True:
+            received(await self.recv_some(space()))
+
     def send_nowait(self, data: bytes | memoryview) -> int:
         """Send what the stream takes at once, without waiting; return how many
         bytes that was (0: none, or this stream cannot; send the rest with

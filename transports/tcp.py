@@ -141,21 +141,47 @@ class TCPStream(Stream):
             if fd is not None and not self._closed:
                 loop.remove_reader(fd)
 
-    async def recv_some(self, buffer: memoryview) -> int:
+    async def receive_continuously(self, space: Callable[[], memoryview],
+                                   received: Callable[[int], None]) -> None:
+        """A reader callback that stays registered for the stream's life: each
+        burst costs one receive and a call of `received` from the loop itself,
+        where a task awaiting each receive also pays a wake-up, a future and
+        two epoll_ctl calls."""
         if self._closed:
             raise self._lost(None, "receive")
         self._set_lowat(1)
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        failed: list[BaseException] = []  # what `received` raised: the caller's, not ours
+        sock = self._sock
+
+        def readable() -> None:
+            if ended.done():
+                return
+            try:
+                n = sock.recv_into(space())
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, ValueError) as exc:
+                ended.set_exception(exc)
+                return
+            if n == 0:
+                ended.set_exception(ConnectionResetError("the peer closed the connection"))
+                return
+            try:
+                received(n)
+            except BaseException as exc:  # noqa: BLE001 - raised to the caller below
+                failed.append(exc)
+                ended.set_result(None)
+
+        fd = sock.fileno()
+        loop.add_reader(fd, readable)
         try:
-            n = self._sock.recv_into(buffer)  # most often something is there already
-        except (BlockingIOError, InterruptedError):
-            n = await self._wait_recv(buffer)
-        except (OSError, ValueError) as exc:
-            await self.close()
-            raise self._lost(exc, "receive") from exc
-        if n == 0:
-            await self.close()
-            raise TransportClosed(f"connection to {self.peer} ended")
-        return n
+            await self._guarded("receive", ended)  # errors become TransportClosed
+        finally:
+            if not self._closed:
+                loop.remove_reader(fd)
+        raise failed[0]
 
     async def _wait_recv(self, view: memoryview) -> int:
         """One receive through the loop (0: the peer closed)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
-from hoplite_gpu.protocol import MessageReader, Outbox, recv_msg, send_msg
+from hoplite_gpu.protocol import Outbox, read_messages, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from .wire import raise_for_error
@@ -97,19 +97,19 @@ class DirectoryClient:
             self._outbox.post(msg)
 
     async def _read_loop(self) -> None:
-        reader = MessageReader(self._stream)
         try:
-            while True:
-                msg = await reader.recv()
-                rid = msg.pop("rid", None)
-                if rid is not None:
-                    fut = self._pending.pop(rid, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
-                else:
-                    self._on_push(msg)
+            await read_messages(self._stream, self._received)
         except HopliteError as exc:
             self._fail(exc)
+
+    def _received(self, msg: dict[str, Any]) -> None:
+        rid = msg.pop("rid", None)
+        if rid is not None:
+            fut = self._pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            self._on_push(msg)
 
     def _fail(self, exc: BaseException) -> None:
         if self._lost is None:

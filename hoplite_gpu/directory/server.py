@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from hoplite_gpu.auth import server_handshake
 from hoplite_gpu.errors import HopliteError, ProtocolError
-from hoplite_gpu.protocol import MessageReader, Outbox, field, recv_msg, send_msg
+from hoplite_gpu.protocol import Outbox, field, read_messages, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend
 
 from . import state
@@ -149,25 +150,25 @@ class DirectoryServer:
             await peer.outbox.close()
 
     async def _read_loop(self, peer: _Peer) -> None:
-        reader = MessageReader(peer.stream)
-        while True:
-            msg = await reader.recv()
-            op = msg.get("op")
-            if op == "ping":
-                self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
-                if "rid" in msg:
-                    peer.outbox.post({"rid": msg["rid"], "ok": True})
-                continue
-            if op == "nodes":
-                peer.outbox.post({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
-                continue
-            try:
-                event = to_event(peer.node, msg)
-            except ProtocolError as exc:
-                peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
-                continue
-            if event is None:
-                peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError",
-                                        "message": f"unknown op {op!r}"})
-                continue
-            self.apply(event)
+        await read_messages(peer.stream, functools.partial(self._received, peer))
+
+    def _received(self, peer: _Peer, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "ping":
+            self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
+            if "rid" in msg:
+                peer.outbox.post({"rid": msg["rid"], "ok": True})
+            return
+        if op == "nodes":
+            peer.outbox.post({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
+            return
+        try:
+            event = to_event(peer.node, msg)
+        except ProtocolError as exc:
+            peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
+            return
+        if event is None:
+            peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError",
+                              "message": f"unknown op {op!r}"})
+            return
+        self.apply(event)

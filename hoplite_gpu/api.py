@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from .config import Config
+from .device import AS_CHOICES
 from .errors import InvalidArgument, NotInitialized
 from .ids import ObjectID, as_object_id
 from .runtime import Runtime
@@ -85,8 +86,6 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
 
 
 def _check_array_type(array_type: str) -> None:
-    from .device import AS_CHOICES
-
     if array_type not in AS_CHOICES:
         raise InvalidArgument(f"array_type must be one of {AS_CHOICES}; got {array_type!r}")
 

@@ -45,6 +45,27 @@ class _Retry(HopliteError):
     get waited on ran to the deadline of a less patient get)."""
 
 
+class _Expired(Exception):
+    """Internal: a future's deadline passed (`_until`)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
+async def _until(fut: asyncio.Future, deadline: float) -> Any:
+    """Await `fut`, which fails with _Expired at `deadline` (time.monotonic()).
+    A timer on the future itself: on every get's path, where asyncio.timeout
+    would also look up and cancel the task, and undo that."""
+    timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
+                                                  _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
 #: Reduces this node asked for that it re-asks a restarted directory, at most.
@@ -305,16 +326,16 @@ class Node:
         waiters.append(waiter)
         try:
             # A little later than the pull's own deadline, so its more precise error wins.
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 0.25):
-                return await waiter
+            return await _until(waiter, deadline + 0.25)
         except Timeout:
             if time.monotonic() < deadline - 0.01:
                 raise _Retry from None  # the pull ran to the deadline of a less patient get
             raise  # the pull's own, more precise deadline error
-        except TimeoutError:
+        except _Expired:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
         finally:
-            if not waiter.done() or waiter.cancelled():  # this get gave up
+            if (not waiter.done() or waiter.cancelled()
+                    or isinstance(waiter.exception(), _Expired)):  # this get gave up
                 waiters.remove(waiter)
                 if not waiters and self._pull_waiters.get(oid) is waiters:
                     # the last one: nobody wants this pull any more
@@ -324,15 +345,16 @@ class Node:
     async def _run_pull(self, oid: ObjectID, deadline: float) -> StoredObject:
         """The pull, waking its waiters in the same step it ends in (no extra
         loop iteration for a done-callback)."""
+        me = asyncio.current_task()
         try:
             obj = await self._pull(oid, deadline)
         except asyncio.CancelledError:
-            self._pull_ended(oid, asyncio.current_task(), self._abandoned(oid))
+            self._pull_ended(oid, me, self._abandoned(oid))
             raise
         except BaseException as exc:
-            self._pull_ended(oid, asyncio.current_task(), exc)
+            self._pull_ended(oid, me, exc)
             raise
-        self._pull_ended(oid, asyncio.current_task(), result=obj)
+        self._pull_ended(oid, me, result=obj)
         return obj
 
     def _abandoned(self, oid: ObjectID) -> BaseException:
@@ -447,12 +469,10 @@ class Node:
             assert client is not None
             rid = client.next_id()
             try:
-                fut = client.start(msg, rid)
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    return raise_for_error(await fut)
+                return raise_for_error(await _until(client.start(msg, rid), deadline))
             except DirectoryUnavailable:
                 await self._wait_connected(deadline)  # then ask the new directory
-            except TimeoutError:
+            except _Expired:
                 client.forget(rid)
                 client.post({"op": "cancel", "request": rid})
                 raise Timeout(max(0.0, deadline - started)) from None

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, console) -> dict:
             calls = args.calls + args.warmup
             times = [max(r["ends"][k] for r in reports) - min(r["starts"][k] for r in reports)
                      for k in range(args.calls)]
-            row = {"op": op, "ranks": args.ranks, "size_bytes": args.size, "calls": args.calls,
+            row = {"op": op, "system": "hoplite-gpu", "ranks": args.ranks, "size_bytes": args.size, "calls": args.calls,
                    "period_s": args.period, "samples_s": times,
                    "median_s": statistics.median(times), "min_s": min(times),
                    "cpu_s_per_call_rank": [r["cpu_s"] / args.calls for r in reports],
@@ -82,7 +82,28 @@ def run(args: argparse.Namespace, console) -> dict:
     finally:
         directory.terminate()
         directory.wait(10)
+    if args.floor:
+        rows += _floor(args, console, rows)
     return {"benchmark": "latency-loopback", "rows": rows}
+
+
+def _floor(args: argparse.Namespace, console, rows: list[dict]) -> list[dict]:
+    """The broadcast's message pattern in minimal Python, side by side (see
+    benchmarks/latency_floor.py)."""
+    from . import latency_floor
+
+    ours = next((r for r in rows if r["op"] == "broadcast"), None)
+    out = []
+    for shape in latency_floor.SHAPES:
+        row = latency_floor.run(shape, args.ranks, args.size, args.calls, args.warmup,
+                                args.period)
+        out.append(row)
+        vs = "" if ours is None else f"; hoplite-gpu / this {ours['median_s'] / row['median_s']:.2f}"
+        console.print(f"{row['system']}: broadcast {args.size} B, {args.ranks} ranks: median "
+                      f"{row['median_s'] * 1e3:.2f} ms (min {row['min_s'] * 1e3:.2f} ms); CPU per "
+                      f"call: {statistics.median(row['cpu_s_per_call_rank']) * 1e3:.2f} ms per "
+                      f"rank{vs}")
+    return out
 
 
 def _rank(argv: list[str]) -> int:
@@ -137,6 +158,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--period", type=float, default=0.05, help="seconds between call slots")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the broadcast's message pattern in minimal Python "
+                        "(benchmarks/latency_floor.py), with hoplite-gpu's two threads per "
+                        "rank and with one")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,15 @@ def test_ucx_round_trips_still_complete_with_event_progress(monkeypatch):
     monkeypatch.setenv("UCXPY_PROGRESS_MODE", "event")
     times = progress._round_trips("ucx", [1024, 1 << 20], 20)
     assert all(0 < t < 1.0 for t in times.values())
+
+
+@pytest.mark.parametrize("shape", ["threaded", "direct"])
+def test_the_latency_floor_delivers_every_call_to_every_rank(shape):
+    """`latency --floor`: each receiver checks it got the root's bytes in every
+    call, and a rank that did not would fail the run."""
+    from benchmarks import latency_floor
+
+    row = latency_floor.run(shape, 3, 1024, 4, 1, 0.02)
+    assert row["system"] == f"python floor, {shape}" and len(row["samples_s"]) == 4
+    assert all(0 < t < 1.0 for t in row["samples_s"])
+    assert len(row["cpu_s_per_call_rank"]) == 3

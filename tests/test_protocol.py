@@ -222,3 +222,55 @@ def test_reader_and_outbox_over_a_real_transport(scheme):
         finally:
             await listener.close()
     assert asyncio.run(go()) == msgs
+
+
+@pytest.mark.parametrize("scheme", tc.scheme_params())
+def test_reading_ends_cleanly_when_the_peer_goes_or_the_stream_is_closed(scheme):
+    """The two ways a control connection's reading ends: the peer closes after
+    half a message (the whole messages before it are handed over, then
+    TransportClosed), and a close of our own stream from another task (the
+    reader must wake with TransportClosed, not hang)."""
+    msgs = _msgs(3, size=200)
+
+    async def go():
+        backend = get_backend(scheme)
+        served = asyncio.get_running_loop().create_future()
+
+        connections = []
+
+        async def handler(stream):
+            connections.append(stream)
+            if len(connections) > 1:  # the second: says nothing, the client closes it
+                await asyncio.sleep(10)
+                return
+            for m in msgs:
+                await stream.send(pack(m))
+            await stream.send(pack({"cut": b"y" * 500})[:100])
+            await asyncio.sleep(0.2)
+            await stream.close()
+            served.set_result(True)
+
+        listener = await backend.listen(tc.HOST, 0, handler)
+        try:
+            got: list[dict] = []
+            stream = await backend.connect(listener.address, tc.CONNECT_TIMEOUT)
+            async with asyncio.timeout(10):
+                with pytest.raises(TransportClosed):
+                    await read_messages(stream, got.append)
+            await served
+            await stream.close()
+
+            second = await backend.connect(listener.address, tc.CONNECT_TIMEOUT)
+            ours: list[dict] = []
+            reading = asyncio.get_running_loop().create_task(read_messages(second, ours.append))
+            await asyncio.sleep(0.1)
+            assert not reading.done()
+            await second.close()
+            async with asyncio.timeout(10):
+                with pytest.raises(TransportClosed):
+                    await reading
+            return got
+        finally:
+            await listener.close()
+
+    assert asyncio.run(go()) == msgs

@@ -96,50 +96,22 @@ class TCPStream(Stream):
         want = len(view)
         if want == 0:
             return
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         got = mark = 0
-        sock = self._sock
 
-        def readable() -> None:
+        def received(n: int) -> bool:
             nonlocal got, mark
-            if fut.done():
-                return
-            try:
-                n = sock.recv_into(view[got:])
-            except (BlockingIOError, InterruptedError):
-                return
-            except (OSError, ValueError) as exc:
-                fut.set_exception(exc)
-                return
-            if n == 0:
-                fut.set_exception(ConnectionResetError(
-                    f"connection to {self.peer} ended after {got} of {want} bytes"))
-                return
             got += n
-            try:
-                if got - mark >= step or got == want:
-                    mark = got
-                    on_step(got)
-            except BaseException as exc:  # noqa: BLE001 - the caller's error, raised there
-                fut.set_exception(exc)
-                return
-            if got == want:
-                fut.set_result(None)
-            else:
+            if got - mark >= step or got == want:
+                mark = got
+                on_step(got)
+            if got < want:
                 self._expect(want - got)
+            return got == want
 
         self._expect(want)
-        readable()  # often some of it is there already
-        fd = None
-        if not fut.done():
-            fd = sock.fileno()
-            loop.add_reader(fd, readable)
-        try:
-            await self._guarded("receive", fut)  # errors become TransportClosed
-        finally:
-            if fd is not None and not self._closed:
-                loop.remove_reader(fd)
+        await self._read_on_readiness(
+            lambda: view[got:], received,
+            lambda: f"connection to {self.peer} ended after {got} of {want} bytes", eager=True)
 
     async def receive_continuously(self, space: Callable[[], memoryview],
                                    received: Callable[[int], None]) -> None:
@@ -150,9 +122,25 @@ class TCPStream(Stream):
         if self._closed:
             raise self._lost(None, "receive")
         self._set_lowat(1)
+
+        def take(n: int) -> bool:
+            received(n)
+            return False  # never done: reading ends with the stream, or with an error
+
+        await self._read_on_readiness(space, take, lambda: "the peer closed the connection",
+                                      eager=False)
+
+    async def _read_on_readiness(self, space: Callable[[], memoryview],
+                                 received: Callable[[int], bool], ended_why: Callable[[], str],
+                                 eager: bool) -> None:
+        """Whenever the socket is readable (and at once, if `eager`), receive
+        what has arrived into `space()` and call `received(n)`, until it returns
+        True. One reader callback stays registered throughout. What `received`
+        raises is raised here as it is; the socket's errors, its end and a
+        close() from elsewhere become TransportClosed."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
-        failed: list[BaseException] = []  # what `received` raised: the caller's, not ours
+        failed: list[BaseException] = []
         sock = self._sock
 
         def readable() -> None:
@@ -166,22 +154,28 @@ class TCPStream(Stream):
                 ended.set_exception(exc)
                 return
             if n == 0:
-                ended.set_exception(ConnectionResetError("the peer closed the connection"))
+                ended.set_exception(ConnectionResetError(ended_why()))
                 return
             try:
-                received(n)
-            except BaseException as exc:  # noqa: BLE001 - raised to the caller below
+                if received(n):
+                    ended.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - the caller's error, raised below
                 failed.append(exc)
                 ended.set_result(None)
 
-        fd = sock.fileno()
-        loop.add_reader(fd, readable)
+        if eager:
+            readable()  # often some of it is there already
+        fd = None
+        if not ended.done():
+            fd = sock.fileno()
+            loop.add_reader(fd, readable)
         try:
             await self._guarded("receive", ended)  # errors become TransportClosed
         finally:
-            if not self._closed:
+            if fd is not None and not self._closed:
                 loop.remove_reader(fd)
-        raise failed[0]
+        if failed:
+            raise failed[0]
 
     async def _wait_recv(self, view: memoryview) -> int:
         """One receive through the loop (0: the peer closed)."""

@@ -241,8 +241,12 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
             loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
+            loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
             # All at once: each may wait up to a second for a reader to let go.
-            await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
+            if len(loans) == 1:
+                await rt.node.reclaim(loans[0])
+            elif loans:
+                await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
 
     return rt.call(run(), limit)
 

@@ -235,6 +235,11 @@ class Node:
         if obj is not None and not obj.complete:
             self._let_go(oid)
 
+    def is_lent(self, oid: ObjectID) -> bool:
+        """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
+        obj = self.store.get(oid)
+        return obj is not None and obj.lent
+
     async def reclaim(self, oid: ObjectID) -> None:
         """End the loan of a `put(lend=True)`: the object leaves this node (the
         directory forgets it), and this returns once no peer reads the caller's
@@ -242,8 +247,7 @@ class Node:
         failed call a parent may still be pulling it, and that pull is stopped
         (the reduce then lacks the input, as if its task had died). A put still
         registering sees that and stops; objects not lent are left alone."""
-        obj = self.store.get(oid)
-        if obj is not None and obj.lent:
+        if self.is_lent(oid):
             self._let_go(oid, ObjectNotFound(
                 f"object {oid.hex()} was an input lent to a collective call that has returned"))
             # A peer that reads stops at its next frame; one that does not is

@@ -7,12 +7,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
 from hoplite_gpu.protocol import Outbox, read_messages, recv_msg, send_msg
+from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from .wire import raise_for_error
@@ -64,9 +66,8 @@ class DirectoryClient:
         rid = next(self._ids)
         fut = self.start(msg, rid)
         try:
-            async with asyncio.timeout(timeout):
-                body = await fut
-        except TimeoutError:
+            body = await until(fut, time.monotonic() + timeout)
+        except Expired:
             raise Timeout(f"the directory did not answer {msg.get('op')!r} within {timeout:g}s") from None
         finally:
             self._pending.pop(rid, None)

@@ -28,6 +28,7 @@ from hoplite_gpu.errors import (
     TransportError,
 )
 from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, from_buffer, to_buffer
 
@@ -43,27 +44,6 @@ log = logging.getLogger("hoplite_gpu.node")
 class _Retry(HopliteError):
     """Internal: ask again (the object is being rebuilt elsewhere, or the pull a
     get waited on ran to the deadline of a less patient get)."""
-
-
-class _Expired(Exception):
-    """Internal: a future's deadline passed (`_until`)."""
-
-
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(_Expired())
-
-
-async def _until(fut: asyncio.Future, deadline: float) -> Any:
-    """Await `fut`, which fails with _Expired at `deadline` (time.monotonic()).
-    A timer on the future itself: on every get's path, where asyncio.timeout
-    would also look up and cancel the task, and undo that."""
-    timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
-                                                  _expire, fut)
-    try:
-        return await fut
-    finally:
-        timer.cancel()
 
 
 #: How often a pulling node tells the directory how far it got.
@@ -330,16 +310,16 @@ class Node:
         waiters.append(waiter)
         try:
             # A little later than the pull's own deadline, so its more precise error wins.
-            return await _until(waiter, deadline + 0.25)
+            return await until(waiter, deadline + 0.25)
         except Timeout:
             if time.monotonic() < deadline - 0.01:
                 raise _Retry from None  # the pull ran to the deadline of a less patient get
             raise  # the pull's own, more precise deadline error
-        except _Expired:
+        except Expired:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
         finally:
             if (not waiter.done() or waiter.cancelled()
-                    or isinstance(waiter.exception(), _Expired)):  # this get gave up
+                    or isinstance(waiter.exception(), Expired)):  # this get gave up
                 waiters.remove(waiter)
                 if not waiters and self._pull_waiters.get(oid) is waiters:
                     # the last one: nobody wants this pull any more
@@ -473,10 +453,10 @@ class Node:
             assert client is not None
             rid = client.next_id()
             try:
-                return raise_for_error(await _until(client.start(msg, rid), deadline))
+                return raise_for_error(await until(client.start(msg, rid), deadline))
             except DirectoryUnavailable:
                 await self._wait_connected(deadline)  # then ask the new directory
-            except _Expired:
+            except Expired:
                 client.forget(rid)
                 client.post({"op": "cancel", "request": rid})
                 raise Timeout(max(0.0, deadline - started)) from None

@@ -8,6 +8,7 @@ by `advance` (never polled). All methods run on the node's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from hoplite_gpu import device
 from hoplite_gpu.errors import ObjectNotFound, Timeout
 from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.values import Layout
 
 from .pool import BufferPool
@@ -83,9 +85,8 @@ class StoredObject:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((need, fut))
         try:
-            async with asyncio.timeout(timeout):
-                await fut
-        except TimeoutError:
+            await until(fut, time.monotonic() + timeout)  # (a relay waits once per step)
+        except Expired:
             raise Timeout(
                 f"object {self.oid.hex()}: waited {timeout:g}s for {need} bytes, "
                 f"only {self.ready} of {self.size} arrived"

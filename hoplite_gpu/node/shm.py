@@ -39,12 +39,14 @@ import resource
 import socket
 import struct
 import sys
+import time
 import weakref
 from typing import Any
 
 import numpy as np
 
 from hoplite_gpu.errors import PeerLost, Timeout
+from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports.tcp import TCPStream
 
 _NAME = "hoplite-gpu-data "
@@ -264,9 +266,8 @@ async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> tuple[by
     ready = loop.create_future()
     loop.add_reader(sock, lambda: ready.done() or ready.set_result(None))
     try:
-        async with asyncio.timeout(timeout):
-            await ready
-    except TimeoutError:
+        await until(ready, time.monotonic() + timeout)
+    except Expired:
         raise Timeout(f"peer {peer} sent nothing for {timeout:g}s (stall timeout)") from None
     finally:
         with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)

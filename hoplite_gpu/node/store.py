@@ -167,9 +167,8 @@ class ChunkStore:
         fut = asyncio.get_running_loop().create_future()
         self._appear.setdefault(oid, []).append(fut)
         try:
-            async with asyncio.timeout(timeout):
-                await fut
-        except TimeoutError:
+            await until(fut, time.monotonic() + timeout)
+        except Expired:
             raise ObjectNotFound(f"object {oid.hex()} is not held by this node") from None
         finally:
             waiters = self._appear.get(oid)

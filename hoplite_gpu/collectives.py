@@ -243,9 +243,7 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
             loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
             loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
             # All at once: each may wait up to a second for a reader to let go.
-            if len(loans) == 1:
-                await rt.node.reclaim(loans[0])
-            elif loans:
+            if loans:
                 await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
 
     return rt.call(run(), limit)

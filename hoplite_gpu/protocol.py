@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 
 from .errors import HopliteError, ProtocolError, TransportClosed
-from .transports import Stream
+from .transports import SendWindow, Stream
 
 _LEN = struct.Struct(">I")
 FRAME = struct.Struct(">BQ")
@@ -201,7 +201,7 @@ class Outbox:
             self._on_lost(exc)
 
 
-async def send_error_frame(stream: Stream, kind: str, message: str) -> None:
+async def send_error_frame(stream: Stream | SendWindow, kind: str, message: str) -> None:
     body = msgpack.packb({"error": kind, "message": message}, use_bin_type=True)
     await stream.send(FRAME.pack(FRAME_ERROR, len(body)), body)
 

@@ -44,6 +44,17 @@ def test_send_gathers(scheme):
 
 
 @by_scheme
+@pytest.mark.parametrize("depth", [None, 1, 4], ids=["stream-default", "one", "four"])
+def test_send_window_keeps_order(scheme, depth):
+    run(tc.check_send_window_keeps_order, scheme, depth)
+
+
+@by_scheme
+def test_send_window_reports_a_failed_send(scheme):
+    run(tc.check_send_window_reports_a_failed_send, scheme)
+
+
+@by_scheme
 def test_many_streams(scheme):
     run(tc.check_many_streams, scheme, 20)
 

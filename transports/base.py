@@ -8,6 +8,8 @@ UCX endpoints) stays here, and its errors are converted at this boundary into
 from __future__ import annotations
 
 import abc
+import asyncio
+import collections
 from collections.abc import Awaitable, Callable
 
 Buffer = bytes | bytearray | memoryview
@@ -22,6 +24,12 @@ class Stream(abc.ABC):
     #: (a byte stream such as TCP). Message transports (UCX) receive a whole
     #: message in place and would copy through a bounce buffer otherwise.
     partial_receive: bool = True
+    #: How many `send` calls may usefully be in flight at once (see
+    #: `SendWindow`). 1: each send is worth finishing before the next starts
+    #: (a byte stream is busy until its bytes are written). More: overlapping
+    #: sends still leave in call order, and the next one's announcement reaches
+    #: the peer while the previous one's bytes move (UCX rendezvous).
+    send_window: int = 1
 
     @abc.abstractmethod
     async def send(self, *buffers: Buffer) -> None:
@@ -79,6 +87,59 @@ class Stream(abc.ABC):
     @property
     @abc.abstractmethod
     def closed(self) -> bool: ...
+
+
+class SendWindow:
+    """Sends on one stream, up to `depth` of them in flight at once.
+
+    Use it as ``async with SendWindow(stream) as window: await window.send(...)``,
+    and send *everything* in that block through the window: its sends start in
+    call order, but a direct ``stream.send`` could overtake one not yet started.
+    ``send`` returns once fewer than `depth` sends are unfinished, and raises the
+    first failure of an earlier one. Leaving the block waits for the rest; an
+    exception (or cancellation) in the block cancels them instead. The caller
+    must keep every buffer it passed unchanged until the block ends.
+    Depth 1 (the default for byte streams) is a plain ``await stream.send``."""
+
+    def __init__(self, stream: Stream, depth: int | None = None) -> None:
+        self._stream = stream
+        self._depth = max(1, stream.send_window if depth is None else depth)
+        self._flying: collections.deque[asyncio.Task] = collections.deque()
+
+    async def send(self, *buffers: Buffer) -> None:
+        if self._depth == 1:
+            await self._stream.send(*buffers)
+            return
+        self._flying.append(asyncio.ensure_future(self._stream.send(*buffers)))
+        while len(self._flying) >= self._depth:
+            await self._flying.popleft()
+
+    async def drain(self) -> None:
+        """Wait until every send so far has finished (raising the first failure)."""
+        while self._flying:
+            await self._flying.popleft()
+
+    async def __aenter__(self) -> SendWindow:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            try:
+                await self.drain()
+                return
+            except BaseException:
+                await self._cancel_rest()
+                raise
+        await self._cancel_rest()
+
+    async def _cancel_rest(self) -> None:
+        """Cancel the unfinished sends and wait until they are gone, so that
+        none reads its buffer after the block; their errors are superseded."""
+        flying, self._flying = list(self._flying), collections.deque()
+        for task in flying:
+            task.cancel()
+        if flying:
+            await asyncio.gather(*flying, return_exceptions=True)
 
 
 Handler = Callable[[Stream], Awaitable[None]]

@@ -219,6 +219,10 @@ class UCXStream(Stream):
     supports_device = True
     #: Each sent buffer is one UCX message, received in place only whole.
     partial_receive = False
+    #: Two sends in flight: while one chunk's bytes move (a rendezvous the peer
+    #: completes), the next chunk's head is already there, so the peer posts
+    #: its receive as soon as the previous one ends, not a round trip later.
+    send_window = 2
 
     def __init__(self, endpoint: Any, peer: str) -> None:
         self._ep = endpoint
@@ -299,8 +303,19 @@ class UCXStream(Stream):
                 return
             # gather starts its tasks in order, and each posts its UCX request
             # before its first suspension: the messages leave in this order.
-            await self._guard("send", asyncio.gather(
-                self._send(head, False), *(self._send(buf, True) for buf in data)))
+            sent = asyncio.gather(self._send(head, False),
+                                  *(self._send(buf, True) for buf in data))
+            # One turn of the loop runs those first steps; then the lock may go
+            # to the next send, whose messages are posted after ours. A large
+            # message completes only when the peer has fetched it, so the next
+            # send's head travels meanwhile (see `send_window`).
+            try:
+                await asyncio.sleep(0)
+            except BaseException:  # cancelled: part of a message may be out
+                sent.cancel()
+                await self.close()
+                raise
+        await self._guard("send", sent)
 
     # ---------------------------------------------------------- receive ---
     async def _next_head(self) -> None:

@@ -40,7 +40,7 @@ from hoplite_gpu.protocol import (
     send_error_frame,
     send_msg,
 )
-from hoplite_gpu.transports import Stream, get_backend, split_address
+from hoplite_gpu.transports import SendWindow, Stream, get_backend, split_address
 
 from . import shm
 from .store import ChunkStore, StoredObject
@@ -261,30 +261,33 @@ class DataServer:
         chunk = self.config.chunk_bytes(device.is_device_buffer(src))
         step = min(chunk, STEP)
         staging = device.staging(chunk) if src is None else None  # device bytes over TCP
-        while pos < end:
-            if not await self._wait_or_keepalive(stream, obj, min(pos + step, end)):
-                return False
-            # Send everything that is ready, in chunk-sized frames.
-            upto = min(obj.ready, end)
-            while pos < upto:
-                if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
-                    await send_error_frame(stream, "ObjectNotFound", str(obj.removed))
+        # Every frame goes out through the window (a staging buffer is reused
+        # for each chunk, so it allows one send at a time).
+        async with SendWindow(stream, 1 if staging is not None else None) as out:
+            while pos < end:
+                if not await self._wait_or_keepalive(out, obj, min(pos + step, end)):
                     return False
-                if announce:
-                    await stream.send(FRAME.pack(FRAME_DATA, upto - pos))
-                    pos = upto
-                    break
-                n = min(chunk, upto - pos)
-                if staging is None:
-                    payload = src[pos:pos + n]
-                else:
-                    payload = device.download(obj.buffer[pos:pos + n], staging)
-                await stream.send(FRAME.pack(FRAME_DATA, n), payload)
-                pos += n
-                await asyncio.sleep(0)  # let other pulls of this node progress too
+                # Send everything that is ready, in chunk-sized frames.
+                upto = min(obj.ready, end)
+                while pos < upto:
+                    if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
+                        await send_error_frame(out, "ObjectNotFound", str(obj.removed))
+                        return False
+                    if announce:
+                        await out.send(FRAME.pack(FRAME_DATA, upto - pos))
+                        pos = upto
+                        break
+                    n = min(chunk, upto - pos)
+                    if staging is None:
+                        payload = src[pos:pos + n]
+                    else:
+                        payload = device.download(obj.buffer[pos:pos + n], staging)
+                    await out.send(FRAME.pack(FRAME_DATA, n), payload)
+                    pos += n
+                    await asyncio.sleep(0)  # let other pulls of this node progress too
         return True
 
-    async def _wait_or_keepalive(self, stream: Stream, obj: StoredObject, need: int) -> bool:
+    async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int) -> bool:
         """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
 
         A partial copy can be slow for good reasons (its own upstream, or a reduce
@@ -300,11 +303,11 @@ class DataServer:
                 await obj.wait_ready(need, min(beat, max(0.001, deadline - loop.time())))
             except Timeout as exc:
                 if loop.time() >= deadline:
-                    await send_error_frame(stream, "Timeout", str(exc))
+                    await send_error_frame(out, "Timeout", str(exc))
                     return False
-                await stream.send(FRAME.pack(FRAME_DATA, 0))
+                await out.send(FRAME.pack(FRAME_DATA, 0))
             except HopliteError as exc:
-                await send_error_frame(stream, type(exc).__name__, str(exc))
+                await send_error_frame(out, type(exc).__name__, str(exc))
                 return False
         return True
 

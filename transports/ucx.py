@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import socket
 import struct
@@ -64,6 +65,8 @@ UCX_DEFAULTS = {
     "UCX_TCP_CM_REUSEADDR": "y",
     "UCX_RDMA_CM_REUSEADDR": "y",
 }
+
+log = logging.getLogger("hoplite_gpu.transports.ucx")
 
 _HEAD_TAG = None  # the endpoint's own message tag
 _DATA_TAG = 1  # hashed by ucxx with the endpoint's tag: distinct per connection
@@ -294,9 +297,14 @@ class UCXStream(Stream):
         head, data = self._encode(buffers)
         if not data and len(head) == _HEAD.size:
             return  # nothing to send
+        device_bytes = 0
         for buf in data:
             if _is_device(buf):
                 _sync_device(buf)
+                device_bytes += _nbytes(buf)
+        if device_bytes:
+            log.debug("ucx send to %s: %d device bytes, producer's stream synchronised",
+                      self.peer, device_bytes)
         async with self._send_lock:
             if not data:  # a head alone (control messages, acks): no tasks to make
                 await self._guard("send", self._send(head, False))
@@ -316,6 +324,9 @@ class UCXStream(Stream):
                 await self.close()
                 raise
         await self._guard("send", sent)
+        if device_bytes:
+            log.debug("ucx send to %s: %d device bytes fetched by the peer", self.peer,
+                      device_bytes)
 
     # ---------------------------------------------------------- receive ---
     async def _next_head(self) -> None:
@@ -355,7 +366,12 @@ class UCXStream(Stream):
                 kind, size, data, offset = rec
                 if data is None and size <= want - got:
                     # The whole message fits: receive it in place (zero copy).
+                    if kind == _DEVICE:
+                        log.debug("ucx receive from %s: head in, posting %d device bytes",
+                                  self.peer, size)
                     await self._guard("receive", self._recv(dest[got:got + size], True))
+                    if kind == _DEVICE:
+                        log.debug("ucx receive from %s: %d device bytes in", self.peer, size)
                     got += size
                     self._pending.pop(0)
                     continue

@@ -187,12 +187,14 @@ class Node:
         except BaseException:
             self._let_go(oid)  # in case the put did register
             raise
+        log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
         if lent and self.store.get(oid) is not obj:
             return oid  # reclaimed meanwhile: its "dropped" follows our put to the directory
         if not inline:
             if not lent:
                 await self._fill(obj, buf)
             self._post(self._complete_msg(obj))
+            log.debug("put %s: complete", oid.hex())
         return oid
 
     def receive_into(self, oid: ObjectID, value: np.ndarray) -> bool:
@@ -250,6 +252,7 @@ class Node:
     # ---------------------------------------------------------------- get ---
     async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy") -> Any:
         deadline = time.monotonic() + timeout
+        log.debug("get %s: asked", oid.hex())
         obj = await self.fetch(oid, timeout)
         while obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
             if not isinstance(obj.removed, _Retry) or time.monotonic() >= deadline:
@@ -371,6 +374,7 @@ class Node:
         failures = 0
         while True:
             reply = await self._locate(oid, deadline)
+            log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
             layout = Layout.from_wire(reply["layout"])
             if "inline" in reply:
                 return self._store_inline(oid, layout, reply["inline"])
@@ -394,6 +398,7 @@ class Node:
                 obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
                 if obj is None or obj.error is not None:
                     obj = self.store.create(oid, layout)
+                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
             obj.reduce_tag = reply.get("reduce_tag")
             try:
                 await self._fetch_from(obj, address)
@@ -411,6 +416,7 @@ class Node:
                 self._let_go(oid)
                 raise
             self._post(self._complete_msg(obj))
+            log.debug("pull %s: complete", oid.hex())
             return obj
 
     async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:

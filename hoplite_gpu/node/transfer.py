@@ -168,6 +168,8 @@ class DataServer:
                 await stream.send_mode(b"B", None, self.config.stall_timeout_s)
             await send_error_frame(stream, type(exc).__name__, str(exc))
             return
+        log.debug("serve %s [%d, %d) to %s: %d bytes ready", oid.hex(), offset, end,
+                  stream.peer, obj.ready)
         valid = 0 <= offset <= end <= obj.size
         mapped = shm.shared_map(obj.buffer) if moded and valid else None
         if mapped is not None:
@@ -283,6 +285,7 @@ class DataServer:
                     else:
                         payload = device.download(obj.buffer[pos:pos + n], staging)
                     await out.send(FRAME.pack(FRAME_DATA, n), payload)
+                    log.debug("serve %s: frame of %d bytes at %d handed over", obj.oid.hex(), n, pos)
                     pos += n
                     await asyncio.sleep(0)  # let other pulls of this node progress too
         return True
@@ -445,6 +448,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     """
     host = not device.is_device_buffer(obj.buffer)
     stream = await pool.acquire(address, local=host)
+    log.debug("pull %s: connection to %s in hand", obj.oid.hex(), address)
     ok = False
     mapped = None
     try:
@@ -505,6 +509,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                 raise  # the peer reported its own timeout in an error frame
             except TimeoutError:
                 raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)") from None
+            log.debug("pull %s: frame of %d bytes at %d in", obj.oid.hex(), n, pos)
             pos += n
             obj.advance(pos)
             on_progress(pos)

@@ -27,6 +27,10 @@ class Config:
     token: str | None = field(default=None, repr=False)
     #: Transport scheme for data connections (see `hoplite-gpu info` for the usable ones).
     transport: str = "tcp"
+    #: Transport scheme of control connections: each node's to the directory.
+    #: TCP also when data goes over UCX, where a small message waits on
+    #: ucxx's polled requests (see docs/architecture.md, "Control connections").
+    control_transport: str = "tcp"
     #: Interface a node's data server binds to. Loopback unless you run across hosts.
     node_host: str = "127.0.0.1"
     #: Bytes per pipelined chunk.
@@ -136,7 +140,7 @@ class Config:
 
     def directory_settings(self) -> dict[str, object]:
         """The settings a directory schedules with."""
-        return {"transport": self.transport, "handshake_timeout": self.connect_timeout_s,
+        return {"transport": self.control_transport, "handshake_timeout": self.connect_timeout_s,
                 "max_receivers_per_sender": self.max_receivers_per_sender,
                 "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
                 "chunk_size": self.chunk_size, "lease_s": self.node_lease_s,

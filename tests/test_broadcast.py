@@ -142,3 +142,27 @@ def test_unknown_object_times_out_clearly(cluster):
 def test_crc_helper_matches_numpy():
     data = t.pattern(1000, 3)
     assert zlib.crc32(data) == zlib.crc32(data.tobytes())
+
+
+def _ucx_usable() -> bool:
+    from hoplite_gpu.transports import get_backend
+
+    try:
+        get_backend("ucx")
+    except hg.ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")
+@pytest.mark.parametrize("control", ["tcp", "ucx"])
+def test_data_over_ucx_with_control_over_either_transport(control):
+    """Data over UCX; the directory over TCP (the default) or over UCX too:
+    both carry a broadcast byte for byte, and the directory's address says
+    which one it serves."""
+    with LocalCluster(3, chunk_size=CHUNK, transport="ucx", control_transport=control,
+                      shared_memory=False) as c:
+        assert c.address.startswith(f"{control}://")
+        crc = c.run(0, t.put_pattern, f"ctl-{control}", 3 * CHUNK + 5)
+        results = c.map(t.get_summary, [(f"ctl-{control}",)] * 2, workers=[1, 2])
+    assert [r[0] for r in results] == [crc, crc]

@@ -5,9 +5,12 @@
    kernel reads two arrays and writes one, the copy reads one and writes one, so
    both are reported as bytes moved per second.
 2. UCX between two processes on the GPU (CUDA IPC): a device buffer sent with
-   the project's UCX transport, against the same device copy.
-3. Device broadcast and allreduce among 4 processes sharing the GPU
-   (hoplite-gpu over UCX, CuPy arrays end to end).
+   the project's UCX transport (one send in flight, and as a pull sends), and
+   with ucxx alone, against the same device copy; then ucxx alone in the
+   transport's message patterns (benchmarks/ucx_patterns.py).
+3. Device get between 2 processes, broadcast and allreduce among 4 processes
+   sharing the GPU (hoplite-gpu over UCX, CuPy arrays end to end), with new
+   memory each round and with memory reused.
 
 Run: ``python -m benchmarks.device`` (needs CuPy and a GPU; ucxx for 2 and 3).
 """
@@ -24,7 +27,7 @@ from typing import Any
 import numpy as np
 
 MiB = 1 << 20
-PARTS = ("kernel", "ucx", "raw", "collectives")
+PARTS = ("kernel", "ucx", "raw", "patterns", "collectives")
 
 
 def _cupy() -> Any:
@@ -102,15 +105,18 @@ def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool) -> N
     asyncio.run(main())
 
 
-def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8) -> dict:
+def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8,
+                depth: int | None = None) -> dict:
     """Two measures of UCX between two processes on the GPU (CUDA IPC), against
     a device copy: `one_s`, one buffer and the receiver's ack per round (what a
     single request-reply costs), and `streamed_s`, `window` buffers back to back
-    before one ack, per buffer (the bandwidth a long transfer sees). With `raw`,
-    ucxx alone (what UCX itself gives, without the transport's head messages and
-    Python layer above it)."""
+    before one ack, per buffer (the bandwidth a long transfer sees). The
+    transport's sends go through a `SendWindow` of `depth` (None: the stream's
+    own `send_window`, as a pull's sender uses it; 1: one send at a time). With
+    `raw`, ucxx alone, one send at a time (what UCX itself gives, without the
+    transport's head messages and Python layer above it)."""
     cp = _cupy()
-    from hoplite_gpu.transports import get_backend, ucx
+    from hoplite_gpu.transports import SendWindow, get_backend, ucx
 
     src = cp.ones(size, cp.uint8)
     dst = cp.empty_like(src)
@@ -122,25 +128,31 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     peer.start()
     address = port_q.get(timeout=120)
 
-    async def send_all() -> list[float]:
+    async def send_all() -> tuple[list[float], int]:
         if raw:
             conn = await ucx._load().create_endpoint("127.0.0.1", address)
             recv_ack, ack = conn.recv, np.empty(1, np.uint8)
         else:
             conn = await get_backend("ucx").connect(address, 30)
             recv_ack, ack = conn.recv_into, memoryview(bytearray(1))
+        in_flight = 1 if raw else max(1, conn.send_window if depth is None else depth)
         cp.cuda.get_current_stream().synchronize()
         times = []
         for group in groups:
             t0 = time.perf_counter()
-            for _ in range(group):
-                await conn.send(src)
+            if raw:
+                for _ in range(group):
+                    await conn.send(src)
+            else:
+                async with SendWindow(conn, in_flight) as out:
+                    for _ in range(group):
+                        await out.send(src)
             await recv_ack(ack)
             times.append((time.perf_counter() - t0) / group)
         await conn.close()
-        return times
+        return times, in_flight
 
-    times = asyncio.run(send_all())
+    times, in_flight = asyncio.run(send_all())
     check = out_q.get(timeout=120)
     peer.join(60)
     if check != 8.0:
@@ -150,44 +162,52 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     who = "ucxx alone" if raw else "UCX"
     return {"what": f"{who} between two processes vs device copy", "size": size,
             "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
+            "in_flight": in_flight,
             "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
             "streamed_GBps": size / streamed_s / 1e9,
             "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
 
 
 def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int = 4,
-                repeats: int = 3) -> list[dict]:
+                repeats: int = 3, reuse: bool = False) -> list[dict]:
     """Device broadcast and allreduce among `workers` processes on one GPU, over
     UCX, for each device chunk size (HOPLITE_DEVICE_CHUNK_SIZE). `floor_s` is what the GPU's memory alone needs:
     a broadcast writes `workers - 1` copies (each a device copy); an allreduce
     reads every input once and writes `workers` results, at least
-    `2 * workers - 1` copies' worth of traffic."""
+    `2 * workers - 1` copies' worth of traffic. Each round's objects are new;
+    with `reuse`, each round first deletes the last round's, so the device
+    memory (and UCX's CUDA IPC mappings of it) is reused, as in a training loop."""
     from hoplite_gpu.cluster import LocalCluster
 
     from . import device_tasks as dt
 
-    floors = {"broadcast": (workers - 1) * copy_s, "allreduce": (2 * workers - 1) * copy_s}
-    want = {"broadcast": 1.0, "allreduce": workers * (workers + 1) / 2}
+    floors = {"get": copy_s, "broadcast": (workers - 1) * copy_s,
+              "allreduce": (2 * workers - 1) * copy_s}
+    want = {"get": 1.0, "broadcast": 1.0, "allreduce": workers * (workers + 1) / 2}
     rows = []
     for chunk in chunk_sizes:
         with LocalCluster(workers, transport="ucx", device_chunk_size=chunk) as c:
-            for op in ("broadcast", "allreduce"):
-                row = {"what": f"device {op} among {workers} processes (UCX)", "size": size,
-                       "chunk": chunk, "floor_s": floors[op]}
+            for op in ("get", "broadcast", "allreduce"):
+                among = "between 2" if op == "get" else f"among {workers}"
+                row = {"what": f"device {op} {among} processes (UCX)", "size": size,
+                       "chunk": chunk, "floor_s": floors[op], "reuse": reuse}
                 try:
-                    times = []
+                    times, phases = [], []
                     for r in range(repeats + 1):  # the first sets up connections
-                        tag = f"{op}-{size}-{chunk}-{r}"
+                        tag = f"{op}-{size}-{chunk}-{reuse}-{r}"
+                        drop = f"{op}-{size}-{chunk}-{reuse}-{r - 1}" if reuse and r else None
                         start = time.time() + 2.0
                         got = c.map(dt.device_collective,
-                                    [(op, tag, rank, workers, size, start)
+                                    [(op, tag, rank, workers, size, start, drop)
                                      for rank in range(workers)], timeout=300)
                         if {g["check"] for g in got} != {want[op] * 1024}:
                             raise AssertionError(f"{op}: wrong result {[g['check'] for g in got]}")
                         if r:
                             times.append(max(g["end"] for g in got) - start)
+                            phases.append([(g["put_s"], g["get_s"]) for g in got])
                     seconds = float(np.median(times))
-                    row.update(seconds=seconds, repeats=repeats, GBps=size / seconds / 1e9)
+                    row.update(seconds=seconds, repeats=repeats, GBps=size / seconds / 1e9,
+                               put_get_s=phases)
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 rows.append(row)
@@ -196,7 +216,7 @@ def collectives(size: int, copy_s: float, chunk_sizes: list[int], workers: int =
 
 
 def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
-        parts: tuple[str, ...] = PARTS) -> list[dict]:
+        parts: tuple[str, ...] = PARTS, depths: tuple[int | None, ...] = (1, None)) -> list[dict]:
     cp = _cupy()
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     rows: list[dict] = []
@@ -208,8 +228,10 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
         if "ucx" not in parts:
             continue
         try:
-            rows.append(ucx_vs_copy(size))
-            print(json.dumps(rows[-1]), flush=True)
+            # By default one send at a time, then as a pull sends (the stream's window).
+            for depth in depths:
+                rows.append(ucx_vs_copy(size, depth=depth))
+                print(json.dumps(rows[-1]), flush=True)
         except Exception as exc:  # no ucxx: say so, keep the kernel numbers
             rows.append({"what": "UCX transfer", "size": size,
                          "error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -222,15 +244,26 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
                 rows.append({"what": "ucxx alone", "size": size,
                              "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(json.dumps(rows[-1]), flush=True)
+        if "patterns" in parts:
+            from . import ucx_patterns
+
+            try:
+                rows.extend(ucx_patterns.run(size))
+            except Exception as exc:
+                rows.append({"what": "ucxx alone, message patterns", "size": size,
+                             "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                print(json.dumps(rows[-1]), flush=True)
         if "collectives" in parts:
             copy_s = next(r["copy_s"] for r in reversed(rows) if "streamed_s" in r)
-            rows.extend(collectives(size, copy_s, [c * MiB for c in chunks_mib]))
+            for reuse in (False, True):
+                rows.extend(collectives(size, copy_s, [c * MiB for c in chunks_mib], reuse=reuse))
     name = dev["name"]
     result = {"gpu": name.decode() if isinstance(name, bytes) else name,
               "date": time.strftime("%Y-%m-%d"),
               "command": "python -m benchmarks.device --sizes "
                          f"{' '.join(map(str, sizes_mib))} --chunks {' '.join(map(str, chunks_mib))}"
-                         f" --parts {' '.join(parts)}",
+                         f" --parts {' '.join(parts)}"
+                         f" --depths {' '.join(str(d or 0) for d in depths)}",
               "ucx_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "blocking"),
               "rows": rows}
     if save:
@@ -246,18 +279,28 @@ def _table(rows: list[dict]) -> None:
         mib = f"{r['size'] // MiB} MiB"
         if "error" in r:
             print(f"| {r['what']} | {mib} | error: {r['error'][:80]} | | |")
+        elif "per_buffer_us" in r:
+            copy = next((x for x in rows if x.get("size") == r["size"] and "streamed_s" in x), None)
+            against = (f"device copy {copy['copy_GBps']:.0f} GB/s | "
+                       f"{copy['copy_s'] * 1e6 / r['per_buffer_us']:.2f}"
+                       if copy and r.get("device") else " | ")
+            print(f"| {r['what']}, 8 buffers back to back | {mib} | {r['GBps']:.0f} GB/s | "
+                  f"{against} |")
         elif "reduce_s" in r:
             print(f"| reduce kernel (sum, float32) | {mib} | {r['reduce_GBps']:.0f} GB/s | "
                   f"device copy {r['copy_GBps']:.0f} GB/s | {r['ratio']:.2f} |")
         elif "streamed_s" in r:
             who = "ucxx alone" if r["what"].startswith("ucxx") else "UCX transport"
+            flying = r.get("in_flight", 1)
+            who += ", 1 send in flight" if flying == 1 else f", {flying} sends in flight"
             print(f"| {who}, {r['window']} buffers back to back | {mib} | "
                   f"{r['streamed_GBps']:.0f} GB/s | device copy {r['copy_GBps']:.0f} GB/s | "
                   f"{r['ratio']:.2f} |")
             print(f"| {who}, one buffer and ack | {mib} | {r['one_GBps']:.0f} GB/s | "
                   f"device copy {r['copy_GBps']:.0f} GB/s | {r['one_ratio']:.2f} |")
         else:
-            print(f"| {r['what']}, device chunk {r['chunk'] // MiB} MiB | {mib} | "
+            again = ", memory reused" if r.get("reuse") else ""
+            print(f"| {r['what']}, device chunk {r['chunk'] // MiB} MiB{again} | {mib} | "
                   f"{r['seconds'] * 1e3:.2f} ms | memory floor {r['floor_s'] * 1e3:.2f} ms | "
                   f"{r['floor_s'] / r['seconds']:.2f} |")
 
@@ -273,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="device chunk sizes (MiB) for the collectives")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                    help="what to run (the collectives need the UCX part)")
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 0],
+                   help="UCX transport rows: sends in flight (0: the stream's own window)")
     args = p.parse_args(argv)
-    run(args.sizes, args.chunks, args.save, tuple(args.parts))
+    run(args.sizes, args.chunks, args.save, tuple(args.parts),
+        tuple(d or None for d in args.depths))
     return 0
 
 

@@ -5,8 +5,9 @@
 #    plus any wheels found in .whl/ (for machines with no package index);
 # 2. prints the GPU, driver and package versions, and `hoplite-gpu info`;
 # 3. runs the gpu-marked tests (kernels, values, device objects over TCP and UCX);
-# 4. runs the device benchmark (python -m benchmarks.device), and with MODES="thread ..."
-#    its UCX transfer again under those ucxx progress modes.
+# 4. runs the device benchmark (python -m benchmarks.device) and the put/get
+#    profile (python -m benchmarks.device_profile), and with MODES="thread ..."
+#    the UCX transfer again under those ucxx progress modes.
 # Every step's output goes to LOGDIR (default benchmarks/results/gpu-DATE) too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,9 +51,16 @@ timeout ${TESTS_TIMEOUT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider --time
 tests_rc=${PIPESTATUS[0]}
 
 step "device benchmark"
-timeout ${BENCH_TIMEOUT:-240} $PY -m benchmarks.device --sizes ${SIZES:-64 256} --save "$LOG/device.json" 2>&1 \
+timeout ${BENCH_TIMEOUT:-240} $PY -m benchmarks.device --sizes ${SIZES:-64 256} --chunks ${CHUNKS:-16 64 256} --save "$LOG/device.json" 2>&1 \
     | tee "$LOG/device.txt"
 bench_rc=${PIPESTATUS[0]}
+
+step "device put and get, profiled (get asked with the put, then 0.3 s after it)"
+for when in "" late; do
+    timeout 120 $PY -m benchmarks.device_profile 256 ucx reuse $when 2>&1 \
+        | grep -v "UCXPY  WARNING" >"$LOG/profile${when:+-$when}.txt"
+    head -4 "$LOG/profile${when:+-$when}.txt"
+done
 
 # The UCX transfer again under ucxx's other progress modes (blocking is the default).
 for mode in ${MODES:-}; do

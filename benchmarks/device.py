@@ -5,7 +5,8 @@
    kernel reads two arrays and writes one, the copy reads one and writes one, so
    both are reported as bytes moved per second.
 2. UCX between two processes on the GPU (CUDA IPC): a device buffer sent with
-   the project's UCX transport (one send in flight, and as a pull sends), and
+   the project's UCX transport (head + data, one send in flight and two; bare
+   messages, as a pull sends), and
    with ucxx alone, against the same device copy; then ucxx alone in the
    transport's message patterns (benchmarks/ucx_patterns.py).
 3. Device get between 2 processes, broadcast and allreduce among 4 processes
@@ -70,7 +71,8 @@ def kernel_vs_copy(size: int, repeats: int = 20) -> dict:
             "ratio": reduce_bw / copy_bw}
 
 
-def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool) -> None:
+def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool,
+          bare: bool = False) -> None:
     """Receiver process: listen (with the UCX transport, or with ucxx alone when
     `raw`), receive device buffers in `groups` (one ack after each group), then
     report the first bytes of the last buffer."""
@@ -84,7 +86,8 @@ def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool) -> N
 
         async def handler(conn: Any) -> None:
             # ucxx alone: one tagged message per buffer; the transport: its stream.
-            recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (conn.recv_into, b"k")
+            recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (
+                conn.recv_bare if bare else conn.recv_into, b"k")
             for group in groups:
                 for _ in range(group):
                     await recv(dest)
@@ -106,7 +109,7 @@ def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool) -> N
 
 
 def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8,
-                depth: int | None = None) -> dict:
+                depth: int | None = None, bare: bool = False) -> dict:
     """Two measures of UCX between two processes on the GPU (CUDA IPC), against
     a device copy: `one_s`, one buffer and the receiver's ack per round (what a
     single request-reply costs), and `streamed_s`, `window` buffers back to back
@@ -114,7 +117,9 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     transport's sends go through a `SendWindow` of `depth` (None: the stream's
     own `send_window`, as a pull's sender uses it; 1: one send at a time). With
     `raw`, ucxx alone, one send at a time (what UCX itself gives, without the
-    transport's head messages and Python layer above it)."""
+    transport's head messages and Python layer above it). With `bare`, the
+    transport's bare messages (one message per buffer, no head), as a pull
+    over UCX sends its chunks."""
     cp = _cupy()
     from hoplite_gpu.transports import SendWindow, get_backend, ucx
 
@@ -124,7 +129,7 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     groups = [1] * (repeats + 1) + [window] * repeats
     ctx = mp.get_context("spawn")
     port_q, out_q = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=_peer, args=(port_q, size, groups, out_q, raw))
+    peer = ctx.Process(target=_peer, args=(port_q, size, groups, out_q, raw, bare))
     peer.start()
     address = port_q.get(timeout=120)
 
@@ -146,7 +151,7 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
             else:
                 async with SendWindow(conn, in_flight) as out:
                     for _ in range(group):
-                        await out.send(src)
+                        await (out.send_bare(src) if bare else out.send(src))
             await recv_ack(ack)
             times.append((time.perf_counter() - t0) / group)
         await conn.close()
@@ -162,7 +167,7 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     who = "ucxx alone" if raw else "UCX"
     return {"what": f"{who} between two processes vs device copy", "size": size,
             "copy_s": copy_s, "one_s": one_s, "streamed_s": streamed_s, "window": window,
-            "in_flight": in_flight,
+            "in_flight": in_flight, "bare": bare,
             "copy_GBps": size / copy_s / 1e9, "one_GBps": size / one_s / 1e9,
             "streamed_GBps": size / streamed_s / 1e9,
             "one_ratio": copy_s / one_s, "ratio": copy_s / streamed_s}
@@ -232,6 +237,8 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
             for depth in depths:
                 rows.append(ucx_vs_copy(size, depth=depth))
                 print(json.dumps(rows[-1]), flush=True)
+            rows.append(ucx_vs_copy(size, bare=True))  # as a pull over UCX sends
+            print(json.dumps(rows[-1]), flush=True)
         except Exception as exc:  # no ucxx: say so, keep the kernel numbers
             rows.append({"what": "UCX transfer", "size": size,
                          "error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -292,6 +299,7 @@ def _table(rows: list[dict]) -> None:
         elif "streamed_s" in r:
             who = "ucxx alone" if r["what"].startswith("ucxx") else "UCX transport"
             flying = r.get("in_flight", 1)
+            who += ", bare messages" if r.get("bare") else ""
             who += ", 1 send in flight" if flying == 1 else f", {flying} sends in flight"
             print(f"| {who}, {r['window']} buffers back to back | {mib} | "
                   f"{r['streamed_GBps']:.0f} GB/s | device copy {r['copy_GBps']:.0f} GB/s | "

@@ -13,8 +13,9 @@ from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClose
 from .protocol import recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 3  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
-#                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept)
+PROTOCOL_VERSION = 4  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+#                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
+#                       4: answers in bare messages (a pull's "bare")
 _NONCE = 32
 
 

@@ -42,6 +42,12 @@ class Config:
     #: benchmarks/README, "GPU"). Over TCP device chunks are staged through host
     #: memory and keep `chunk_size`.
     device_chunk_size: int = 64 * MiB
+    #: Pulls over UCX ask for their chunks as bare messages: one UCX message
+    #: per chunk instead of a frame header and the chunk (docs/protocol.md,
+    #: "Answers in bare messages"). Off by default: on one H100 a pull that
+    #: kept one bare receive posted took 0.55-0.75 ms per 64 MiB chunk against
+    #: 0.42 ms framed; with two posted (now) it is not measured on a GPU yet.
+    bare_pulls: bool = False
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
     #: How many receivers one node serves one object to at a time: the paper uses 1

@@ -30,6 +30,10 @@ class Stream(abc.ABC):
     #: sends still leave in call order, and the next one's announcement reaches
     #: the peer while the previous one's bytes move (UCX rendezvous).
     send_window: int = 1
+    #: Whether `send_bare`/`recv_bare` exist: a buffer sent as one message with
+    #: no head, received whole into a buffer of exactly its size, on a lane of
+    #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
+    bare_messages: bool = False
 
     @abc.abstractmethod
     async def send(self, *buffers: Buffer) -> None:
@@ -74,6 +78,19 @@ class Stream(abc.ABC):
         `send`). Raises TransportClosed."""
         return 0
 
+    async def send_bare(self, buffer: Buffer) -> None:
+        """Send `buffer` as one message on the bare lane (see `bare_messages`);
+        bare messages keep their order among themselves, not with `send`'s.
+        Raises TransportClosed."""
+        raise NotImplementedError(f"{type(self).__name__} has no bare messages")
+
+    async def recv_bare(self, buffer: Buffer) -> None:
+        """Receive the next bare message into `buffer`, which it must fill
+        exactly. Several may wait at once: messages fill them in the order the
+        calls began. Raises TransportClosed (a message too large for `buffer`
+        too)."""
+        raise NotImplementedError(f"{type(self).__name__} has no bare messages")
+
     async def recv_exactly(self, n: int) -> bytes:
         buf = bytearray(n)
         if n:
@@ -107,10 +124,17 @@ class SendWindow:
         self._flying: collections.deque[asyncio.Task] = collections.deque()
 
     async def send(self, *buffers: Buffer) -> None:
+        await self._post(self._stream.send(*buffers))
+
+    async def send_bare(self, buffer: Buffer) -> None:
+        """`stream.send_bare(buffer)`, in the window."""
+        await self._post(self._stream.send_bare(buffer))
+
+    async def _post(self, sending: Awaitable[None]) -> None:
         if self._depth == 1:
-            await self._stream.send(*buffers)
+            await sending
             return
-        self._flying.append(asyncio.ensure_future(self._stream.send(*buffers)))
+        self._flying.append(asyncio.ensure_future(sending))
         while len(self._flying) >= self._depth:
             await self._flying.popleft()
 

@@ -70,6 +70,10 @@ log = logging.getLogger("hoplite_gpu.transports.ucx")
 
 _HEAD_TAG = None  # the endpoint's own message tag
 _DATA_TAG = 1  # hashed by ucxx with the endpoint's tag: distinct per connection
+_BARE_TAG = 2  # bare messages: one buffer, no head (send_bare / recv_bare)
+#: The lanes a message travels on (heads, data after a head, bare), and their tags.
+_LANE_HEAD, _LANE_DATA, _LANE_BARE = 0, 1, 2
+_TAGS = (_HEAD_TAG, _DATA_TAG, _BARE_TAG)
 _INLINE, _HOST, _DEVICE = 0, 1, 2
 _HEAD = struct.Struct("<HI")  # records, inline bytes
 _RECORD = struct.Struct("<BQ")  # kind, size
@@ -226,6 +230,10 @@ class UCXStream(Stream):
     #: completes), the next chunk's head is already there, so the peer posts
     #: its receive as soon as the previous one ends, not a round trip later.
     send_window = 2
+    #: One message per buffer, no head: a large chunk costs one UCX message
+    #: instead of two (the second costs about 0.1 ms on an H100, see
+    #: benchmarks/ucx_patterns.py), when the receiver knows its size.
+    bare_messages = True
 
     def __init__(self, endpoint: Any, peer: str) -> None:
         self._ep = endpoint
@@ -241,28 +249,27 @@ class UCXStream(Stream):
         self._driver = ucx_progress.installed(asyncio.get_running_loop())
         self._tags = None
         if self._driver is not None:
-            head = ucx_progress.endpoint_tags(endpoint, _HEAD_TAG)
-            data = ucx_progress.endpoint_tags(endpoint, _DATA_TAG)
-            if head is None or data is None:
+            tags = tuple(ucx_progress.endpoint_tags(endpoint, tag) for tag in _TAGS)
+            if any(t is None for t in tags):
                 self._driver = None
             else:
-                self._tags = (head, data)
+                self._tags = tags
 
-    def _send(self, buf: Any, data: bool) -> Any:
+    def _send(self, buf: Any, lane: int) -> Any:
         if self._closed:  # closed while this task waited for the lock
             raise _closed_error(self.peer, "send", None)
         if self._driver is None:
-            return self._ep.send(buf, tag=_DATA_TAG if data else _HEAD_TAG)
-        return self._driver.send(self._ep, self._tags[data][0], buf, active=_is_device(buf))
+            return self._ep.send(buf, tag=_TAGS[lane])
+        return self._driver.send(self._ep, self._tags[lane][0], buf, active=_is_device(buf))
 
-    def _recv(self, buf: Any, data: bool) -> Any:
-        """A receive of the next head or of a data message whose head has
-        arrived; polled to completion only into device memory (ucx_progress)."""
+    def _recv(self, buf: Any, lane: int) -> Any:
+        """A receive of the next message on `lane` (for data: one whose head has
+        arrived); polled to completion only into device memory (ucx_progress)."""
         if self._closed:
             raise _closed_error(self.peer, "receive", None)
         if self._driver is None:
-            return self._ep.recv(buf, tag=_DATA_TAG if data else _HEAD_TAG)
-        return self._driver.recv(self._ep, self._tags[data][1], buf, active=_is_device(buf))
+            return self._ep.recv(buf, tag=_TAGS[lane])
+        return self._driver.recv(self._ep, self._tags[lane][1], buf, active=_is_device(buf))
 
     @property
     def closed(self) -> bool:
@@ -307,12 +314,12 @@ class UCXStream(Stream):
                       self.peer, device_bytes)
         async with self._send_lock:
             if not data:  # a head alone (control messages, acks): no tasks to make
-                await self._guard("send", self._send(head, False))
+                await self._guard("send", self._send(head, _LANE_HEAD))
                 return
             # gather starts its tasks in order, and each posts its UCX request
             # before its first suspension: the messages leave in this order.
-            sent = asyncio.gather(self._send(head, False),
-                                  *(self._send(buf, True) for buf in data))
+            sent = asyncio.gather(self._send(head, _LANE_HEAD),
+                                  *(self._send(buf, _LANE_DATA) for buf in data))
             # One turn of the loop runs those first steps; then the lock may go
             # to the next send, whose messages are posted after ours. A large
             # message completes only when the peer has fetched it, so the next
@@ -328,9 +335,40 @@ class UCXStream(Stream):
             log.debug("ucx send to %s: %d device bytes fetched by the peer", self.peer,
                       device_bytes)
 
+    async def send_bare(self, buffer: Any) -> None:
+        if self._closed:
+            raise _closed_error(self.peer, "send", None)
+        buf = buffer if _is_device(buffer) else _flat(buffer)
+        if _is_device(buf):
+            _sync_device(buf)  # (see _sync_device: UCX copies on its own streams)
+            log.debug("ucx bare send to %s: %d device bytes", self.peer, _nbytes(buf))
+        async with self._send_lock:  # posted in call order among all sends
+            sending = asyncio.ensure_future(self._send(buf, _LANE_BARE))
+            try:
+                await asyncio.sleep(0)  # its first step posts the message
+            except BaseException:
+                sending.cancel()
+                await self.close()
+                raise
+        await self._guard("send", sending)
+
+    async def recv_bare(self, buffer: Any) -> None:
+        if self._closed:
+            raise _closed_error(self.peer, "receive", None)
+        dest = _flat(buffer)
+        # Receives are posted when called, and several may be posted at once:
+        # UCX matches bare messages to them in that order. A message larger
+        # than `dest` fails the receive (truncated), which ends the stream.
+        # ucxx does not say how many bytes a receive took, so one smaller would
+        # go unnoticed: the caller must know the exact size of each bare
+        # message (the pull protocol fixes them all).
+        await self._guard("receive", self._recv(dest, _LANE_BARE))
+        if _is_device(dest):
+            log.debug("ucx bare receive from %s: %d device bytes in", self.peer, _nbytes(dest))
+
     # ---------------------------------------------------------- receive ---
     async def _next_head(self) -> None:
-        await self._guard("receive", self._recv(self._head, False))
+        await self._guard("receive", self._recv(self._head, _LANE_HEAD))
         count, inline = _HEAD.unpack_from(self._head, 0)
         pos = _HEAD.size
         body = pos + count * _RECORD.size
@@ -369,7 +407,7 @@ class UCXStream(Stream):
                     if kind == _DEVICE:
                         log.debug("ucx receive from %s: head in, posting %d device bytes",
                                   self.peer, size)
-                    await self._guard("receive", self._recv(dest[got:got + size], True))
+                    await self._guard("receive", self._recv(dest[got:got + size], _LANE_DATA))
                     if kind == _DEVICE:
                         log.debug("ucx receive from %s: %d device bytes in", self.peer, size)
                     got += size
@@ -377,7 +415,7 @@ class UCXStream(Stream):
                     continue
                 if data is None:  # straddles this call: stage it on the host
                     staged = bytearray(size)
-                    await self._guard("receive", self._recv(staged, True))
+                    await self._guard("receive", self._recv(staged, _LANE_DATA))
                     rec[2] = data = memoryview(staged)
                 take = min(size - offset, want - got)
                 _copy_into(dest, got, data, offset, take)

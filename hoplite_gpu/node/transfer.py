@@ -17,6 +17,7 @@ follows, or ``B``: frames as above, with their bytes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -53,6 +54,8 @@ log = logging.getLogger("hoplite_gpu.transfer")
 #: On the emulated 8-host, 1 Gbit/s cluster a 256 MiB broadcast took 2.33 s
 #: with 1 MiB steps and 2.28 s with 256 KiB (a 7-hop chain fills 4x sooner).
 STEP = 1 << 18
+#: Bare receives a pull keeps posted at once (answers in bare messages).
+BARE_RECEIVES = 2
 #: Copies out of a same-host sender's mapping go in pieces of this size, each
 #: servable downstream at once.
 SHM_STEP = 1 << 20
@@ -155,6 +158,7 @@ class DataServer:
     async def _serve_pull(self, stream: Stream, req: dict) -> None:
         oid = ObjectID(field(req, "oid", bytes))
         offset, end = field(req, "offset", int), field(req, "end", int)
+        bare = req.get("bare")  # the puller's message size, for an answer in bare messages
         # A same-host puller asked for the mode byte first (see the module doc).
         moded = bool(req.get("shm")) and getattr(stream, "local", False)
         if moded and req.get("map"):
@@ -186,6 +190,14 @@ class DataServer:
             if not valid:
                 await send_error_frame(stream, "ProtocolError",
                                        f"range [{offset}, {end}) outside object of {obj.size} bytes")
+                return
+            if bare is not None:
+                if (type(bare) is not int or bare < 1 or mapped is not None
+                        or not stream.bare_messages or _sendable(obj.buffer, stream) is None):
+                    await send_error_frame(stream, "ProtocolError",
+                                           f"cannot answer in bare messages of {bare!r} bytes")
+                    return
+                await self._stream_bare(stream, obj, offset, end, bare)
                 return
             sent = await self._stream_range(stream, obj, offset, end, announce=mapped is not None)
             if sent and mapped is not None:
@@ -288,6 +300,30 @@ class DataServer:
                     log.debug("serve %s: frame of %d bytes at %d handed over", obj.oid.hex(), n, pos)
                     pos += n
                     await asyncio.sleep(0)  # let other pulls of this node progress too
+        return True
+
+    async def _stream_bare(self, stream: Stream, obj: StoredObject, pos: int, end: int,
+                           size: int) -> bool:
+        """Send bytes [pos, end) of `obj` as bare messages of `size` bytes (the
+        last one the rest), each once it is ready, then a data frame header
+        whose length is the bytes sent: the end of the answer. Heads in
+        between are keepalives, or an error frame that ends it instead."""
+        src = _sendable(obj.buffer, stream)
+        start = pos
+        async with SendWindow(stream) as out:
+            while pos < end:
+                upto = min(pos + size, end)
+                if not await self._wait_or_keepalive(out, obj, upto):
+                    return False
+                if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
+                    await send_error_frame(out, "ObjectNotFound", str(obj.removed))
+                    return False
+                await out.send_bare(src[pos:upto])
+                log.debug("serve %s: bare message of %d bytes at %d handed over",
+                          obj.oid.hex(), upto - pos, pos)
+                pos = upto
+                await asyncio.sleep(0)  # let other pulls of this node progress too
+            await out.send(FRAME.pack(FRAME_DATA, end - start))
         return True
 
     async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int) -> bool:
@@ -454,9 +490,9 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     try:
         pos = obj.ready
         moded = host and getattr(stream, "local", False)
-        await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end,
-                                **({"shm": True} if moded else {})})
         if moded:
+            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
+                                    "end": end, "shm": True})
             mode, fd = await stream.recv_mode(config.stall_timeout_s)
             if mode not in (b"F", b"B"):
                 if fd is not None:
@@ -480,6 +516,18 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                 ok = True
                 return
         view = _sendable(obj.buffer, stream)
+        if (config.bare_pulls and not moded and stream.bare_messages and view is not None
+                and pos < end):
+            # One message per chunk, no frame headers (UCX): see docs/protocol.md.
+            size = config.chunk_bytes(device.is_device_buffer(obj.buffer))
+            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
+                                    "end": end, "bare": size})
+            await _fetch_bare(stream, obj, view, pos, end, size, address, config, on_progress)
+            ok = True
+            return
+        if not moded:
+            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
+                                    "end": end})
         staging = device.staging(config.chunk_size) if view is None else None
         # A transport without partial receives takes each frame whole.
         step = min(config.chunk_size, STEP) if stream.partial_receive else None
@@ -527,6 +575,89 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         else:
             with contextlib.suppress(Exception):
                 await stream.close()
+
+
+async def _fetch_bare(stream: Stream, obj: StoredObject, view: Any, pos: int, end: int,
+                      size: int, address: str, config: Config,
+                      on_progress: Callable[[int], None]) -> None:
+    """Receive an answer in bare messages (`DataServer._stream_bare`): each
+    `size` bytes (the last one the rest) straight into `view`, with
+    `BARE_RECEIVES` receives posted at once.
+
+    Heads (keepalives, an error frame, the end marker) are listened for only
+    while a message is slow to come (after `poll` seconds), and for the end:
+    a receive left posted is polled by ucxx on every turn of the loop, which
+    made each 64 MiB message on an H100 take twice as long. Each wait allows
+    `stall_timeout_s`; a keepalive starts it again."""
+    stall = config.stall_timeout_s
+    poll = min(stall / 3, 0.05)
+    start, ended = pos, False
+    head: asyncio.Future | None = None
+
+    async def on_head() -> None:
+        """A head came: a keepalive, the end marker, or an error frame."""
+        nonlocal head, ended
+        kind, n = head.result()
+        head = None
+        if kind != FRAME_DATA:
+            _raise_peer_error(address, await recv_error_body(stream, n))
+        if n == end - start:
+            ended = True  # (it may come before the last messages: lanes are matched apart)
+        elif n:
+            raise ProtocolError(f"{address} ended an answer of {end - start} bytes with {n}")
+        # else a keepalive: the sender is alive, its bytes are not ready yet
+
+    async def wait_heads(pending: asyncio.Future | None) -> None:
+        """Wait for `pending` (or, None, the end marker) while taking heads."""
+        nonlocal head
+        while not (ended if pending is None else pending.done()):
+            if head is None and not ended:
+                head = asyncio.ensure_future(recv_frame_header(stream))
+            waiting = {f for f in (pending, head) if f is not None}
+            done, _ = await asyncio.wait(waiting, timeout=stall,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)")
+            if head is not None and head in done:
+                await on_head()
+
+    # Two receives posted at once: UCX starts fetching the next message as
+    # soon as it is announced, without waiting for this loop to post it.
+    flying: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
+    posted = pos
+
+    def post() -> None:
+        nonlocal posted
+        while len(flying) < BARE_RECEIVES and posted < end:
+            n = min(size, end - posted)
+            flying.append((posted, n, asyncio.ensure_future(
+                stream.recv_bare(view[posted:posted + n]))))
+            posted += n
+
+    try:
+        post()
+        while flying:
+            at, n, data = flying[0]
+            done, _ = await asyncio.wait({data}, timeout=poll)
+            if not done:  # slow: the sender may be waiting for bytes, or failing
+                await wait_heads(data)
+            data.result()
+            flying.popleft()
+            post()
+            log.debug("pull %s: bare message of %d bytes at %d in", obj.oid.hex(), n, at)
+            pos = at + n
+            obj.advance(pos)
+            on_progress(pos)
+            await asyncio.sleep(0)  # relays of these bytes can serve them now
+        await wait_heads(None)
+    finally:
+        # (Only after a failure: the stream then closes.)
+        for pending in [f for _, _, f in flying] + [head]:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            if pending is not None:
+                with contextlib.suppress(BaseException):
+                    await pending
 
 
 async def _copy_announced(stream: Stream, obj: StoredObject, source: memoryview, pos: int,

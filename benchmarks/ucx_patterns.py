@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,21 @@ def peer(port_q: Any, size: int, out_q: Any) -> None:
     asyncio.run(main())
 
 
+def _against_peer(target: Callable[..., None], size: int,
+                  send: Callable[[Any], Awaitable[None]]) -> None:
+    """Start `target(port_q, size, out_q)` as the receiving process, run
+    `send(its address)` here, then check the first bytes of the receiver's
+    buffer (all ones)."""
+    ctx = mp.get_context("spawn")
+    port_q, out_q = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=target, args=(port_q, size, out_q))
+    p.start()
+    asyncio.run(send(port_q.get(timeout=120)))
+    if out_q.get(timeout=60) != 8.0:
+        raise AssertionError("the receiver's buffer does not hold the sent bytes")
+    p.join(30)
+
+
 def run(size: int) -> list[dict]:
     cp = xp()
 
@@ -96,14 +112,9 @@ def run(size: int) -> list[dict]:
 
     ucxx = ucx._load()
     src = cp.ones(size, cp.uint8)
-    ctx = mp.get_context("spawn")
-    port_q, out_q = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=peer, args=(port_q, size, out_q))
-    p.start()
-    port = port_q.get(timeout=120)
     rows = []
 
-    async def main():
+    async def main(port: int) -> None:
         ep = await ucxx.create_endpoint("127.0.0.1", port)
         head = np.zeros(16, np.uint8)
         ack = np.empty(1, np.uint8)
@@ -137,10 +148,7 @@ def run(size: int) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
         await ep.close()
 
-    asyncio.run(main())
-    if out_q.get(timeout=60) != 8.0:
-        raise AssertionError("the receiver's buffer does not hold the sent bytes")
-    p.join(30)
+    _against_peer(peer, size, main)
     return rows
 
 
@@ -192,14 +200,9 @@ def first_use(size: int) -> list[dict]:
     cp = xp()
     from hoplite_gpu.transports import get_backend
 
-    ctx = mp.get_context("spawn")
-    port_q, out_q = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_first_peer, args=(port_q, size, out_q))
-    p.start()
-    address = port_q.get(timeout=120)
     rows = []
 
-    async def main() -> None:
+    async def main(address: str) -> None:
         stream = await get_backend("ucx").connect(address, 30)
         src = cp.ones(size, cp.uint8)
         kept = []
@@ -225,10 +228,7 @@ def first_use(size: int) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
         await stream.close()
 
-    asyncio.run(main())
-    if out_q.get(timeout=60) != 8.0:
-        raise AssertionError("the receiver's buffer does not hold the sent bytes")
-    p.join(30)
+    _against_peer(_first_peer, size, main)
     return rows
 
 

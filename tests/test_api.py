@@ -305,3 +305,14 @@ def test_node_stats_counts_what_this_node_holds(local):
     after = hg.node_stats()
     assert after["objects"] == before["objects"]
     assert after["pooled_bytes"] >= before["pooled_bytes"]  # its buffer kept for reuse
+
+
+def test_a_directory_address_without_a_scheme_means_the_control_transport():
+    """Data over UCX does not change how a bare `host:port` directory is dialled:
+    the directory serves the control transport (TCP unless set otherwise)."""
+    from hoplite_gpu.node.node import Node
+
+    ucx_data = Node(hg.Config(transport="ucx"), "token", "10.0.0.1:7777")
+    assert ucx_data.directory_address == "tcp://10.0.0.1:7777"
+    ucx_control = Node(hg.Config(control_transport="ucx"), "token", "10.0.0.1:7777")
+    assert ucx_control.directory_address == "ucx://10.0.0.1:7777"

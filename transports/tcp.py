@@ -50,6 +50,9 @@ class TCPStream(Stream):
         self.peer = peer
         #: Tasks inside send/recv_into, woken by close() (the loop would not wake them).
         self._busy: set[asyncio.Task] = set()
+        #: Sends that overlap (a SendWindow deeper than 1) go out one after another,
+        #: so the bytes of one never land between another's.
+        self._send_lock = asyncio.Lock()
 
     @property
     def closed(self) -> bool:
@@ -63,14 +66,15 @@ class TCPStream(Stream):
         if self._closed:
             raise self._lost(None, "send")
         loop = asyncio.get_running_loop()
-        for buf in buffers:
-            # sock_sendall counts progress in bytes against len(), which is in
-            # items for a typed view: always send a flat byte view.
-            view = memoryview(buf)
-            if view.format != "B" or view.ndim != 1:
-                view = view.cast("B")
-            if len(view):
-                await self._guarded("send", loop.sock_sendall(self._sock, view))
+        async with self._send_lock:
+            for buf in buffers:
+                # sock_sendall counts progress in bytes against len(), which is in
+                # items for a typed view: always send a flat byte view.
+                view = memoryview(buf)
+                if view.format != "B" or view.ndim != 1:
+                    view = view.cast("B")
+                if len(view):
+                    await self._guarded("send", loop.sock_sendall(self._sock, view))
 
     async def recv_into(self, buffer: memoryview) -> None:
         if self._closed:

@@ -329,6 +329,8 @@ class UCXStream(Stream):
             except BaseException:  # cancelled: part of a message may be out
                 sent.cancel()
                 await self.close()
+                with contextlib.suppress(BaseException):
+                    await sent  # (its error is this stream's end, already ours)
                 raise
         await self._guard("send", sent)
         if device_bytes:
@@ -349,6 +351,8 @@ class UCXStream(Stream):
             except BaseException:
                 sending.cancel()
                 await self.close()
+                with contextlib.suppress(BaseException):
+                    await sending
                 raise
         await self._guard("send", sending)
 

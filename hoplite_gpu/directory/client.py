@@ -55,7 +55,7 @@ class DirectoryClient:
             raise Timeout(
                 f"the directory at {address} did not accept us within {timeout:g}s (if it "
                 "serves another transport, use its full address, e.g. ucx://host:port, or "
-                "the same HOPLITE_TRANSPORT)") from exc
+                "the same HOPLITE_CONTROL_TRANSPORT)") from exc
         except BaseException:
             await stream.close()
             raise

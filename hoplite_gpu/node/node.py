@@ -56,8 +56,8 @@ class Node:
     def __init__(self, config: Config, token: str, directory_address: str) -> None:
         self.config = config
         self.token = token
-        # A bare "host:port" means the configured transport (HOPLITE_TRANSPORT).
-        scheme, host, port = split_address(directory_address, config.transport)
+        # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT).
+        scheme, host, port = split_address(directory_address, config.control_transport)
         self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
             f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"

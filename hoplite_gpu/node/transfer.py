@@ -192,7 +192,7 @@ class DataServer:
                                        f"range [{offset}, {end}) outside object of {obj.size} bytes")
                 return
             if bare is not None:
-                if (type(bare) is not int or bare < 1 or mapped is not None
+                if (type(bare) is not int or bare < 1 or mapped is not None or offset == end
                         or not stream.bare_messages or _sendable(obj.buffer, stream) is None):
                     await send_error_frame(stream, "ProtocolError",
                                            f"cannot answer in bare messages of {bare!r} bytes")
@@ -600,7 +600,12 @@ async def _fetch_bare(stream: Stream, obj: StoredObject, view: Any, pos: int, en
         kind, n = head.result()
         head = None
         if kind != FRAME_DATA:
-            _raise_peer_error(address, await recv_error_body(stream, n))
+            try:
+                async with asyncio.timeout(stall):
+                    body = await recv_error_body(stream, n)
+            except TimeoutError:
+                raise Timeout(f"peer {address} sent half an error frame ({stall:g}s)") from None
+            _raise_peer_error(address, body)
         if n == end - start:
             ended = True  # (it may come before the last messages: lanes are matched apart)
         elif n:

@@ -1,9 +1,11 @@
 """`python -m benchmarks progress`: what each transport setting costs when idle and
 per message. For TCP and for UCX under each ucxx progress setting, side by side:
 
-* idle CPU: a LocalCluster of `--workers` nodes and its directory, doing nothing
-  for `--seconds`; the CPU seconds each process used (from /proc), as a
-  fraction of one core;
+* idle CPU: a LocalCluster of `--workers` nodes (at least 2) and its
+  directory, after one object moved from node 0 to every other node over the
+  transport (a node that has not used UCX yet does not spin in any mode), then
+  doing nothing for `--seconds`; the CPU seconds each process used (from
+  /proc), as a fraction of one core;
 * round trip: one buffer sent and a 1-byte ack back, between two processes
   (the transport's own send / recv_into), median over `--repeats`.
 
@@ -44,12 +46,31 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _warm_put(name: str) -> None:
+    import hoplite_gpu as hg
+
+    hg.put(np.ones(1 << 20, np.uint8), hg.ObjectID.from_name(name))
+
+
+def _warm_get(name: str) -> int:
+    import hoplite_gpu as hg
+
+    return int(hg.get(hg.ObjectID.from_name(name), timeout=60).sum())
+
+
 def _idle(transport: str, workers: int, seconds: float) -> list[float]:
     from hoplite_gpu.cluster import LocalCluster
 
-    with LocalCluster(workers, transport=transport) as c:
+    if workers < 2:
+        raise SystemExit("--workers must be at least 2: the idle nodes first move an object")
+    # Bytes over the transport itself, not through shared memory.
+    with LocalCluster(workers, transport=transport, shared_memory=False) as c:
         pids = [c.pid(i) for i in range(workers)] + [c._directory.pid]
-        time.sleep(1.0)  # start-up settles
+        c.run(0, _warm_put, "warm")
+        if c.map(_warm_get, [("warm",)] * (workers - 1), workers=range(1, workers)) != \
+                [1 << 20] * (workers - 1):
+            raise AssertionError("the warm-up object arrived wrong")
+        time.sleep(1.0)  # the transfer settles
         before = [_proc_cpu_s(p) for p in pids]
         time.sleep(seconds)
         return [(_proc_cpu_s(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
@@ -163,7 +184,8 @@ def run(args: argparse.Namespace, console) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=1, help="idle nodes (plus the directory)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="idle nodes (plus the directory), at least 2")
     p.add_argument("--seconds", type=float, default=5.0, help="idle window")
     p.add_argument("--repeats", type=int, default=300, help="round trips per size")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per setting")

@@ -304,26 +304,46 @@ class UCXStream(Stream):
         head, data = self._encode(buffers)
         if not data and len(head) == _HEAD.size:
             return  # nothing to send
+        device_bytes = self._sync_all(data)
+        if not data:  # a head alone (control messages, acks): no tasks to make
+            async with self._send_lock:
+                await self._guard("send", self._send(head, _LANE_HEAD))
+            return
+        await self._post_then_wait([(head, _LANE_HEAD)] + [(buf, _LANE_DATA) for buf in data])
+        if device_bytes:
+            log.debug("ucx send to %s: %d device bytes fetched by the peer", self.peer,
+                      device_bytes)
+
+    async def send_bare(self, buffer: Any) -> None:
+        if self._closed:
+            raise _closed_error(self.peer, "send", None)
+        buf = buffer if _is_device(buffer) else _flat(buffer)
+        self._sync_all([buf])
+        await self._post_then_wait([(buf, _LANE_BARE)])
+
+    def _sync_all(self, buffers: list) -> int:
+        """Wait for the producers of the device buffers among `buffers` (see
+        `_sync_device`); return how many device bytes there are."""
         device_bytes = 0
-        for buf in data:
+        for buf in buffers:
             if _is_device(buf):
                 _sync_device(buf)
                 device_bytes += _nbytes(buf)
         if device_bytes:
             log.debug("ucx send to %s: %d device bytes, producer's stream synchronised",
                       self.peer, device_bytes)
+        return device_bytes
+
+    async def _post_then_wait(self, messages: list[tuple[Any, int]]) -> None:
+        """Post `messages` ((buffer, lane) each) in order under the send lock,
+        then wait for them outside it, so the next send may be posted while
+        these complete (a large message completes only when the peer has
+        fetched it; see `send_window`)."""
         async with self._send_lock:
-            if not data:  # a head alone (control messages, acks): no tasks to make
-                await self._guard("send", self._send(head, _LANE_HEAD))
-                return
             # gather starts its tasks in order, and each posts its UCX request
-            # before its first suspension: the messages leave in this order.
-            sent = asyncio.gather(self._send(head, _LANE_HEAD),
-                                  *(self._send(buf, _LANE_DATA) for buf in data))
-            # One turn of the loop runs those first steps; then the lock may go
-            # to the next send, whose messages are posted after ours. A large
-            # message completes only when the peer has fetched it, so the next
-            # send's head travels meanwhile (see `send_window`).
+            # before its first suspension; one turn of the loop runs those first
+            # steps, and only then may the lock go to the next send.
+            sent = asyncio.gather(*(self._send(buf, lane) for buf, lane in messages))
             try:
                 await asyncio.sleep(0)
             except BaseException:  # cancelled: part of a message may be out
@@ -333,28 +353,6 @@ class UCXStream(Stream):
                     await sent  # (its error is this stream's end, already ours)
                 raise
         await self._guard("send", sent)
-        if device_bytes:
-            log.debug("ucx send to %s: %d device bytes fetched by the peer", self.peer,
-                      device_bytes)
-
-    async def send_bare(self, buffer: Any) -> None:
-        if self._closed:
-            raise _closed_error(self.peer, "send", None)
-        buf = buffer if _is_device(buffer) else _flat(buffer)
-        if _is_device(buf):
-            _sync_device(buf)  # (see _sync_device: UCX copies on its own streams)
-            log.debug("ucx bare send to %s: %d device bytes", self.peer, _nbytes(buf))
-        async with self._send_lock:  # posted in call order among all sends
-            sending = asyncio.ensure_future(self._send(buf, _LANE_BARE))
-            try:
-                await asyncio.sleep(0)  # its first step posts the message
-            except BaseException:
-                sending.cancel()
-                await self.close()
-                with contextlib.suppress(BaseException):
-                    await sending
-                raise
-        await self._guard("send", sending)
 
     async def recv_bare(self, buffer: Any) -> None:
         if self._closed:

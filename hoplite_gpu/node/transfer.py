@@ -490,9 +490,17 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     try:
         pos = obj.ready
         moded = host and getattr(stream, "local", False)
+        view = _sendable(obj.buffer, stream)
+        # One message per chunk, no frame headers (UCX, opt-in): docs/protocol.md.
+        bare = (config.chunk_bytes(not host) if config.bare_pulls and not moded
+                and stream.bare_messages and view is not None and pos < end else None)
+        req = {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end}
         if moded:
-            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
-                                    "end": end, "shm": True})
+            req["shm"] = True
+        elif bare is not None:
+            req["bare"] = bare
+        await send_msg(stream, req)
+        if moded:
             mode, fd = await stream.recv_mode(config.stall_timeout_s)
             if mode not in (b"F", b"B"):
                 if fd is not None:
@@ -515,19 +523,10 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                     return
                 ok = True
                 return
-        view = _sendable(obj.buffer, stream)
-        if (config.bare_pulls and not moded and stream.bare_messages and view is not None
-                and pos < end):
-            # One message per chunk, no frame headers (UCX): see docs/protocol.md.
-            size = config.chunk_bytes(device.is_device_buffer(obj.buffer))
-            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
-                                    "end": end, "bare": size})
-            await _fetch_bare(stream, obj, view, pos, end, size, address, config, on_progress)
+        if bare is not None:
+            await _fetch_bare(stream, obj, view, pos, end, bare, address, config, on_progress)
             ok = True
             return
-        if not moded:
-            await send_msg(stream, {"op": "pull", "oid": obj.oid.binary, "offset": pos,
-                                    "end": end})
         staging = device.staging(config.chunk_size) if view is None else None
         # A transport without partial receives takes each frame whole.
         step = min(config.chunk_size, STEP) if stream.partial_receive else None

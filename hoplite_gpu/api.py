@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from typing import Any
 
 from .config import Config
 from .device import AS_CHOICES
+from .direct import MISS
 from .errors import InvalidArgument, NotInitialized
 from .ids import ObjectID, as_object_id
 from .runtime import Runtime
@@ -68,6 +70,10 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     """Store `value` (copied) and publish it; returns its ObjectID."""
     rt = runtime()
     oid = _new_id(object_id)
+    # A small host value goes straight from this thread (hoplite_gpu.direct).
+    if rt.direct is not None and not rt.on_loop_thread() and \
+            rt.direct.put(value, oid, rt.config.timeout_s):
+        return oid
     return rt.call(rt.node.put(value, oid), rt.config.timeout_s)
 
 
@@ -82,6 +88,14 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
     rt = runtime()
     oid, limit = as_object_id(object_id), _timeout(rt, timeout)
     _check_array_type(array_type)
+    if rt.direct is not None and not rt.on_loop_thread():
+        # An inline object comes straight to this thread (hoplite_gpu.direct);
+        # anything else is the loop's, with the time left.
+        started = time.monotonic()
+        value = rt.direct.get(oid, limit, array_type)
+        if value is not MISS:
+            return value
+        limit = max(0.001, limit - (time.monotonic() - started))
     return rt.call(rt.node.get(oid, limit, array_type), limit)
 
 
@@ -153,9 +167,14 @@ def node_stats() -> dict[str, Any]:
     same-host sender's copy), `copied_from_mappings` and
     `bytes_copied_from_mappings` (pulls copied out of a same-host sender's
     mapping); `pool_hits` and `pooled_bytes` (buffer reuse); `failovers`
-    (recent pulls that resumed at another sender, the last 1000 at most)."""
+    (recent pulls that resumed at another sender, the last 1000 at most);
+    `direct_puts` and `direct_gets` (blocking calls of small objects made on
+    the caller's thread, `hoplite_gpu.direct`)."""
     rt = runtime()
-    return rt.call(rt.node.stats(), rt.config.timeout_s)
+    stats = rt.call(rt.node.stats(), rt.config.timeout_s)
+    if rt.direct is not None:
+        stats.update(direct_puts=rt.direct.puts, direct_gets=rt.direct.gets)
+    return stats
 
 
 def node_id() -> str:

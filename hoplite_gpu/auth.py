@@ -13,9 +13,10 @@ from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClose
 from .protocol import recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 4  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 5  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
+#                       5: direct connections ("attach"), a locate's inline_only
 _NONCE = 32
 
 
@@ -50,16 +51,8 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
     try:
         async with asyncio.timeout(timeout):
             hello = await recv_msg(stream)
-            if hello.get("hello") != "hoplite-gpu":
-                raise ProtocolError(f"{stream.peer} is not a hoplite-gpu endpoint")
-            if hello.get("version") != PROTOCOL_VERSION:
-                raise ProtocolError(
-                    f"{stream.peer} speaks protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}"
-                )
-            s_nonce, c_nonce = hello.get("nonce"), os.urandom(_NONCE)
-            if not isinstance(s_nonce, bytes) or len(s_nonce) < 16:
-                raise ProtocolError(f"{stream.peer} sent a malformed handshake (no usable nonce)")
-            await send_msg(stream, {"nonce": c_nonce, "mac": _mac(token, b"client", s_nonce, c_nonce)})
+            s_nonce, c_nonce, answer = client_answer(hello, token, stream.peer)
+            await send_msg(stream, answer)
             try:
                 verdict = await recv_msg(stream)
             except TransportClosed as exc:
@@ -67,15 +60,31 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
                 # peer died or went away, which callers treat as a lost peer.
                 raise TransportClosed(
                     f"{stream.peer} closed the connection during the handshake") from exc
-            if not verdict.get("ok"):
-                raise AuthenticationFailed(
-                    f"{stream.peer} refused us: {verdict.get('error', 'no reason given')}. "
-                    "Check that this process uses the same cluster token (HOPLITE_TOKEN) as the directory."
-                )
-            mac = verdict.get("mac")
-            if not isinstance(mac, bytes) or not hmac.compare_digest(
-                mac, _mac(token, b"server", c_nonce, s_nonce)
-            ):
-                raise AuthenticationFailed(f"{stream.peer} could not prove it knows the cluster token")
+            check_verdict(verdict, token, s_nonce, c_nonce, stream.peer)
     except TimeoutError as exc:
         raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
+
+
+def client_answer(hello: dict, token: str, peer: str) -> tuple[bytes, bytes, dict]:
+    """The client's side of the handshake, free of I/O: check the server's
+    hello, return its nonce, ours and the message that answers it."""
+    if hello.get("hello") != "hoplite-gpu":
+        raise ProtocolError(f"{peer} is not a hoplite-gpu endpoint")
+    if hello.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError(f"{peer} speaks protocol {hello.get('version')}, we speak {PROTOCOL_VERSION}")
+    s_nonce, c_nonce = hello.get("nonce"), os.urandom(_NONCE)
+    if not isinstance(s_nonce, bytes) or len(s_nonce) < 16:
+        raise ProtocolError(f"{peer} sent a malformed handshake (no usable nonce)")
+    return s_nonce, c_nonce, {"nonce": c_nonce, "mac": _mac(token, b"client", s_nonce, c_nonce)}
+
+
+def check_verdict(verdict: dict, token: str, s_nonce: bytes, c_nonce: bytes, peer: str) -> None:
+    """The server's verdict: accepted, and proving it knows the token too."""
+    if not verdict.get("ok"):
+        raise AuthenticationFailed(
+            f"{peer} refused us: {verdict.get('error', 'no reason given')}. "
+            "Check that this process uses the same cluster token (HOPLITE_TOKEN) as the directory."
+        )
+    mac = verdict.get("mac")
+    if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(token, b"server", c_nonce, s_nonce)):
+        raise AuthenticationFailed(f"{peer} could not prove it knows the cluster token")

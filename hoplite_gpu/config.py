@@ -50,6 +50,11 @@ class Config:
     bare_pulls: bool = False
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
+    #: A blocking put or get of an inline host object is made by the calling
+    #: thread itself, over its own connection to the directory, instead of
+    #: through the runtime's loop thread (docs/architecture.md, "Direct calls").
+    #: TCP control connections only.
+    direct_calls: bool = True
     #: How many receivers one node serves one object to at a time: the paper uses 1
     #: (a pipelined chain); 0 lets the cost model choose from the number of receivers.
     max_receivers_per_sender: int = 1

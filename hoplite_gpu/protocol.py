@@ -37,24 +37,29 @@ async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
 
 
 async def recv_msg(stream: Stream) -> dict[str, Any]:
-    head = await stream.recv_exactly(_LEN.size)
+    n = message_length(await stream.recv_exactly(_LEN.size), stream.peer)
+    return decode(stream.peer, await stream.recv_exactly(n))
+
+
+def message_length(head: bytes | bytearray | memoryview, peer: str) -> int:
+    """The body length a message's 4-byte head announces, checked."""
     (n,) = _LEN.unpack(head)
-    _check_length(stream, n)
-    return _decode(stream, await stream.recv_exactly(n))
+    check_length(peer, n)
+    return n
 
 
-def _check_length(stream: Stream, n: int) -> None:
+def check_length(peer: str, n: int) -> None:
     if n > MAX_MESSAGE:
-        raise ProtocolError(f"message of {n} bytes from {stream.peer} exceeds {MAX_MESSAGE}")
+        raise ProtocolError(f"message of {n} bytes from {peer} exceeds {MAX_MESSAGE}")
 
 
-def _decode(stream: Stream, body: bytes | memoryview) -> dict[str, Any]:
+def decode(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
         msg = msgpack.unpackb(body, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable message from {stream.peer}: {exc}") from exc
+        raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
     if not isinstance(msg, dict):
-        raise ProtocolError(f"expected a map from {stream.peer}; got {type(msg).__name__}")
+        raise ProtocolError(f"expected a map from {peer}; got {type(msg).__name__}")
     return msg
 
 
@@ -94,13 +99,13 @@ class _Framer:
         need = _LEN.size  # bytes of the next message's length, then of the whole message
         while self._end - self._start >= _LEN.size:
             (body,) = _LEN.unpack_from(self._buf, self._start)
-            _check_length(self._stream, body)
+            check_length(self._stream.peer, body)
             need = _LEN.size + body
             if self._end - self._start < need:
                 break
             at = self._start + _LEN.size
             self._start = at + body
-            msg = _decode(self._stream, self._view[at:self._start])
+            msg = decode(self._stream.peer, self._view[at:self._start])
             need = _LEN.size
             self._on_message(msg)
         self._make_room(need)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from .auth import new_token
 from .config import Config
+from .direct import DirectCalls
 from .directory.server import DirectoryServer
 from .errors import ConfigError, HopliteError, RuntimeClosed, Timeout
 from .node.node import Node
@@ -51,11 +52,15 @@ class Runtime:
         self._calls: set[asyncio.Task] = set()
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
+        self.direct: DirectCalls | None = None
         try:
             self.call(self._start(address), config.connect_timeout_s + 30)
         except BaseException:
             self.close()
             raise
+        assert self.node is not None
+        #: blocking puts and gets of small objects made on the caller's thread
+        self.direct = DirectCalls(self.node, self._loop, token)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -110,7 +115,7 @@ class Runtime:
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the runtime's loop and block for its result."""
-        if threading.current_thread() is self._thread:
+        if self.on_loop_thread():
             coro.close()
             raise HopliteError("a blocking hoplite-gpu call was made on the runtime's own loop "
                                "thread; use the *_async variant there")
@@ -138,7 +143,12 @@ class Runtime:
                 raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call") from None
             raise
 
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         if self.closed and not self._thread.is_alive():
             return
         if self._loop.is_running():

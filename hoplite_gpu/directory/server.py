@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 
@@ -28,6 +29,8 @@ class _Peer:
         self.node = node
         self.stream = stream
         self.outbox = Outbox(stream, self._lost)
+        #: the node's direct connections (docs/protocol.md, "Direct calls")
+        self.directs: set[_Direct] = set()
 
     def _lost(self, exc: HopliteError) -> None:
         log.info("cannot write to node %s: %s", self.node, exc)
@@ -38,6 +41,27 @@ class _Peer:
         self.outbox.finish()
         await self.outbox.drain(1.0)
         await self.stream.close()
+
+
+class _Direct:
+    """A connection on which one thread of a registered node makes its own
+    blocking requests. Its requests are the node's, under request ids of the
+    directory's own choosing (negative, so they never meet the node's), and
+    their replies come back here."""
+
+    def __init__(self, peer: _Peer, stream: Stream) -> None:
+        self.peer = peer
+        self.stream = stream
+        self.outbox = Outbox(stream, self._lost)
+        #: the thread's request id -> the id the state machine knows it by
+        self.requests: dict[int, int] = {}
+
+    def _lost(self, exc: HopliteError) -> None:
+        log.info("cannot write to a direct connection of node %s: %s", self.peer.node, exc)
+
+
+#: What a direct connection may ask: a caller's own put and get of small objects.
+_DIRECT_OPS = ("locate", "put", "cancel")
 
 
 def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
@@ -74,6 +98,9 @@ class DirectoryServer:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}
+        #: request ids of direct connections' requests (all negative) -> whose
+        self._direct_requests: dict[int, tuple[_Direct, int]] = {}
+        self._direct_ids = itertools.count(1)
         self._closers: set[asyncio.Task] = set()
         self.address = ""
         self._listener = None
@@ -116,7 +143,10 @@ class DirectoryServer:
                 task.add_done_callback(self._closers.discard)
                 continue
             if isinstance(cmd, state.Reply):
-                peer.outbox.post({"rid": cmd.request, **cmd.body})
+                if cmd.request < 0:
+                    self._reply_direct(cmd)
+                else:
+                    peer.outbox.post({"rid": cmd.request, **cmd.body})
             elif isinstance(cmd, state.StartReduceStep):
                 peer.outbox.post({"op": "reduce_step", **cmd.step})
             else:
@@ -127,6 +157,9 @@ class DirectoryServer:
         try:
             await server_handshake(stream, self.token, self.handshake_timeout)
             hello = await recv_msg(stream)
+            if hello.get("op") == "attach":
+                await self._serve_direct(stream, field(hello, "node", str))
+                return
             if hello.get("op") != "register":
                 raise ProtocolError(f"expected 'register' from {stream.peer}, got {hello.get('op')!r}")
             node, address = field(hello, "node", str), field(hello, "address", str)
@@ -147,7 +180,66 @@ class DirectoryServer:
             del self.peers[node]
             if node in self.state.nodes:
                 self.apply(state.NodeLost(node))
+            for direct in list(peer.directs):  # their node is gone: so are they
+                await direct.stream.close()
             await peer.outbox.close()
+
+    async def _serve_direct(self, stream: Stream, node: str) -> None:
+        peer = self.peers.get(node)
+        if peer is None:
+            await send_msg(stream, {"error": "ProtocolError",
+                                    "message": f"node id {node} is not registered here"})
+            return
+        direct = _Direct(peer, stream)
+        peer.directs.add(direct)
+        direct.outbox.post({"ok": True, "node": node})
+        try:
+            await read_messages(stream, functools.partial(self._received_direct, direct))
+        except HopliteError as exc:
+            log.debug("a direct connection of node %s ended: %s", node, exc)
+        finally:
+            peer.directs.discard(direct)
+            for rid in list(direct.requests.values()):  # withdraw what it still waits for
+                self._direct_requests.pop(rid, None)
+                if node in self.state.nodes:
+                    self.apply(state.CancelLocate(node, rid))
+            direct.requests.clear()
+            await direct.outbox.close()
+
+    def _received_direct(self, direct: _Direct, msg: dict) -> None:
+        op, theirs = msg.get("op"), msg.get("rid", 0)
+        if op == "cancel":
+            rid = direct.requests.pop(msg.get("request"), None)  # type: ignore[arg-type]
+            if rid is not None:
+                self._direct_requests.pop(rid, None)
+                self.apply(state.CancelLocate(direct.peer.node, rid))
+            return
+        if (op not in _DIRECT_OPS or not isinstance(theirs, int) or theirs in direct.requests
+                or (op == "put" and not isinstance(msg.get("inline"), bytes))):
+            direct.outbox.post({"rid": theirs if isinstance(theirs, int) else 0,
+                                "error": "ProtocolError",
+                                "message": f"a direct connection cannot ask {op!r} so (it may "
+                                           "locate inline bytes and put inline objects, one "
+                                           "request id at a time)"})
+            return
+        rid = -next(self._direct_ids)
+        try:
+            # A locate here never makes a pull edge: the thread asking cannot pull.
+            event = to_event(direct.peer.node, {**msg, "rid": rid, "inline_only": True})
+        except ProtocolError as exc:
+            direct.outbox.post({"rid": theirs, "error": "ProtocolError", "message": str(exc)})
+            return
+        direct.requests[theirs] = rid
+        self._direct_requests[rid] = (direct, theirs)
+        self.apply(event)
+
+    def _reply_direct(self, cmd: state.Reply) -> None:
+        found = self._direct_requests.pop(cmd.request, None)
+        if found is None:
+            return  # its connection ended meanwhile
+        direct, theirs = found
+        direct.requests.pop(theirs, None)
+        direct.outbox.post({"rid": theirs, **cmd.body})
 
     async def _read_loop(self, peer: _Peer) -> None:
         await read_messages(peer.stream, functools.partial(self._received, peer))

@@ -87,11 +87,16 @@ class Completed:
 
 @dataclass(frozen=True)
 class Locate:
-    """`node` wants `oid`: reply with where to pull it from, when there is a sender."""
+    """`node` wants `oid`: reply with where to pull it from, when there is a sender.
+
+    With `inline_only` (a caller's direct request, docs/protocol.md "Direct
+    calls") the reply is the object's bytes if it travels inline, else at
+    once ``{"not_inline": True}``: no sender is assigned, no edge is made."""
 
     node: NodeId
     request: int
     oid: Key
+    inline_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,6 +289,10 @@ def error_body(kind: str, message: str) -> dict[str, Any]:
     return {"error": kind, "message": message}
 
 
+def _not_inline(entry: Entry) -> dict[str, Any]:
+    return {"size": entry.size, "layout": entry.layout, "not_inline": True}
+
+
 # ------------------------------------------------------------------ state ---
 @dataclass
 class Holder:
@@ -397,6 +406,8 @@ class Directory:
         #: channel name -> newest complete version, and who waits for a newer one
         self.channels: dict[str, int] = {}
         self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
+        #: waiting locates that want inline bytes or nothing (`Locate.inline_only`)
+        self.inline_only: set[tuple[NodeId, int]] = set()
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -404,6 +415,10 @@ class Directory:
             raise TypeError(f"not a directory event: {event!r}")
         out: list[Command] = []
         method(event, out)
+        if self.inline_only:  # an answered request, whatever the answer, waits no more
+            for cmd in out:
+                if isinstance(cmd, Reply):
+                    self.inline_only.discard((cmd.node, cmd.request))
         return out
 
     # -------------------------------------------------------------- nodes ---
@@ -435,6 +450,7 @@ class Directory:
             self.channel_waiters[name] = [w for w in waiters if w[0] != ev.node]
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
+        self.inline_only = {w for w in self.inline_only if w[0] != ev.node}
         for key in list(self.objects):
             entry = self.objects[key]
             _remove_node(entry.waiting, ev.node)
@@ -504,6 +520,11 @@ class Directory:
         if entry is None and ev.oid in self.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", self.failed[ev.oid])))
             return
+        if ev.inline_only:
+            if entry is not None and entry.inline is None:
+                out.append(Reply(ev.node, ev.request, _not_inline(entry)))
+                return
+            self.inline_only.add((ev.node, ev.request))
         if entry is None:
             self.pending.setdefault(ev.oid, deque()).append((ev.node, ev.request))
             return
@@ -511,6 +532,7 @@ class Directory:
         self._serve_waiting(ev.oid, entry, out)
 
     def _on_CancelLocate(self, ev: CancelLocate, out: list[Command]) -> None:
+        self.inline_only.discard((ev.node, ev.request))
         for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values()),
                       *(t.confirms for t in self.reduces.values())]:
             try:
@@ -973,6 +995,9 @@ class Directory:
             still: deque[tuple[NodeId, int]] = deque()
             while entry.waiting:
                 node, request = entry.waiting.popleft()
+                if entry.inline is None and (node, request) in self.inline_only:
+                    out.append(Reply(node, request, _not_inline(entry)))
+                    continue
                 body = self._assign(oid, entry, node)
                 if body is None:
                     still.append((node, request))

@@ -20,7 +20,8 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                          field(msg, "size", int), field(msg, "layout", dict),
                          inline if isinstance(inline, bytes) else None)
     if op == "locate":
-        return state.Locate(node, field(msg, "rid", int), field(msg, "oid", bytes))
+        return state.Locate(node, field(msg, "rid", int), field(msg, "oid", bytes),
+                            bool(msg.get("inline_only", False)))
     if op == "cancel":
         return state.CancelLocate(node, field(msg, "request", int))
     if op == "progress":

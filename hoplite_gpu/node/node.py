@@ -507,6 +507,12 @@ class Node:
 
         await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
 
+    def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> None:
+        """Hold an inline object that a caller's thread put directly (registered
+        already, `hoplite_gpu.direct`), as a put here would have."""
+        if self._closed is None and self.store.get(oid) is None:
+            self._store_inline(oid, layout, data)
+
     def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)
         if obj is None or obj.error is not None:

@@ -1,0 +1,253 @@
+"""Direct calls: a blocking `put` or `get` of a small host object made on the
+caller's own thread, over a TCP connection of its own to the directory.
+
+A blocking call otherwise hands its work to the runtime's loop thread and
+waits to be handed the answer back: two thread wake-ups on every call, which
+on a busy machine cost more than the round trip itself (benchmarks/README,
+"The floor under these numbers"). An object at most `inline_threshold` bytes
+travels inside directory messages, so neither side needs the loop for it: the
+caller sends the put, or waits for the locate's answer, itself.
+
+What goes direct, and what falls back to the loop's path (docs/architecture.md,
+"Direct calls"): a put of a host value of at most `inline_threshold` bytes;
+a get of an object this node does not hold, whose answer comes with the bytes.
+Anything else (a larger object, a device object, a connection that broke, a
+directory that does not know this node yet) is done by the loop as before, with
+the time left. The connection is attached to this process's node: its puts are
+the node's, held in the node's store once registered (see `Node.keep_inline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .auth import check_verdict, client_answer
+from .directory.wire import raise_for_error
+from .errors import HopliteError, Timeout, TransportClosed, TransportError
+from .ids import ObjectID
+from .protocol import decode, message_length, pack
+from .transports import split_address
+from .values import Layout, from_buffer, to_buffer
+
+if TYPE_CHECKING:
+    from .node.node import Node
+
+log = logging.getLogger("hoplite_gpu.direct")
+
+#: What a direct call returns when the loop's path must do the call instead.
+MISS = object()
+#: Connections kept open for the next call, at most (one per calling thread in use).
+_KEEP = 8
+#: After a connection could not be made, the loop's path for this long.
+_BACKOFF_S = 1.0
+
+
+class _Expired(Exception):
+    """The request's deadline passed (its withdrawal has been sent)."""
+
+
+class DirectLink:
+    """One blocking connection to the directory, attached to node `node_id`.
+    Used by one thread at a time; one request at a time."""
+
+    def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float) -> None:
+        self.peer = f"{host}:{port}"
+        self._ids = itertools.count(1)
+        self._head = bytearray(4)
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TransportError(f"cannot connect to the directory at {self.peer}: {exc}") from exc
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s_nonce, c_nonce, answer = client_answer(self._recv(deadline), token, self.peer)
+            self._send(answer)
+            check_verdict(self._recv(deadline), token, s_nonce, c_nonce, self.peer)
+            self._send({"op": "attach", "node": node_id})
+            raise_for_error(self._recv(deadline))
+        except _Expired:
+            self.close()
+            raise Timeout(f"the directory at {self.peer} did not accept a direct connection "
+                          f"within {timeout:g}s") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def request(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send `msg` and return the reply body (unchecked). At `deadline` the
+        request is withdrawn and `_Expired` raised; the link stays usable."""
+        rid = next(self._ids)
+        self._send({**msg, "rid": rid})
+        while True:
+            try:
+                reply = self._recv(deadline)
+            except _Expired:
+                self._send({"op": "cancel", "request": rid})
+                raise
+            if reply.pop("rid", None) == rid:
+                return reply
+            # else the late answer to a request withdrawn before: skip it
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            self._sock.settimeout(None)
+            self._sock.sendall(pack(msg))
+        except OSError as exc:
+            raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
+
+    def _recv(self, deadline: float) -> dict[str, Any]:
+        n = message_length(self._recv_into(memoryview(self._head), deadline), self.peer)
+        body = bytearray(n)
+        self._recv_into(memoryview(body), deadline)
+        return decode(self.peer, body)
+
+    def _recv_into(self, view: memoryview, deadline: float) -> memoryview:
+        got = 0
+        while got < len(view):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if got:  # a message cut in two: the stream cannot be trusted any more
+                    raise TransportClosed(f"the directory at {self.peer} stalled mid-message")
+                raise _Expired
+            try:
+                self._sock.settimeout(left)
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                continue  # the loop checks the deadline
+            except OSError as exc:
+                raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
+            if n == 0:
+                raise TransportClosed(f"the directory at {self.peer} closed the connection")
+            got += n
+        return view
+
+
+class DirectCalls:
+    """The direct path of one runtime: a few open links, lent to calling threads."""
+
+    def __init__(self, node: Node, loop: asyncio.AbstractEventLoop, token: str) -> None:
+        scheme, self._host, self._port = split_address(node.directory_address)
+        # A plain socket speaks only the TCP transport.
+        self.enabled = node.config.direct_calls and scheme == "tcp"
+        self._node, self._loop, self._token = node, loop, token
+        self._threshold = node.config.inline_threshold
+        self._connect_timeout = node.config.connect_timeout_s
+        self._idle: list[DirectLink] = []
+        self._lock = threading.Lock()
+        self._retry_at = 0.0
+        self._closed = False
+        #: calls answered here, not by the loop (node_stats "direct_puts"/"direct_gets")
+        self.puts = self.gets = 0
+
+    # ------------------------------------------------------------- verbs ---
+    def put(self, value: Any, oid: ObjectID, timeout: float) -> bool:
+        """Register a small host `value` as `oid` from this thread; False when
+        the loop's path must do it (nothing registered then, nothing lost)."""
+        from . import device
+
+        if not self.enabled or device.is_device_array(value):
+            return False
+        buf, layout = to_buffer(value)
+        if layout.nbytes > self._threshold or self._node.store.get(oid) is not None:
+            return False  # large, or here already (the loop's path checks its layout)
+        data = bytes(buf)
+        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
+               "layout": layout.to_wire(), "inline": data}
+        reply = self._ask(msg, time.monotonic() + timeout)
+        if reply is MISS:
+            return False  # re-putting the same bytes is harmless if this one got through
+        if isinstance(reply, _Expired):
+            raise Timeout(f"the directory did not answer 'put' within {timeout:g}s")
+        raise_for_error(reply)
+        # The node holds what it put (for its reconnects and local gets): hand
+        # the bytes to the loop, which keeps them before any later call of ours.
+        self._loop.call_soon_threadsafe(self._node.keep_inline, oid, layout, data)
+        self.puts += 1
+        return True
+
+    def get(self, oid: ObjectID, timeout: float, array_type: str) -> Any:
+        """The value of `oid` if it travels inline and this node does not hold
+        it, fetched by this thread; else `MISS`."""
+        if not self.enabled or self._node.store.get(oid) is not None:
+            return MISS
+        reply = self._ask({"op": "locate", "oid": oid.binary, "inline_only": True},
+                          time.monotonic() + timeout)
+        if reply is MISS:
+            return MISS
+        if isinstance(reply, _Expired):
+            raise Timeout(f"object {oid.hex()} was not available within {timeout:.3g}s: "
+                          "nobody has put it yet, or every copy is busy")
+        body = raise_for_error(reply)
+        if "inline" not in body:
+            return MISS  # a pulled object: the loop pulls it
+        layout = Layout.from_wire(body["layout"])
+        if layout.kind == "device":
+            return MISS  # made on the device by the loop, in its stream order
+        self.gets += 1
+        return from_buffer(body["inline"], layout, array_type)
+
+    # ------------------------------------------------------------- links ---
+    def _ask(self, msg: dict[str, Any], deadline: float) -> Any:
+        """The reply to `msg`; `_Expired()` at the deadline; MISS when no link
+        could carry it (the caller then takes the loop's path)."""
+        link = self._take()
+        if link is None:
+            return MISS
+        try:
+            reply = link.request(msg, deadline)
+        except _Expired as exc:
+            self._give(link)
+            return exc
+        except HopliteError as exc:
+            log.info("direct %s to the directory failed (%s): the loop's path takes it",
+                     msg.get("op"), exc)
+            link.close()
+            return MISS
+        except BaseException:  # e.g. KeyboardInterrupt mid-request: the link's state is unknown
+            link.close()
+            raise
+        self._give(link)
+        return reply
+
+    def _take(self) -> DirectLink | None:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self._closed or time.monotonic() < self._retry_at:
+                return None
+        try:
+            return DirectLink(self._host, self._port, self._token, self._node.node_id,
+                              self._connect_timeout)
+        except HopliteError as exc:  # e.g. a restarted directory that has not met our node yet
+            log.info("no direct connection to the directory (%s): calls take the loop's path "
+                     "for %gs", exc, _BACKOFF_S)
+            with self._lock:
+                self._retry_at = time.monotonic() + _BACKOFF_S
+            return None
+
+    def _give(self, link: DirectLink) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _KEEP:
+                self._idle.append(link)
+                return
+        link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for link in idle:
+            link.close()

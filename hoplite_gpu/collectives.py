@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import api
+from .direct import MISS
 from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
@@ -188,6 +189,14 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     non-root of `reduce`) returns once its input is put, and a restarted tree
     may still need it, so it copies."""
     target = args[3]
+    rt = api.runtime()
+    if rt.direct is not None and not rt.on_loop_thread():
+        # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
+        out = rt.direct.reduce(rt.node.reduce_msg(*args), value, mine,
+                               "get" if fetch else "wait" if wait else None,
+                               api._timeout(rt, timeout))
+        if out is not MISS:
+            return out
     lend = fetch or wait
     out = _together(lambda node, limit: [
         node.reduce(*args), _finish(node.put(value, mine, lend=lend)),
@@ -211,6 +220,11 @@ def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
 def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     """Every object of `ids`, pulled at once (not one after another: a gather
     of small objects then costs one round trip, not N)."""
+    rt = api.runtime()
+    if rt.direct is not None and not rt.on_loop_thread():
+        values = rt.direct.get_all(ids, api._timeout(rt, timeout))
+        if values is not MISS:
+            return values
     return _together(lambda node, limit: [node.get(oid, limit) for oid in ids], timeout)
 
 

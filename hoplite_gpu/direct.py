@@ -44,6 +44,8 @@ log = logging.getLogger("hoplite_gpu.direct")
 MISS = object()
 #: Connections kept open for the next call, at most (one per calling thread in use).
 _KEEP = 8
+#: Bytes asked of one receive (an inline object's answer fits).
+_RECV_BYTES = 256 * 1024
 #: After a connection could not be made, the loop's path for this long.
 _BACKOFF_S = 1.0
 
@@ -59,7 +61,7 @@ class DirectLink:
     def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float) -> None:
         self.peer = f"{host}:{port}"
         self._ids = itertools.count(1)
-        self._head = bytearray(4)
+        self._buf = bytearray()
         deadline = time.monotonic() + timeout
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
@@ -83,17 +85,26 @@ class DirectLink:
     def request(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
         """Send `msg` and return the reply body (unchecked). At `deadline` the
         request is withdrawn and `_Expired` raised; the link stays usable."""
-        rid = next(self._ids)
-        self._send({**msg, "rid": rid})
-        while True:
+        return self.requests([msg], deadline)[0]
+
+    def requests(self, msgs: list[dict[str, Any]], deadline: float) -> list[dict[str, Any]]:
+        """Send `msgs` in order, in one write, and return their replies in the
+        same order. At `deadline` the unanswered ones are withdrawn."""
+        rids = [next(self._ids) for _ in msgs]
+        self._send_all([{**m, "rid": rid} for m, rid in zip(msgs, rids, strict=True)])
+        replies: dict[int, dict[str, Any]] = {}
+        while len(replies) < len(rids):
             try:
                 reply = self._recv(deadline)
             except _Expired:
-                self._send({"op": "cancel", "request": rid})
+                self._send_all([{"op": "cancel", "request": rid}
+                                for rid in rids if rid not in replies])
                 raise
-            if reply.pop("rid", None) == rid:
-                return reply
+            rid = reply.pop("rid", None)
+            if rid in rids:
+                replies[rid] = reply
             # else the late answer to a request withdrawn before: skip it
+        return [replies[rid] for rid in rids]
 
     def close(self) -> None:
         try:
@@ -102,37 +113,51 @@ class DirectLink:
             pass
 
     def _send(self, msg: dict[str, Any]) -> None:
-        try:
-            self._sock.settimeout(None)
-            self._sock.sendall(pack(msg))
-        except OSError as exc:
+        self._send_all([msg])
+
+    def _send_all(self, msgs: list[dict[str, Any]]) -> None:
+        try:  # (the socket's timeout is the connect timeout or the last request's)
+            self._sock.sendall(b"".join(pack(m) for m in msgs))
+        except OSError as exc:  # a timeout too: part of a message may be out
             raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
 
     def _recv(self, deadline: float) -> dict[str, Any]:
-        n = message_length(self._recv_into(memoryview(self._head), deadline), self.peer)
-        body = bytearray(n)
-        self._recv_into(memoryview(body), deadline)
-        return decode(self.peer, body)
-
-    def _recv_into(self, view: memoryview, deadline: float) -> memoryview:
-        got = 0
-        while got < len(view):
+        """The next message, read with as few receives as it takes (a reply
+        usually comes whole in one). Bytes of a message that the deadline
+        cut short stay buffered for the next call."""
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                n = message_length(buf[:4], self.peer)
+                if len(buf) >= 4 + n:
+                    msg = decode(self.peer, buf[4:4 + n])
+                    del buf[:4 + n]
+                    return msg
             left = deadline - time.monotonic()
             if left <= 0:
-                if got:  # a message cut in two: the stream cannot be trusted any more
-                    raise TransportClosed(f"the directory at {self.peer} stalled mid-message")
                 raise _Expired
             try:
                 self._sock.settimeout(left)
-                n = self._sock.recv_into(view[got:])
+                chunk = self._sock.recv(_RECV_BYTES)
             except TimeoutError:
                 continue  # the loop checks the deadline
             except OSError as exc:
                 raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
-            if n == 0:
+            if not chunk:
                 raise TransportClosed(f"the directory at {self.peer} closed the connection")
-            got += n
-        return view
+            buf += chunk
+
+
+def _locate(oid: ObjectID) -> dict[str, Any]:
+    return {"op": "locate", "oid": oid.binary, "inline_only": True}
+
+
+def _not_available(oids: list[ObjectID], timeout: float) -> str:
+    if len(oids) == 1:
+        return (f"object {oids[0].hex()} was not available within {timeout:.3g}s: "
+                "nobody has put it yet, or every copy is busy")
+    return (f"{len(oids)} objects were not all available within {timeout:.3g}s: "
+            "not every one has been put yet, or every copy is busy")
 
 
 class DirectCalls:
@@ -156,25 +181,14 @@ class DirectCalls:
     def put(self, value: Any, oid: ObjectID, timeout: float) -> bool:
         """Register a small host `value` as `oid` from this thread; False when
         the loop's path must do it (nothing registered then, nothing lost)."""
-        from . import device
-
-        if not self.enabled or device.is_device_array(value):
+        put = self._put_msg(value, oid)
+        if put is None:
             return False
-        buf, layout = to_buffer(value)
-        if layout.nbytes > self._threshold or self._node.store.get(oid) is not None:
-            return False  # large, or here already (the loop's path checks its layout)
-        data = bytes(buf)
-        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
-               "layout": layout.to_wire(), "inline": data}
-        reply = self._ask(msg, time.monotonic() + timeout)
+        reply = self._ask([put[0]], timeout, f"the directory did not answer 'put' within {timeout:g}s")
         if reply is MISS:
             return False  # re-putting the same bytes is harmless if this one got through
-        if isinstance(reply, _Expired):
-            raise Timeout(f"the directory did not answer 'put' within {timeout:g}s")
-        raise_for_error(reply)
-        # The node holds what it put (for its reconnects and local gets): hand
-        # the bytes to the loop, which keeps them before any later call of ours.
-        self._loop.call_soon_threadsafe(self._node.keep_inline, oid, layout, data)
+        raise_for_error(reply[0])
+        self._keep(*put)
         self.puts += 1
         return True
 
@@ -183,44 +197,108 @@ class DirectCalls:
         it, fetched by this thread; else `MISS`."""
         if not self.enabled or self._node.store.get(oid) is not None:
             return MISS
-        reply = self._ask({"op": "locate", "oid": oid.binary, "inline_only": True},
-                          time.monotonic() + timeout)
-        if reply is MISS:
+        values = self.get_all([oid], timeout, array_type)
+        return values if values is MISS else values[0]
+
+    def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
+        """The values of `oids`, asked for at once, if every one travels
+        inline; else `MISS`."""
+        if not self.enabled:
             return MISS
-        if isinstance(reply, _Expired):
-            raise Timeout(f"object {oid.hex()} was not available within {timeout:.3g}s: "
-                          "nobody has put it yet, or every copy is busy")
-        body = raise_for_error(reply)
+        replies = self._ask([_locate(oid) for oid in oids], timeout, _not_available(oids, timeout))
+        if replies is MISS:
+            return MISS
+        values = [self._value(raise_for_error(r), array_type) for r in replies]
+        if any(v is MISS for v in values):
+            return MISS
+        self.gets += len(values)
+        return values
+
+    def reduce(self, request: dict[str, Any], value: Any, mine: ObjectID, then: str | None,
+               timeout: float) -> Any:
+        """A collective's reduce of small host inputs, from this thread: the
+        `request` (a node's "reduce" message), the put of our input `value` as
+        `mine`, and with `then` "get" the result's value, with "wait" the
+        inputs it reduced (once it is done); all in one write. MISS: the
+        loop's path does the call (asking again what was asked here is
+        harmless: a reduce and a put of the same bytes may be repeated)."""
+        put = self._put_msg(value, mine)
+        if put is None:
+            return MISS
+        target = ObjectID(request["target"])
+        msgs = [request, put[0]]
+        if then == "get":
+            msgs.append(_locate(target))
+        elif then == "wait":
+            msgs.append({"op": "reduced_inputs", "target": request["target"]})
+        replies = self._ask(msgs, timeout, f"the reduce producing {target.hex()} did not finish "
+                                           f"within {timeout:g}s")
+        if replies is MISS:
+            return MISS
+        for reply in replies:
+            raise_for_error(reply)
+        self._keep(*put)
+        # Asked again of a restarted directory, as the node's own reduces are.
+        self._loop.call_soon_threadsafe(self._node.remember_reduce, target, request)
+        self.puts += 1
+        if then != "get":
+            return None
+        result = self._value(replies[2], "cupy")
+        if result is not MISS:
+            self.gets += 1
+        return result
+
+    def _put_msg(self, value: Any, oid: ObjectID) -> tuple[dict, ObjectID, Layout, bytes] | None:
+        """The put message of a small host value not held here yet, else None."""
+        from . import device
+
+        if not self.enabled or device.is_device_array(value):
+            return None
+        buf, layout = to_buffer(value)
+        if layout.nbytes > self._threshold or self._node.store.get(oid) is not None:
+            return None  # large, or here already (the loop's path checks its layout)
+        data = bytes(buf)
+        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
+               "layout": layout.to_wire(), "inline": data}
+        return msg, oid, layout, data
+
+    def _keep(self, msg: dict, oid: ObjectID, layout: Layout, data: bytes) -> None:
+        # The node holds what it put (for its reconnects and local gets): hand
+        # the bytes to the loop, which keeps them before any later call of ours.
+        self._loop.call_soon_threadsafe(self._node.keep_inline, oid, layout, data)
+
+    @staticmethod
+    def _value(body: dict[str, Any], array_type: str) -> Any:
         if "inline" not in body:
             return MISS  # a pulled object: the loop pulls it
         layout = Layout.from_wire(body["layout"])
         if layout.kind == "device":
             return MISS  # made on the device by the loop, in its stream order
-        self.gets += 1
         return from_buffer(body["inline"], layout, array_type)
 
     # ------------------------------------------------------------- links ---
-    def _ask(self, msg: dict[str, Any], deadline: float) -> Any:
-        """The reply to `msg`; `_Expired()` at the deadline; MISS when no link
-        could carry it (the caller then takes the loop's path)."""
+    def _ask(self, msgs: list[dict[str, Any]], timeout: float, expired: str) -> Any:
+        """The replies to `msgs`, sent together; Timeout(`expired`) when they do
+        not all come within `timeout` (the rest are withdrawn); MISS when no
+        link could carry them (the caller then takes the loop's path)."""
         link = self._take()
         if link is None:
             return MISS
         try:
-            reply = link.request(msg, deadline)
-        except _Expired as exc:
+            replies = link.requests(msgs, time.monotonic() + timeout)
+        except _Expired:
             self._give(link)
-            return exc
+            raise Timeout(expired) from None
         except HopliteError as exc:
             log.info("direct %s to the directory failed (%s): the loop's path takes it",
-                     msg.get("op"), exc)
+                     "/".join(str(m.get("op")) for m in msgs), exc)
             link.close()
             return MISS
         except BaseException:  # e.g. KeyboardInterrupt mid-request: the link's state is unknown
             link.close()
             raise
         self._give(link)
-        return reply
+        return replies
 
     def _take(self) -> DirectLink | None:
         with self._lock:

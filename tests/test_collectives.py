@@ -45,10 +45,11 @@ def test_a_gather_pulls_every_input_at_once(local):
     t = threading.Thread(target=lambda: result.setdefault("out", collectives.gather(
         np.zeros(3), name="late", rank=0, size=5, timeout=10)))
     t.start()
+    pending = rt.directory.state.pending  # (asked by the caller's thread or the node's loop)
     deadline = time.monotonic() + 5
-    while len(rt.node._pulls) < 4 and time.monotonic() < deadline:
+    while sum(map(len, pending.values())) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(rt.node._pulls) == 4  # ranks 1-4, all waiting at once
+    assert sum(map(len, pending.values())) == 4  # ranks 1-4, all waiting at once
     for r in (4, 2, 1, 3):
         _put_rank("late", r, np.full(3, r, dtype=np.float64))
     t.join(10)
@@ -60,9 +61,11 @@ def test_a_failed_gather_leaves_nothing_waiting(local):
         collectives.gather(np.zeros(3), name="missing", rank=0, size=5, timeout=0.5)
     rt = hg.api.runtime()
     deadline = time.monotonic() + 5
-    while rt.node._pulls and time.monotonic() < deadline:
+    state = rt.directory.state
+    while (rt.node._pulls or state.pending) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not rt.node._pulls and not rt.node._pull_waiters
+    assert not state.pending and not state.inline_only  # the directory forgot the waits too
 
 
 @pytest.mark.parametrize("op", ["reduce", "allreduce"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
+from hoplite_gpu import collectives
 from hoplite_gpu.config import Config
 from hoplite_gpu.direct import MISS, DirectLink
 from hoplite_gpu.directory import state
@@ -191,3 +192,26 @@ def test_the_directory_refuses_what_a_direct_connection_may_not_ask(local):
         DirectLink(host, port, local.token, "nobody-1-abc", 5)
     with pytest.raises(hg.AuthenticationFailed):
         DirectLink(host, port, "wrong-token", local.node.node_id, 5)
+
+
+def test_small_collectives_run_from_the_callers_thread(local):
+    for r in (1, 2):
+        hg.put(np.full(4, r, dtype=np.float32), collectives.input_id("ar", r))
+    out = collectives.allreduce(np.full(4, 10, dtype=np.float32), name="ar", rank=0, size=3,
+                                timeout=10)
+    assert out.tolist() == [13.0] * 4
+    stats = hg.node_stats()
+    assert (stats["direct_puts"], stats["direct_gets"]) == (3, 1)
+    # the reduce is remembered for a restarted directory, as a node's own
+    assert collectives._reduce_ids("ar", 3, "sum", None)[1] in local.node._my_reduces
+
+    got = collectives.allgather(b"r0", name="ag", rank=0, size=1, timeout=10)
+    assert got == [b"r0"] and hg.node_stats()["direct_gets"] == 2
+    assert collectives.reduce(np.ones(2), name="w", rank=0, size=1, wait=True) is not None
+
+
+def test_a_small_collective_with_a_large_input_takes_the_loops_path(local):
+    hg.put(np.ones(1 << 17), collectives.input_id("big", 1))  # 1 MiB: pulled, not inline
+    out = collectives.allgather(np.zeros(1 << 17), name="big", rank=0, size=2, timeout=10)
+    assert out[1].sum() == 1 << 17
+    assert hg.node_stats()["direct_gets"] == 0

@@ -60,8 +60,9 @@ class _Direct:
         log.info("cannot write to a direct connection of node %s: %s", self.peer.node, exc)
 
 
-#: What a direct connection may ask: a caller's own put and get of small objects.
-_DIRECT_OPS = ("locate", "put", "cancel")
+#: What a direct connection may ask: a caller's own puts and gets of small
+#: objects, and the reduces of collectives of them.
+_DIRECT_OPS = ("locate", "put", "cancel", "reduce", "reduced_inputs")
 
 
 def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
@@ -219,8 +220,8 @@ class DirectoryServer:
             direct.outbox.post({"rid": theirs if isinstance(theirs, int) else 0,
                                 "error": "ProtocolError",
                                 "message": f"a direct connection cannot ask {op!r} so (it may "
-                                           "locate inline bytes and put inline objects, one "
-                                           "request id at a time)"})
+                                           f"ask {', '.join(_DIRECT_OPS)}, puts with their "
+                                           "bytes inline, one request id at a time)"})
             return
         rid = -next(self._direct_ids)
         try:

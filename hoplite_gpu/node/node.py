@@ -561,21 +561,30 @@ class Node:
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
                      target: ObjectID, root_input: ObjectID | None = None,
                      fanout: int = 0) -> ObjectID:
+        msg = self.reduce_msg(inputs, op, num_objects, target, root_input, fanout)
+        await self._request(msg, self.config.timeout_s)
+        self.remember_reduce(target, msg)
+        return target
+
+    @staticmethod
+    def reduce_msg(inputs: list[ObjectID], op: str, num_objects: int, target: ObjectID,
+                   root_input: ObjectID | None = None, fanout: int = 0) -> dict:
         msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
                "op_name": op, "num_objects": num_objects}
         if root_input is not None:
             msg["root_input"] = root_input.binary
         if fanout:
             msg["fanout"] = fanout
-        await self._request(msg, self.config.timeout_s)
-        # Asked again of a restarted directory, until this node sees the final
-        # result, deletes it or hears it dropped; the oldest are forgotten past
-        # MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
-        # non-root of `collectives.reduce`, would otherwise grow this forever).
+        return msg
+
+    def remember_reduce(self, target: ObjectID, msg: dict) -> None:
+        """Ask `msg` again of a restarted directory, until this node sees the
+        final result, deletes it or hears it dropped; the oldest are forgotten
+        past MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
+        non-root of `collectives.reduce`, would otherwise grow this forever)."""
         self._my_reduces[target] = msg
         while len(self._my_reduces) > MAX_REMEMBERED_REDUCES:
             del self._my_reduces[next(iter(self._my_reduces))]
-        return target
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
         body = await self._request({"op": "reduced_inputs", "target": target.binary}, timeout)

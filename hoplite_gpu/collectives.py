@@ -9,13 +9,14 @@ be used for one call only (objects are immutable); `delete` frees its objects.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
 from . import api
-from .direct import MISS
+from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
@@ -192,9 +193,13 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     rt = api.runtime()
     if rt.direct is not None and not rt.on_loop_thread():
         # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
+        limit = api._timeout(rt, timeout)
+        started = time.monotonic()
         out = rt.direct.reduce(rt.node.reduce_msg(*args), value, mine,
-                               "get" if fetch else "wait" if wait else None,
-                               api._timeout(rt, timeout))
+                               "get" if fetch else "wait" if wait else None, limit)
+        if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
+            limit = max(0.001, limit - (time.monotonic() - started))
+            return rt.call(rt.node.get(target, limit), limit)
         if out is not MISS:
             return out
     lend = fetch or wait
@@ -222,8 +227,18 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     of small objects then costs one round trip, not N)."""
     rt = api.runtime()
     if rt.direct is not None and not rt.on_loop_thread():
-        values = rt.direct.get_all(ids, api._timeout(rt, timeout))
+        limit = api._timeout(rt, timeout)
+        started = time.monotonic()
+        values = rt.direct.get_all(ids, limit)
         if values is not MISS:
+            # what came inline is here; the loop pulls the rest from the
+            # senders the directory gave us
+            pulls = [i for i, v in enumerate(values) if v is PULL]
+            if pulls:
+                got = _together(lambda node, left: [node.get(ids[i], left) for i in pulls],
+                                max(0.001, limit - (time.monotonic() - started)))
+                for i, value in zip(pulls, got, strict=True):
+                    values[i] = value
             return values
     return _together(lambda node, limit: [node.get(oid, limit) for oid in ids], timeout)
 

@@ -42,6 +42,10 @@ log = logging.getLogger("hoplite_gpu.direct")
 
 #: What a direct call returns when the loop's path must do the call instead.
 MISS = object()
+#: A value the loop must finish getting (the rest of the call is done): the
+#: directory told the node where to pull it from, the node holds or pulls it
+#: already, or it is a device object.
+PULL = object()
 #: Connections kept open for the next call, at most (one per calling thread in use).
 _KEEP = 8
 #: Bytes asked of one receive (an inline object's answer fits).
@@ -82,14 +86,12 @@ class DirectLink:
             self.close()
             raise
 
-    def request(self, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Send `msg` and return the reply body (unchecked). At `deadline` the
-        request is withdrawn and `_Expired` raised; the link stays usable."""
-        return self.requests([msg], deadline)[0]
-
     def requests(self, msgs: list[dict[str, Any]], deadline: float) -> list[dict[str, Any]]:
         """Send `msgs` in order, in one write, and return their replies in the
-        same order. At `deadline` the unanswered ones are withdrawn."""
+        same order. At `deadline` the unanswered ones are withdrawn and
+        `_Expired` raised; the link stays usable. (A locate's answer that
+        crossed its withdrawal is skipped: a sender it named was also told to
+        the node, which pulls, see `Locate.direct`.)"""
         rids = [next(self._ids) for _ in msgs]
         self._send_all([{**m, "rid": rid} for m, rid in zip(msgs, rids, strict=True)])
         replies: dict[int, dict[str, Any]] = {}
@@ -193,33 +195,32 @@ class DirectCalls:
         return True
 
     def get(self, oid: ObjectID, timeout: float, array_type: str) -> Any:
-        """The value of `oid` if it travels inline and this node does not hold
-        it, fetched by this thread; else `MISS`."""
+        """The value of `oid`, asked for by this thread, if it travels inline;
+        else MISS, and the loop's get finishes the call: it joins the pull
+        the directory has started this node on, or uses the node's copy."""
         if not self.enabled or self._node.store.get(oid) is not None:
             return MISS
         values = self.get_all([oid], timeout, array_type)
-        return values if values is MISS else values[0]
+        return MISS if values is MISS or values[0] is PULL else values[0]
 
     def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
-        """The values of `oids`, asked for at once, if every one travels
-        inline; else `MISS`."""
+        """The values of `oids`, asked for at once: a list of the values (PULL
+        for those the loop must finish), or MISS."""
         if not self.enabled:
             return MISS
         replies = self._ask([_locate(oid) for oid in oids], timeout, _not_available(oids, timeout))
         if replies is MISS:
             return MISS
         values = [self._value(raise_for_error(r), array_type) for r in replies]
-        if any(v is MISS for v in values):
-            return MISS
-        self.gets += len(values)
+        self.gets += sum(v is not PULL for v in values)
         return values
 
     def reduce(self, request: dict[str, Any], value: Any, mine: ObjectID, then: str | None,
                timeout: float) -> Any:
         """A collective's reduce of small host inputs, from this thread: the
         `request` (a node's "reduce" message), the put of our input `value` as
-        `mine`, and with `then` "get" the result's value, with "wait" the
-        inputs it reduced (once it is done); all in one write. MISS: the
+        `mine`, and with `then` "get" the result (or PULL), with "wait" None
+        once the reduce is done; all in one write. MISS: the
         loop's path does the call (asking again what was asked here is
         harmless: a reduce and a put of the same bytes may be repeated)."""
         put = self._put_msg(value, mine)
@@ -244,8 +245,7 @@ class DirectCalls:
         if then != "get":
             return None
         result = self._value(replies[2], "cupy")
-        if result is not MISS:
-            self.gets += 1
+        self.gets += result is not PULL
         return result
 
     def _put_msg(self, value: Any, oid: ObjectID) -> tuple[dict, ObjectID, Layout, bytes] | None:
@@ -269,12 +269,14 @@ class DirectCalls:
 
     @staticmethod
     def _value(body: dict[str, Any], array_type: str) -> Any:
+        """An inline host object's value; else PULL: the node pulls it (it
+        was told where from, `pushed`), holds or pulls it already (`held`),
+        or it is a device object, made on the device by the loop, in its
+        stream order."""
         if "inline" not in body:
-            return MISS  # a pulled object: the loop pulls it
+            return PULL
         layout = Layout.from_wire(body["layout"])
-        if layout.kind == "device":
-            return MISS  # made on the device by the loop, in its stream order
-        return from_buffer(body["inline"], layout, array_type)
+        return PULL if layout.kind == "device" else from_buffer(body["inline"], layout, array_type)
 
     # ------------------------------------------------------------- links ---
     def _ask(self, msgs: list[dict[str, Any]], timeout: float, expired: str) -> Any:

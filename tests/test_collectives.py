@@ -65,7 +65,7 @@ def test_a_failed_gather_leaves_nothing_waiting(local):
     while (rt.node._pulls or state.pending) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not rt.node._pulls and not rt.node._pull_waiters
-    assert not state.pending and not state.inline_only  # the directory forgot the waits too
+    assert not state.pending and not state.direct  # the directory forgot the waits too
 
 
 @pytest.mark.parametrize("op", ["reduce", "allreduce"])

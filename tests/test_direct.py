@@ -34,41 +34,49 @@ def _replies(out):
     return [(c.node, c.request, c.body) for c in out if isinstance(c, state.Reply)]
 
 
-def test_inline_only_locate_of_a_pulled_object_answers_at_once_without_an_edge():
+def test_a_direct_locate_sends_the_sender_to_the_node_and_bytes_to_the_thread():
     d = _directory()
     d.handle(state.Put("a", 1, OID, 1 << 20, {"kind": "bytes"}))
-    out = d.handle(state.Locate("b", -7, OID, inline_only=True))
+    out = d.handle(state.Locate("b", -7, OID, direct=True))
+    [push] = [c for c in out if isinstance(c, state.PushLocated)]
+    assert (push.node, push.oid, push.body["sender"]) == ("b", OID, "a")
     [(node, rid, body)] = _replies(out)
-    assert (node, rid, body["not_inline"], body["size"]) == ("b", -7, True, 1 << 20)
-    entry = d.objects[OID]
-    assert entry.edges == [] and "b" not in entry.holders and not entry.waiting
-    assert not d.inline_only
-
-
-def test_waiting_inline_only_locate_gets_bytes_or_not_inline_when_the_put_comes():
-    d = _directory()
-    assert d.handle(state.Locate("b", -1, OID, inline_only=True)) == []
-    assert d.handle(state.Locate("c", 5, OID)) == []  # a node's own locate, beside it
-    out = d.handle(state.Put("a", 1, OID, 1 << 20, {"kind": "bytes"}))
-    by_node = {node: body for node, _, body in _replies(out) if node != "a"}
-    assert by_node["b"].get("not_inline") is True
-    assert by_node["c"]["sender"] == "a"  # the plain locate still gets its sender
-    assert [r for r, _ in d.objects[OID].edges] == ["c"] and not d.inline_only
+    assert (node, rid, body["pushed"], body["size"]) == ("b", -7, True, 1 << 20)
+    assert out.index(push) < out.index(next(c for c in out if isinstance(c, state.Reply)))
+    assert d.objects[OID].edges == [("b", "a")] and not d.direct
 
     small = b"s" * 20
-    d.handle(state.Locate("b", -2, small, inline_only=True))
+    assert d.handle(state.Locate("b", -2, small, direct=True)) == []  # waits for the put
     out = d.handle(state.Put("a", 2, small, 3, {"kind": "bytes"}, b"xyz"))
     assert [body["inline"] for node, _, body in _replies(out) if node == "b"] == [b"xyz"]
-    assert not d.inline_only
+    assert not [c for c in out if isinstance(c, state.PushLocated)] and not d.direct
 
 
-def test_withdrawn_or_orphaned_inline_only_locates_leave_nothing_behind():
+def test_a_direct_locate_never_disturbs_the_nodes_own_pull():
     d = _directory()
-    d.handle(state.Locate("b", -1, OID, inline_only=True))
-    d.handle(state.Locate("c", -2, b"p" * 20, inline_only=True))
+    d.handle(state.Put("a", 1, OID, 1 << 20, {"kind": "bytes"}))
+    d.handle(state.Locate("b", 5, OID))  # b's loop pulls from a
+    [(_, _, body)] = _replies(d.handle(state.Locate("b", -1, OID, direct=True)))
+    assert body["held"] is True and "sender" not in body
+    assert d.objects[OID].holders["b"].upstream == "a" and d.objects[OID].edges == [("b", "a")]
+
+    # both waiting before the put: the first is served, the second sees b pulling
+    other = b"q" * 20
+    d.handle(state.Locate("c", 6, other))
+    d.handle(state.Locate("c", -2, other, direct=True))
+    out = d.handle(state.Put("a", 2, other, 1 << 20, {"kind": "bytes"}))
+    by_rid = {rid: body for node, rid, body in _replies(out) if node == "c"}
+    assert by_rid[6]["sender"] == "a" and by_rid[-2]["held"] is True
+    assert not d.direct
+
+
+def test_withdrawn_or_orphaned_direct_locates_leave_nothing_behind():
+    d = _directory()
+    d.handle(state.Locate("b", -1, OID, direct=True))
+    d.handle(state.Locate("c", -2, b"p" * 20, direct=True))
     d.handle(state.CancelLocate("b", -1))
     d.handle(state.NodeLost("c"))
-    assert not d.inline_only and not d.pending
+    assert not d.direct and not d.pending
 
 
 # ------------------------------------------------------------- end to end ---
@@ -90,7 +98,7 @@ def other(local):
 def _directory_idle(rt) -> bool:
     async def peek():
         s = rt.directory.state
-        return not s.inline_only and not s.pending and not rt.directory._direct_requests
+        return not s.direct and not s.pending and not rt.directory._direct_requests
     return rt.call(peek(), 5)
 
 
@@ -129,7 +137,7 @@ def test_direct_get_waits_for_a_later_put_and_times_out_cleanly(local, other):
     assert other.direct.get(oid, 5, "numpy").tolist() == [7, 7, 7]
 
 
-def test_a_large_object_falls_back_to_the_loop_without_a_stray_edge(local, other):
+def test_a_large_object_is_pulled_by_the_node_the_directory_told(local, other):
     oid = hg.ObjectID.from_name("large")
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("v", other.direct.get(oid, 10, "numpy")))
@@ -138,11 +146,29 @@ def test_a_large_object_falls_back_to_the_loop_without_a_stray_edge(local, other
     big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB, above inline_threshold
     hg.put(big, oid)
     th.join(10)
-    assert result["v"] is MISS
-    assert hg.object_info(oid)["edges"] == []  # the direct locate assigned no sender
+    assert result["v"] is MISS  # the rest is the loop's: it was told where to pull from
+    deadline = time.monotonic() + 5
+    while not other.call(other.node.stats(), 5)["objects"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the node pulls without being asked by a get
     got = other.call(other.node.get(oid, 10, "numpy"), 10)
     assert np.array_equal(got, big)
+    # one locate, one edge: the get joined the pull the directory started
+    assert hg.object_info(oid)["edges"] == [[other.node.node_id, local.node.node_id]]
     assert other.direct.gets == 0
+    # asked again, now that this node holds it: the loop's get, from the store
+    assert other.direct.get(oid, 5, "numpy") is MISS
+
+
+def test_a_thread_that_gives_up_leaves_the_pull_to_the_node(local, other):
+    oid = hg.put(np.ones(1 << 18))
+    assert other.direct.get(oid, 5, "numpy") is MISS  # and nobody asks the loop for it
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        holders = {h["node"]: h for h in hg.object_info(oid)["holders"]}
+        if holders.get(other.node.node_id, {}).get("complete"):
+            break
+        time.sleep(0.02)
+    assert holders[other.node.node_id]["complete"]  # no sender's slot stays taken
 
 
 def test_through_the_api_a_large_get_still_works(local):
@@ -181,10 +207,10 @@ def test_the_directory_refuses_what_a_direct_connection_may_not_ask(local):
     _, host, port = split_address(local.address)
     link = DirectLink(host, port, local.token, local.node.node_id, 5)
     try:
-        reply = link.request({"op": "query", "oid": OID}, time.monotonic() + 5)
+        [reply] = link.requests([{"op": "query", "oid": OID}], time.monotonic() + 5)
         assert reply["error"] == "ProtocolError"
-        reply = link.request({"op": "put", "oid": OID, "size": 1 << 20,
-                              "layout": {"kind": "bytes"}}, time.monotonic() + 5)
+        [reply] = link.requests([{"op": "put", "oid": OID, "size": 1 << 20,
+                                  "layout": {"kind": "bytes"}}], time.monotonic() + 5)
         assert reply["error"] == "ProtocolError"  # a put without its bytes
     finally:
         link.close()
@@ -210,8 +236,10 @@ def test_small_collectives_run_from_the_callers_thread(local):
     assert collectives.reduce(np.ones(2), name="w", rank=0, size=1, wait=True) is not None
 
 
-def test_a_small_collective_with_a_large_input_takes_the_loops_path(local):
-    hg.put(np.ones(1 << 17), collectives.input_id("big", 1))  # 1 MiB: pulled, not inline
-    out = collectives.allgather(np.zeros(1 << 17), name="big", rank=0, size=2, timeout=10)
-    assert out[1].sum() == 1 << 17
-    assert hg.node_stats()["direct_gets"] == 0
+def test_a_gather_of_small_and_large_objects_takes_each_its_way(local, other):
+    # ranks 1 and 2 on the other node; rank 1's is 1 MiB: pulled, not inline
+    other.call(other.node.put(np.ones(1 << 17), collectives.input_id("mix", 1)), 10)
+    other.call(other.node.put(np.full(3, 2.0), collectives.input_id("mix", 2)), 10)
+    out = collectives.gather(np.zeros(4), name="mix", rank=0, size=3, timeout=10)
+    assert [float(x.sum()) for x in out] == [0.0, float(1 << 17), 6.0]
+    assert hg.node_stats()["direct_gets"] == 2  # ranks 0 and 2 came inline

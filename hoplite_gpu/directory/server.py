@@ -150,6 +150,8 @@ class DirectoryServer:
                     peer.outbox.post({"rid": cmd.request, **cmd.body})
             elif isinstance(cmd, state.StartReduceStep):
                 peer.outbox.post({"op": "reduce_step", **cmd.step})
+            elif isinstance(cmd, state.PushLocated):
+                peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
             else:
                 peer.outbox.post({"op": "drop", "oid": cmd.oid, "reason": cmd.reason,
                                   "retry": cmd.retry})
@@ -225,8 +227,7 @@ class DirectoryServer:
             return
         rid = -next(self._direct_ids)
         try:
-            # A locate here never makes a pull edge: the thread asking cannot pull.
-            event = to_event(direct.peer.node, {**msg, "rid": rid, "inline_only": True})
+            event = to_event(direct.peer.node, {**msg, "rid": rid, "direct": True})
         except ProtocolError as exc:
             direct.outbox.post({"rid": theirs, "error": "ProtocolError", "message": str(exc)})
             return

@@ -89,14 +89,18 @@ class Completed:
 class Locate:
     """`node` wants `oid`: reply with where to pull it from, when there is a sender.
 
-    With `inline_only` (a caller's direct request, docs/protocol.md "Direct
-    calls") the reply is the object's bytes if it travels inline, else at
-    once ``{"not_inline": True}``: no sender is assigned, no edge is made."""
+    `direct`: asked by one of the node's threads on its own connection
+    (docs/protocol.md, "Direct connections"). Inline bytes are answered
+    alike. A sender (or "local") goes to the node itself (`PushLocated`), so
+    that its loop starts the pull with no thread in between, and the thread
+    is answered ``{"pushed": True}``. A node already holding or pulling a
+    pulled object gets ``{"held": True}`` and nothing changes: its own pull
+    goes on as it was."""
 
     node: NodeId
     request: int
     oid: Key
-    inline_only: bool = False
+    direct: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,6 +275,17 @@ class InlineReduce:
 
 
 @dataclass(frozen=True)
+class PushLocated:
+    """Send `node`, on its own connection, the answer `body` to a locate of
+    `oid` that one of its threads asked directly: the node starts the pull
+    at once (`Locate.direct`)."""
+
+    node: NodeId
+    oid: Key
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Disconnect:
     """Close `node`'s control connection: its lease expired and it counts as dead."""
 
@@ -278,7 +293,7 @@ class Disconnect:
     reason: str
 
 
-Command = Reply | Drop | StartReduceStep | InlineReduce | Disconnect
+Command = Reply | Drop | StartReduceStep | InlineReduce | PushLocated | Disconnect
 
 #: Layout kinds a reduce accepts: typed arrays, folded by the NumPy kernels on a
 #: host buffer and by the CuPy kernels where a node keeps the object on a GPU.
@@ -289,8 +304,13 @@ def error_body(kind: str, message: str) -> dict[str, Any]:
     return {"error": kind, "message": message}
 
 
-def _not_inline(entry: Entry) -> dict[str, Any]:
-    return {"size": entry.size, "layout": entry.layout, "not_inline": True}
+def _held(entry: Entry, node: NodeId) -> bool:
+    """Does `node` hold or pull this pulled object already (see `Locate.direct`)?"""
+    return entry.inline is None and node in entry.holders
+
+
+def _held_body(entry: Entry) -> dict[str, Any]:
+    return {"size": entry.size, "layout": entry.layout, "held": True}
 
 
 # ------------------------------------------------------------------ state ---
@@ -406,8 +426,8 @@ class Directory:
         #: channel name -> newest complete version, and who waits for a newer one
         self.channels: dict[str, int] = {}
         self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
-        #: waiting locates that want inline bytes or nothing (`Locate.inline_only`)
-        self.inline_only: set[tuple[NodeId, int]] = set()
+        #: waiting locates asked on direct connections (`Locate.direct`)
+        self.direct: set[tuple[NodeId, int]] = set()
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -415,10 +435,10 @@ class Directory:
             raise TypeError(f"not a directory event: {event!r}")
         out: list[Command] = []
         method(event, out)
-        if self.inline_only:  # an answered request, whatever the answer, waits no more
+        if self.direct:  # an answered request, whatever the answer, waits no more
             for cmd in out:
                 if isinstance(cmd, Reply):
-                    self.inline_only.discard((cmd.node, cmd.request))
+                    self.direct.discard((cmd.node, cmd.request))
         return out
 
     # -------------------------------------------------------------- nodes ---
@@ -450,7 +470,7 @@ class Directory:
             self.channel_waiters[name] = [w for w in waiters if w[0] != ev.node]
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
-        self.inline_only = {w for w in self.inline_only if w[0] != ev.node}
+        self.direct = {w for w in self.direct if w[0] != ev.node}
         for key in list(self.objects):
             entry = self.objects[key]
             _remove_node(entry.waiting, ev.node)
@@ -520,11 +540,11 @@ class Directory:
         if entry is None and ev.oid in self.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", self.failed[ev.oid])))
             return
-        if ev.inline_only:
-            if entry is not None and entry.inline is None:
-                out.append(Reply(ev.node, ev.request, _not_inline(entry)))
+        if ev.direct:
+            if entry is not None and _held(entry, ev.node):
+                out.append(Reply(ev.node, ev.request, _held_body(entry)))
                 return
-            self.inline_only.add((ev.node, ev.request))
+            self.direct.add((ev.node, ev.request))
         if entry is None:
             self.pending.setdefault(ev.oid, deque()).append((ev.node, ev.request))
             return
@@ -532,7 +552,7 @@ class Directory:
         self._serve_waiting(ev.oid, entry, out)
 
     def _on_CancelLocate(self, ev: CancelLocate, out: list[Command]) -> None:
-        self.inline_only.discard((ev.node, ev.request))
+        self.direct.discard((ev.node, ev.request))
         for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values()),
                       *(t.confirms for t in self.reduces.values())]:
             try:
@@ -995,15 +1015,18 @@ class Directory:
             still: deque[tuple[NodeId, int]] = deque()
             while entry.waiting:
                 node, request = entry.waiting.popleft()
-                if entry.inline is None and (node, request) in self.inline_only:
-                    out.append(Reply(node, request, _not_inline(entry)))
+                if (node, request) in self.direct and _held(entry, node):
+                    out.append(Reply(node, request, _held_body(entry)))
                     continue
                 body = self._assign(oid, entry, node)
                 if body is None:
                     still.append((node, request))
-                else:
-                    out.append(Reply(node, request, body))
-                    progress = True
+                    continue
+                progress = True
+                if (node, request) in self.direct and "inline" not in body:
+                    out.append(PushLocated(node, oid, body))
+                    body = {"size": entry.size, "layout": entry.layout, "pushed": True}
+                out.append(Reply(node, request, body))
             entry.waiting = still
 
     def _assign(self, oid: Key, entry: Entry, receiver: NodeId) -> dict[str, Any] | None:

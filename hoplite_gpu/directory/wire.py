@@ -21,7 +21,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                          inline if isinstance(inline, bytes) else None)
     if op == "locate":
         return state.Locate(node, field(msg, "rid", int), field(msg, "oid", bytes),
-                            bool(msg.get("inline_only", False)))
+                            bool(msg.get("direct", False)))
     if op == "cancel":
         return state.CancelLocate(node, field(msg, "request", int))
     if op == "progress":

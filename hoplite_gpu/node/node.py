@@ -303,11 +303,7 @@ class Node:
         other gets may share, running."""
         loop = asyncio.get_running_loop()
         if oid not in self._pulls:
-            self._pull_errors.pop(oid, None)  # from an earlier pull of this id
-            self._pull_waiters[oid] = []
-            task = loop.create_task(self._run_pull(oid, deadline))
-            self._pulls[oid] = task
-            task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
+            self._start_pull(oid, deadline)
         waiter = loop.create_future()
         waiters = self._pull_waiters[oid]
         waiters.append(waiter)
@@ -329,12 +325,34 @@ class Node:
                     self._cancel_pull(oid, ObjectNotFound(
                         f"the pull of object {oid.hex()} was abandoned by its gets"))
 
-    async def _run_pull(self, oid: ObjectID, deadline: float) -> StoredObject:
+    def _start_pull(self, oid: ObjectID, deadline: float, located: dict | None = None) -> None:
+        self._pull_errors.pop(oid, None)  # from an earlier pull of this id
+        self._pull_waiters[oid] = []
+        task = asyncio.get_running_loop().create_task(self._run_pull(oid, deadline, located))
+        self._pulls[oid] = task
+        task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
+
+    def _located(self, msg: dict) -> None:
+        """The directory's answer to a locate one of our threads asked
+        directly (`hoplite_gpu.direct`): pull now, from the sender it names;
+        the thread's get joins this pull. A pull already running asked (or
+        will ask) the directory itself, which then superseded this answer."""
+        oid = ObjectID(msg["oid"])
+        if self._closed is not None or oid in self._pulls:
+            return
+        obj = self.store.get(oid)
+        if obj is not None and obj.complete:
+            self._post(self._complete_msg(obj))  # we hold it: free the sender's slot
+            return
+        self._start_pull(oid, time.monotonic() + self.config.timeout_s, msg)
+
+    async def _run_pull(self, oid: ObjectID, deadline: float,
+                        located: dict | None = None) -> StoredObject:
         """The pull, waking its waiters in the same step it ends in (no extra
         loop iteration for a done-callback)."""
         me = asyncio.current_task()
         try:
-            obj = await self._pull(oid, deadline)
+            obj = await self._pull(oid, deadline, located)
         except asyncio.CancelledError:
             self._pull_ended(oid, me, self._abandoned(oid))
             raise
@@ -369,11 +387,13 @@ class Node:
                 else:
                     waiter.set_result(result)
 
-    async def _pull(self, oid: ObjectID, deadline: float) -> StoredObject:
+    async def _pull(self, oid: ObjectID, deadline: float,
+                    located: dict | None = None) -> StoredObject:
         self._check_open()
         failures = 0
         while True:
-            reply = await self._locate(oid, deadline)
+            reply = located if located is not None else await self._locate(oid, deadline)
+            located = None
             log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
             layout = Layout.from_wire(reply["layout"])
             if "inline" in reply:
@@ -687,6 +707,8 @@ class Node:
             task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
             self._steps[out] = task
             task.add_done_callback(lambda t, out=out: self._step_done(out, t))
+        elif op == "located":
+            self._located(msg)
         elif op == "directory_lost":
             self._directory_lost(str(msg.get("reason")))
         else:

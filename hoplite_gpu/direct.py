@@ -114,6 +114,14 @@ class DirectLink:
         except OSError:
             pass
 
+    def interrupt(self) -> None:
+        """Wake a thread blocked on this link (from another thread): its
+        receive ends as if the directory had closed the connection."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _send(self, msg: dict[str, Any]) -> None:
         self._send_all([msg])
 
@@ -173,6 +181,8 @@ class DirectCalls:
         self._threshold = node.config.inline_threshold
         self._connect_timeout = node.config.connect_timeout_s
         self._idle: list[DirectLink] = []
+        #: links lent to calling threads now (woken by `close`)
+        self._busy: set[DirectLink] = set()
         self._lock = threading.Lock()
         self._retry_at = 0.0
         self._closed = False
@@ -294,10 +304,10 @@ class DirectCalls:
         except HopliteError as exc:
             log.info("direct %s to the directory failed (%s): the loop's path takes it",
                      "/".join(str(m.get("op")) for m in msgs), exc)
-            link.close()
+            self._drop(link)
             return MISS
         except BaseException:  # e.g. KeyboardInterrupt mid-request: the link's state is unknown
-            link.close()
+            self._drop(link)
             raise
         self._give(link)
         return replies
@@ -305,11 +315,13 @@ class DirectCalls:
     def _take(self) -> DirectLink | None:
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                link = self._idle.pop()
+                self._busy.add(link)
+                return link
             if self._closed or time.monotonic() < self._retry_at:
                 return None
         try:
-            return DirectLink(self._host, self._port, self._token, self._node.node_id,
+            link = DirectLink(self._host, self._port, self._token, self._node.node_id,
                               self._connect_timeout)
         except HopliteError as exc:  # e.g. a restarted directory that has not met our node yet
             log.info("no direct connection to the directory (%s): calls take the loop's path "
@@ -317,17 +329,34 @@ class DirectCalls:
             with self._lock:
                 self._retry_at = time.monotonic() + _BACKOFF_S
             return None
+        with self._lock:
+            if not self._closed:
+                self._busy.add(link)
+                return link
+        link.close()  # shut down meanwhile
+        return None
 
     def _give(self, link: DirectLink) -> None:
         with self._lock:
+            self._busy.discard(link)
             if not self._closed and len(self._idle) < _KEEP:
                 self._idle.append(link)
                 return
         link.close()
 
+    def _drop(self, link: DirectLink) -> None:
+        with self._lock:
+            self._busy.discard(link)
+        link.close()
+
     def close(self) -> None:
+        """Close every link; a thread waiting on one is woken and its call
+        ends with the runtime's RuntimeClosed (through the loop's path)."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            busy = list(self._busy)
         for link in idle:
             link.close()
+        for link in busy:
+            link.interrupt()

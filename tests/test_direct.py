@@ -243,3 +243,22 @@ def test_a_gather_of_small_and_large_objects_takes_each_its_way(local, other):
     out = collectives.gather(np.zeros(4), name="mix", rank=0, size=3, timeout=10)
     assert [float(x.sum()) for x in out] == [0.0, float(1 << 17), 6.0]
     assert hg.node_stats()["direct_gets"] == 2  # ranks 0 and 2 came inline
+
+
+def test_shutdown_wakes_a_get_waiting_on_its_own_connection():
+    hg.init(timeout_s=60)
+    result = {}
+
+    def getter():
+        try:
+            hg.get(hg.ObjectID.from_name("never"))
+        except Exception as exc:  # noqa: BLE001 - the test looks at which
+            result["error"] = exc
+    th = threading.Thread(target=getter)
+    th.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    hg.shutdown()
+    th.join(10)
+    assert not th.is_alive() and time.monotonic() - started < 10
+    assert isinstance(result["error"], (hg.RuntimeClosed, hg.NotInitialized))

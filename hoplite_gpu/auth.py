@@ -16,7 +16,7 @@ from .transports import Stream
 PROTOCOL_VERSION = 5  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
-#                       5: direct connections ("attach"), a locate's inline_only
+#                       5: direct connections ("attach"), the push "located"
 _NONCE = 32
 
 

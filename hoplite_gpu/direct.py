@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -48,8 +49,13 @@ MISS = object()
 PULL = object()
 #: Connections kept open for the next call, at most (one per calling thread in use).
 _KEEP = 8
+#: Seconds to send the withdrawal of requests whose deadline passed.
+_CANCEL_S = 1.0
 #: Bytes asked of one receive (an inline object's answer fits).
 _RECV_BYTES = 256 * 1024
+#: A link idle this long is closed rather than reused (a silent middlebox may
+#: have dropped it; a fresh one costs a connect and a handshake).
+_IDLE_S = 30.0
 #: After a connection could not be made, the loop's path for this long.
 _BACKOFF_S = 1.0
 
@@ -64,6 +70,7 @@ class DirectLink:
 
     def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float) -> None:
         self.peer = f"{host}:{port}"
+        self.last_used = time.monotonic()
         self._ids = itertools.count(1)
         self._buf = bytearray()
         deadline = time.monotonic() + timeout
@@ -73,10 +80,11 @@ class DirectLink:
             raise TransportError(f"cannot connect to the directory at {self.peer}: {exc}") from exc
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             s_nonce, c_nonce, answer = client_answer(self._recv(deadline), token, self.peer)
-            self._send(answer)
+            self._send_all([answer], deadline)
             check_verdict(self._recv(deadline), token, s_nonce, c_nonce, self.peer)
-            self._send({"op": "attach", "node": node_id})
+            self._send_all([{"op": "attach", "node": node_id}], deadline)
             raise_for_error(self._recv(deadline))
         except _Expired:
             self.close()
@@ -93,14 +101,15 @@ class DirectLink:
         crossed its withdrawal is skipped: a sender it named was also told to
         the node, which pulls, see `Locate.direct`.)"""
         rids = [next(self._ids) for _ in msgs]
-        self._send_all([{**m, "rid": rid} for m, rid in zip(msgs, rids, strict=True)])
+        self._send_all([{**m, "rid": rid} for m, rid in zip(msgs, rids, strict=True)], deadline)
         replies: dict[int, dict[str, Any]] = {}
         while len(replies) < len(rids):
             try:
                 reply = self._recv(deadline)
             except _Expired:
                 self._send_all([{"op": "cancel", "request": rid}
-                                for rid in rids if rid not in replies])
+                                for rid in rids if rid not in replies],
+                               time.monotonic() + _CANCEL_S)
                 raise
             rid = reply.pop("rid", None)
             if rid in rids:
@@ -122,11 +131,9 @@ class DirectLink:
         except OSError:
             pass
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        self._send_all([msg])
-
-    def _send_all(self, msgs: list[dict[str, Any]]) -> None:
-        try:  # (the socket's timeout is the connect timeout or the last request's)
+    def _send_all(self, msgs: list[dict[str, Any]], deadline: float) -> None:
+        try:
+            self._sock.settimeout(max(0.001, deadline - time.monotonic()))
             self._sock.sendall(b"".join(pack(m) for m in msgs))
         except OSError as exc:  # a timeout too: part of a message may be out
             raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
@@ -159,7 +166,7 @@ class DirectLink:
 
 
 def _locate(oid: ObjectID) -> dict[str, Any]:
-    return {"op": "locate", "oid": oid.binary, "inline_only": True}
+    return {"op": "locate", "oid": oid.binary}  # (direct: the directory knows from the connection)
 
 
 def _not_available(oids: list[ObjectID], timeout: float) -> str:
@@ -178,6 +185,7 @@ class DirectCalls:
         # A plain socket speaks only the TCP transport.
         self.enabled = node.config.direct_calls and scheme == "tcp"
         self._node, self._loop, self._token = node, loop, token
+        self._pid = os.getpid()  # a forked child has the links but not the loop: not usable
         self._threshold = node.config.inline_threshold
         self._connect_timeout = node.config.connect_timeout_s
         self._idle: list[DirectLink] = []
@@ -189,6 +197,14 @@ class DirectCalls:
         #: calls answered here, not by the loop (node_stats "direct_puts"/"direct_gets")
         self.puts = self.gets = 0
 
+    def _usable(self) -> bool:
+        return self.enabled and not self._closed and os.getpid() == self._pid
+
+    def _count(self, puts: int = 0, gets: int = 0) -> None:
+        with self._lock:
+            self.puts += puts
+            self.gets += gets
+
     # ------------------------------------------------------------- verbs ---
     def put(self, value: Any, oid: ObjectID, timeout: float) -> bool:
         """Register a small host `value` as `oid` from this thread; False when
@@ -196,19 +212,20 @@ class DirectCalls:
         put = self._put_msg(value, oid)
         if put is None:
             return False
+        since = self._node.forgets
         reply = self._ask([put[0]], timeout, f"the directory did not answer 'put' within {timeout:g}s")
         if reply is MISS:
             return False  # re-putting the same bytes is harmless if this one got through
         raise_for_error(reply[0])
-        self._keep(*put)
-        self.puts += 1
+        self._keep(put, since)
+        self._count(puts=1)
         return True
 
     def get(self, oid: ObjectID, timeout: float, array_type: str) -> Any:
         """The value of `oid`, asked for by this thread, if it travels inline;
         else MISS, and the loop's get finishes the call: it joins the pull
         the directory has started this node on, or uses the node's copy."""
-        if not self.enabled or self._node.store.get(oid) is not None:
+        if not self._usable() or self._node.store.get(oid) is not None:
             return MISS
         values = self.get_all([oid], timeout, array_type)
         return MISS if values is MISS or values[0] is PULL else values[0]
@@ -216,13 +233,13 @@ class DirectCalls:
     def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
         """The values of `oids`, asked for at once: a list of the values (PULL
         for those the loop must finish), or MISS."""
-        if not self.enabled:
+        if not self._usable():
             return MISS
         replies = self._ask([_locate(oid) for oid in oids], timeout, _not_available(oids, timeout))
         if replies is MISS:
             return MISS
         values = [self._value(raise_for_error(r), array_type) for r in replies]
-        self.gets += sum(v is not PULL for v in values)
+        self._count(gets=sum(v is not PULL for v in values))
         return values
 
     def reduce(self, request: dict[str, Any], value: Any, mine: ObjectID, then: str | None,
@@ -237,6 +254,7 @@ class DirectCalls:
         if put is None:
             return MISS
         target = ObjectID(request["target"])
+        since = self._node.forgets
         msgs = [request, put[0]]
         if then == "get":
             msgs.append(_locate(target))
@@ -248,22 +266,24 @@ class DirectCalls:
             return MISS
         for reply in replies:
             raise_for_error(reply)
-        self._keep(*put)
-        # Asked again of a restarted directory, as the node's own reduces are.
-        self._loop.call_soon_threadsafe(self._node.remember_reduce, target, request)
-        self.puts += 1
-        if then != "get":
-            return None
-        result = self._value(replies[2], "cupy")
-        self.gets += result is not PULL
+        self._keep(put, since)
+        result = self._value(replies[2], "cupy") if then == "get" else None
+        if result is PULL or then != "get":
+            # Asked again of a restarted directory until the result is in
+            # hand, as the node's own reduces are (a result here inline is).
+            self._on_loop(self._node.remember_reduce, target, request, since)
+        self._count(puts=1, gets=then == "get" and result is not PULL)
         return result
 
     def _put_msg(self, value: Any, oid: ObjectID) -> tuple[dict, ObjectID, Layout, bytes] | None:
         """The put message of a small host value not held here yet, else None."""
         from . import device
 
-        if not self.enabled or device.is_device_array(value):
+        if not self._usable() or device.is_device_array(value):
             return None
+        nbytes = len(value) if isinstance(value, bytes | bytearray) else getattr(value, "nbytes", 0)
+        if isinstance(nbytes, int) and nbytes > self._threshold:
+            return None  # large: not even flattened here
         buf, layout = to_buffer(value)
         if layout.nbytes > self._threshold or self._node.store.get(oid) is not None:
             return None  # large, or here already (the loop's path checks its layout)
@@ -272,10 +292,17 @@ class DirectCalls:
                "layout": layout.to_wire(), "inline": data}
         return msg, oid, layout, data
 
-    def _keep(self, msg: dict, oid: ObjectID, layout: Layout, data: bytes) -> None:
+    def _keep(self, put: tuple[dict, ObjectID, Layout, bytes], since: int) -> None:
         # The node holds what it put (for its reconnects and local gets): hand
         # the bytes to the loop, which keeps them before any later call of ours.
-        self._loop.call_soon_threadsafe(self._node.keep_inline, oid, layout, data)
+        _, oid, layout, data = put
+        self._on_loop(self._node.keep_inline, oid, layout, data, since)
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed meanwhile: the node is gone with it
+            pass
 
     @staticmethod
     def _value(body: dict[str, Any], array_type: str) -> Any:
@@ -293,11 +320,12 @@ class DirectCalls:
         """The replies to `msgs`, sent together; Timeout(`expired`) when they do
         not all come within `timeout` (the rest are withdrawn); MISS when no
         link could carry them (the caller then takes the loop's path)."""
-        link = self._take()
+        deadline = time.monotonic() + timeout
+        link = self._take(deadline)
         if link is None:
             return MISS
         try:
-            replies = link.requests(msgs, time.monotonic() + timeout)
+            replies = link.requests(msgs, deadline)
         except _Expired:
             self._give(link)
             raise Timeout(expired) from None
@@ -312,17 +340,26 @@ class DirectCalls:
         self._give(link)
         return replies
 
-    def _take(self) -> DirectLink | None:
+    def _take(self, deadline: float) -> DirectLink | None:
+        stale = []
         with self._lock:
-            if self._idle:
+            while self._idle:
                 link = self._idle.pop()
+                if time.monotonic() - link.last_used > _IDLE_S:
+                    stale.append(link)
+                    continue
                 self._busy.add(link)
-                return link
-            if self._closed or time.monotonic() < self._retry_at:
-                return None
-        try:
+                break
+            else:
+                link = None
+            retry = self._closed or time.monotonic() < self._retry_at
+        for old in stale:
+            old.close()
+        if link is not None or retry:
+            return link
+        try:  # (within the call's deadline, which then covers the request too)
             link = DirectLink(self._host, self._port, self._token, self._node.node_id,
-                              self._connect_timeout)
+                              max(0.001, min(self._connect_timeout, deadline - time.monotonic())))
         except HopliteError as exc:  # e.g. a restarted directory that has not met our node yet
             log.info("no direct connection to the directory (%s): calls take the loop's path "
                      "for %gs", exc, _BACKOFF_S)
@@ -337,6 +374,7 @@ class DirectCalls:
         return None
 
     def _give(self, link: DirectLink) -> None:
+        link.last_used = time.monotonic()
         with self._lock:
             self._busy.discard(link)
             if not self._closed and len(self._idle) < _KEEP:

@@ -50,6 +50,9 @@ class Runtime:
         if not running.wait(30):
             raise RuntimeClosed("the hoplite-gpu loop thread did not start within 30s")
         self._calls: set[asyncio.Task] = set()
+        #: futures of blocking calls not settled yet (cancelled if the loop stops first)
+        self._waiting: set[concurrent.futures.Future] = set()
+        self._waiting_lock = threading.Lock()
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
         self.direct: DirectCalls | None = None
@@ -93,6 +96,9 @@ class Runtime:
             raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() again")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         loop = self._loop
+        with self._waiting_lock:
+            self._waiting.add(fut)
+        fut.add_done_callback(self._settled)
 
         def start() -> None:
             if fut.cancelled():
@@ -161,6 +167,16 @@ class Runtime:
         self._thread.join(15)
         if not self._loop.is_running():
             self._loop.close()
+        # A call submitted while the loop was shutting down would otherwise
+        # wait out its whole deadline: its task never ran, or never finished.
+        with self._waiting_lock:
+            left, self._waiting = list(self._waiting), set()
+        for fut in left:
+            fut.cancel()
+
+    def _settled(self, fut: concurrent.futures.Future) -> None:
+        with self._waiting_lock:
+            self._waiting.discard(fut)
 
     async def _close(self) -> None:
         if self.node is not None:

@@ -1,9 +1,10 @@
 """Direct calls: blocking puts and gets of inline objects made on the caller's
 thread over its own directory connection (hoplite_gpu.direct), and the
-directory's side of them (attach, inline-only locates)."""
+directory's side of them (attach, direct locates, the located push)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -228,8 +229,14 @@ def test_small_collectives_run_from_the_callers_thread(local):
     assert out.tolist() == [13.0] * 4
     stats = hg.node_stats()
     assert (stats["direct_puts"], stats["direct_gets"]) == (3, 1)
-    # the reduce is remembered for a restarted directory, as a node's own
-    assert collectives._reduce_ids("ar", 3, "sum", None)[1] in local.node._my_reduces
+    # the result is in hand: nothing to ask a restarted directory again (as on
+    # the loop's path once a get has the result)
+    assert collectives._reduce_ids("ar", 3, "sum", None)[1] not in local.node._my_reduces
+    # a rank that only waits for the reduce is remembered until it ends
+    hg.put(np.ones(2), collectives.input_id("w1", 0))
+    assert collectives.reduce(np.ones(2), name="w1", rank=1, size=2, wait=True) is None
+    hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
+    assert collectives._reduce_ids("w1", 2, "sum", None)[1] in local.node._my_reduces
 
     got = collectives.allgather(b"r0", name="ag", rank=0, size=1, timeout=10)
     assert got == [b"r0"] and hg.node_stats()["direct_gets"] == 2
@@ -262,3 +269,38 @@ def test_shutdown_wakes_a_get_waiting_on_its_own_connection():
     th.join(10)
     assert not th.is_alive() and time.monotonic() - started < 10
     assert isinstance(result["error"], (hg.RuntimeClosed, hg.NotInitialized))
+
+
+def test_a_drop_that_overtakes_a_direct_put_leaves_no_stale_copy(local):
+    """A delete elsewhere can reach the node between the directory's ok to a
+    direct put and the loop keeping the bytes: the loop must not keep them
+    (a later put of the id would take that copy for its own, unregistered)."""
+    oid = hg.ObjectID.from_name("raced")
+    node = local.node
+    since = node.forgets
+
+    async def race():
+        node._forget(oid, hg.ObjectNotFound("deleted elsewhere"))  # the drop came first
+        node.keep_inline(oid, *hg.values.to_buffer(b"old")[1:], b"old", since)
+        return node.store.get(oid)
+    assert local.call(race(), 5) is None
+    hg.put(b"new", oid)  # registered again, and kept
+    assert hg.get(oid) == b"new" and hg.object_info(oid)["holders"]
+
+
+def test_a_forked_child_does_not_use_its_parents_connections(local):
+    local.direct._pid = -1  # as in a child after fork
+    assert hg.get(hg.put(b"x")) == b"x"
+    stats = hg.node_stats()
+    assert stats["direct_puts"] == stats["direct_gets"] == 0
+
+
+def test_the_nodes_own_connection_cannot_pass_for_a_direct_one(local):
+    async def ask():
+        node = local.node
+        node.client.start({"op": "locate", "oid": OID, "direct": True})
+        node.client.start({"op": "put", "oid": OID, "size": 1, "layout": {"kind": "bytes"},
+                           "inline": b"z"}, -5)
+        await asyncio.sleep(0.2)
+    local.call(ask(), 5)
+    assert _directory_idle(local) and OID not in local.directory.state.objects

@@ -189,7 +189,7 @@ class DirectoryServer:
 
     async def _serve_direct(self, stream: Stream, node: str) -> None:
         peer = self.peers.get(node)
-        if peer is None:
+        if peer is None or node not in self.state.nodes:  # (or its lease just ended)
             await send_msg(stream, {"error": "ProtocolError",
                                     "message": f"node id {node} is not registered here"})
             return
@@ -211,6 +211,9 @@ class DirectoryServer:
 
     def _received_direct(self, direct: _Direct, msg: dict) -> None:
         op, theirs = msg.get("op"), msg.get("rid", 0)
+        node = direct.peer.node
+        if node not in self.state.nodes or self.peers.get(node) is not direct.peer:
+            return  # its node is gone (this connection is being closed): nothing is its
         if op == "cancel":
             rid = direct.requests.pop(msg.get("request"), None)  # type: ignore[arg-type]
             if rid is not None:
@@ -248,6 +251,13 @@ class DirectoryServer:
 
     def _received(self, peer: _Peer, msg: dict) -> None:
         op = msg.get("op")
+        rid = msg.get("rid")
+        if isinstance(rid, int) and rid < 0 or "direct" in msg:
+            # (negative request ids and "direct" are the direct connections' own)
+            peer.outbox.post({"rid": 0, "error": "ProtocolError",
+                              "message": "a node's request ids are positive, and only a direct "
+                                         "connection's locates are direct"})
+            return
         if op == "ping":
             self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
             if "rid" in msg:

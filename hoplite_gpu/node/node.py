@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,8 @@ class _Retry(HopliteError):
 _PROGRESS_EVERY_S = 0.1
 #: Reduces this node asked for that it re-asks a restarted directory, at most.
 MAX_REMEMBERED_REDUCES = 4096
+#: Ids whose last drop a node remembers (see `Node.keep_inline`).
+_FORGOTTEN_KEPT = 4096
 
 
 class Node:
@@ -85,6 +87,11 @@ class Node:
         self._my_reduces: dict[ObjectID, dict] = {}
         #: channel heads this node published, re-announced to a restarted directory
         self._channels: dict[str, int] = {}
+        #: `_forget`s so far, and the count at the last one of each recent id:
+        #: a caller's thread reads the count before its direct put, so the loop
+        #: can tell a drop that overtook the put (`keep_inline`)
+        self.forgets = 0
+        self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
 
     async def start(self) -> None:
         await self.server.start()
@@ -527,10 +534,15 @@ class Node:
 
         await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
 
-    def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> None:
+    def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
         """Hold an inline object that a caller's thread put directly (registered
-        already, `hoplite_gpu.direct`), as a put here would have."""
-        if self._closed is None and self.store.get(oid) is None:
+        already, `hoplite_gpu.direct`), as a put here would have; `since` is
+        `forgets` when the put was sent. A drop of `oid` after that (a delete
+        elsewhere that overtook this call) means the object is gone: keeping
+        it would leave a copy the directory does not know, which a later put
+        of the id would take for its own and not register."""
+        if (self._closed is None and self.store.get(oid) is None
+                and self._forgotten.get(oid, 0) <= since):
             self._store_inline(oid, layout, data)
 
     def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
@@ -549,6 +561,11 @@ class Node:
     def _forget(self, oid: ObjectID, reason: BaseException) -> None:
         """Everything of `oid` on this node ends: its reduce step, its copy, its
         pull, and (unless it is being rebuilt) the reduce we would re-ask for."""
+        self.forgets += 1
+        self._forgotten[oid] = self.forgets
+        self._forgotten.move_to_end(oid)
+        while len(self._forgotten) > _FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
         if not isinstance(reason, _Retry):
             self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
         step = self._steps.pop(oid, None)
@@ -597,11 +614,14 @@ class Node:
             msg["fanout"] = fanout
         return msg
 
-    def remember_reduce(self, target: ObjectID, msg: dict) -> None:
+    def remember_reduce(self, target: ObjectID, msg: dict, since: int | None = None) -> None:
         """Ask `msg` again of a restarted directory, until this node sees the
         final result, deletes it or hears it dropped; the oldest are forgotten
         past MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
-        non-root of `collectives.reduce`, would otherwise grow this forever)."""
+        non-root of `collectives.reduce`, would otherwise grow this forever).
+        `since`: see `keep_inline`."""
+        if since is not None and self._forgotten.get(target, 0) > since:
+            return  # deleted or dropped since it was asked: nothing to ask again
         self._my_reduces[target] = msg
         while len(self._my_reduces) > MAX_REMEMBERED_REDUCES:
             del self._my_reduces[next(iter(self._my_reduces))]

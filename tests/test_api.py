@@ -170,22 +170,36 @@ def test_blocking_call_outcomes(local, monkeypatch):
     with pytest.raises(hg.Timeout, match="did not answer"):
         rt.call(asyncio.sleep(5), 0.2)
 
+    assert isinstance(_ended_by_shutdown(lambda: rt.call(asyncio.sleep(30), 60)),
+                      hg.RuntimeClosed)
+
+
+def test_shutdown_ends_a_get_waiting_on_its_own_directory_connection():
+    hg.init(timeout_s=60)  # (a get of a missing object waits on the caller's thread)
+    assert isinstance(_ended_by_shutdown(lambda: hg.get(hg.ObjectID.from_name("never"))),
+                      (hg.RuntimeClosed, hg.NotInitialized))
+
+
+def _ended_by_shutdown(call) -> BaseException:
+    """Run `call` in a thread, shut down while it waits, and return what it
+    raised: it must end at once, not at its deadline."""
     got = []
 
     def blocked():
         try:
-            rt.call(asyncio.sleep(30), 60)
+            call()
         except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
             got.append(exc)
 
     t = threading.Thread(target=blocked)
     t.start()
-    time.sleep(0.2)
+    time.sleep(0.3)
     start = time.monotonic()
     hg.shutdown()
     t.join(20)
-    assert not t.is_alive() and time.monotonic() - start < 20
-    assert len(got) == 1 and isinstance(got[0], hg.RuntimeClosed), got
+    assert not t.is_alive() and time.monotonic() - start < 10
+    assert len(got) == 1, got
+    return got[0]
 
 
 def test_remote_init_needs_token(monkeypatch):

@@ -252,25 +252,6 @@ def test_a_gather_of_small_and_large_objects_takes_each_its_way(local, other):
     assert hg.node_stats()["direct_gets"] == 2  # ranks 0 and 2 came inline
 
 
-def test_shutdown_wakes_a_get_waiting_on_its_own_connection():
-    hg.init(timeout_s=60)
-    result = {}
-
-    def getter():
-        try:
-            hg.get(hg.ObjectID.from_name("never"))
-        except Exception as exc:  # noqa: BLE001 - the test looks at which
-            result["error"] = exc
-    th = threading.Thread(target=getter)
-    th.start()
-    time.sleep(0.3)
-    started = time.monotonic()
-    hg.shutdown()
-    th.join(10)
-    assert not th.is_alive() and time.monotonic() - started < 10
-    assert isinstance(result["error"], (hg.RuntimeClosed, hg.NotInitialized))
-
-
 def test_a_drop_that_overtakes_a_direct_put_leaves_no_stale_copy(local):
     """A delete elsewhere can reach the node between the directory's ok to a
     direct put and the loop keeping the bytes: the loop must not keep them

@@ -14,12 +14,11 @@ Measured on a 2-core VM (``python -m benchmarks progress``): 99-100 % of a core
 per process while idle, against 0 % over TCP.
 
 What we do instead, where the user opts in with ``UCXPY_PROGRESS_MODE=event``
-(not the default: in the chaos test over UCX a node process crashed with a
-segfault inside UCX calls in 6 of 28 runs with it, none of 16 without; the
-crash sites are ordinary allocations, so memory is corrupted earlier. It
-follows this driver's receives: with its sends and ucxx's own receives 0 of
-12 runs crashed, with ucxx's sends and its receives 5 of 12; see README "GPUs
-and UCX" for what else was ruled out):
+(not the default yet: in the chaos test over UCX a node process crashed with
+a segfault in 6 of 28 runs with it, and later also in 2 of 20 without it.
+The likely cause, ucxx's connection handshake writing into a freed buffer
+after a timeout, is worked around in `ucx.py` (`_UCXX_HANDSHAKE_S`); since,
+0 of 12 runs crashed with it and 0 of 20 without. See README "GPUs and UCX"):
 
 * `Progress` takes the place of ucxx's progress object for that loop (it is
   registered in ucxx's table before the loop's first listener or endpoint, so

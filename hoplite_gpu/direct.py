@@ -1,20 +1,21 @@
-"""Direct calls: a blocking `put` or `get` of a small host object made on the
-caller's own thread, over a TCP connection of its own to the directory.
+"""Direct calls: blocking calls of small objects made on the caller's own
+thread, over a TCP connection of its own to the directory.
 
 A blocking call otherwise hands its work to the runtime's loop thread and
 waits to be handed the answer back: two thread wake-ups on every call, which
 on a busy machine cost more than the round trip itself (benchmarks/README,
 "The floor under these numbers"). An object at most `inline_threshold` bytes
-travels inside directory messages, so neither side needs the loop for it: the
-caller sends the put, or waits for the locate's answer, itself.
+travels inside directory messages, so neither side needs the loop for it.
 
-What goes direct, and what falls back to the loop's path (docs/architecture.md,
-"Direct calls"): a put of a host value of at most `inline_threshold` bytes;
-a get of an object this node does not hold, whose answer comes with the bytes.
-Anything else (a larger object, a device object, a connection that broke, a
-directory that does not know this node yet) is done by the loop as before, with
-the time left. The connection is attached to this process's node: its puts are
-the node's, held in the node's store once registered (see `Node.keep_inline`).
+What goes direct (docs/architecture.md, "Direct calls"): a put of a host
+value of at most `inline_threshold` bytes; a get of an object this node does
+not hold (its bytes come back if it is inline; otherwise the directory tells
+the node's own connection where to pull it from, and the loop's get joins
+that pull); the small collectives' steps, in one write. Anything else (a
+larger put, a device value, a connection that broke, a directory that does
+not know this node yet) is done by the loop as before, with the time left.
+The connection is attached to this process's node: its puts are the node's,
+held in the node's store once registered (see `Node.keep_inline`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ MISS = object()
 #: directory told the node where to pull it from, the node holds or pulls it
 #: already, or it is a device object.
 PULL = object()
-#: Connections kept open for the next call, at most (one per calling thread in use).
+#: Idle connections kept open for the next call, at most (a call borrows one).
 _KEEP = 8
 #: Seconds to send the withdrawal of requests whose deadline passed.
 _CANCEL_S = 1.0

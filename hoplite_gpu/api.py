@@ -71,8 +71,8 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     rt = runtime()
     oid = _new_id(object_id)
     # A small host value goes straight from this thread (hoplite_gpu.direct).
-    if rt.direct is not None and not rt.on_loop_thread() and \
-            rt.direct.put(value, oid, rt.config.timeout_s):
+    direct = rt.direct_here()
+    if direct is not None and direct.put(value, oid, rt.config.timeout_s):
         return oid
     return rt.call(rt.node.put(value, oid), rt.config.timeout_s)
 
@@ -88,15 +88,21 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
     rt = runtime()
     oid, limit = as_object_id(object_id), _timeout(rt, timeout)
     _check_array_type(array_type)
-    if rt.direct is not None and not rt.on_loop_thread():
+    direct = rt.direct_here()
+    if direct is not None:
         # An inline object comes straight to this thread (hoplite_gpu.direct);
         # anything else is the loop's, with the time left.
-        started = time.monotonic()
-        value = rt.direct.get(oid, limit, array_type)
+        deadline = time.monotonic() + limit
+        value = direct.get(oid, limit, array_type)
         if value is not MISS:
             return value
-        limit = max(0.001, limit - (time.monotonic() - started))
+        limit = time_left(deadline)
     return rt.call(rt.node.get(oid, limit, array_type), limit)
+
+
+def time_left(deadline: float) -> float:
+    """Seconds left until `deadline` (time.monotonic()), at least a millisecond."""
+    return max(0.001, deadline - time.monotonic())
 
 
 def _check_array_type(array_type: str) -> None:

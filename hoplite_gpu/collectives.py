@@ -191,15 +191,15 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     may still need it, so it copies."""
     target = args[3]
     rt = api.runtime()
-    if rt.direct is not None and not rt.on_loop_thread():
+    direct = rt.direct_here()
+    if direct is not None:
         # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
         limit = api._timeout(rt, timeout)
-        started = time.monotonic()
-        out = rt.direct.reduce(rt.node.reduce_msg(*args), value, mine,
-                               "get" if fetch else "wait" if wait else None, limit)
+        deadline = time.monotonic() + limit
+        out = direct.reduce(rt.node.reduce_msg(*args), value, mine,
+                            "get" if fetch else "wait" if wait else None, limit)
         if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
-            limit = max(0.001, limit - (time.monotonic() - started))
-            return rt.call(rt.node.get(target, limit), limit)
+            return rt.call(rt.node.get(target, api.time_left(deadline)), api.time_left(deadline))
         if out is not MISS:
             return out
     lend = fetch or wait
@@ -226,17 +226,18 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     """Every object of `ids`, pulled at once (not one after another: a gather
     of small objects then costs one round trip, not N)."""
     rt = api.runtime()
-    if rt.direct is not None and not rt.on_loop_thread():
+    direct = rt.direct_here()
+    if direct is not None:
         limit = api._timeout(rt, timeout)
-        started = time.monotonic()
-        values = rt.direct.get_all(ids, limit)
+        deadline = time.monotonic() + limit
+        values = direct.get_all(ids, limit)
         if values is not MISS:
             # what came inline is here; the loop pulls the rest from the
             # senders the directory gave us
             pulls = [i for i, v in enumerate(values) if v is PULL]
             if pulls:
                 got = _together(lambda node, left: [node.get(ids[i], left) for i in pulls],
-                                max(0.001, limit - (time.monotonic() - started)))
+                                api.time_left(deadline))
                 for i, value in zip(pulls, got, strict=True):
                     values[i] = value
             return values

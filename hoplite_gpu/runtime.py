@@ -152,6 +152,10 @@ class Runtime:
     def on_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def direct_here(self) -> DirectCalls | None:
+        """The direct path, where this thread may take it (not the loop's own)."""
+        return None if self.direct is None or self.on_loop_thread() else self.direct
+
     def close(self) -> None:
         if self.direct is not None:
             self.direct.close()

@@ -26,9 +26,9 @@ lets `ucx_progress` drive the worker instead: an idle process sleeps on the
 worker's fd (0 % measured), and a 1 KiB round trip takes 41 us (40 us
 spinning). It is not the default yet: in the chaos test over UCX a node
 process crashed (a segfault) in 6 of 28 runs with it; the likely cause, in
-ucxx's handshake, is worked around below (`_UCXX_HANDSHAKE_S`), and 0 of 12
-runs crashed with it since; see README "GPUs and UCX" and ``python -m
-benchmarks progress``.
+ucxx's handshake, is worked around below (`_UCXX_HANDSHAKE_S`), and 0 of 32
+runs crashed with it since (not yet measured on a GPU); see README "GPUs and
+UCX" and ``python -m benchmarks progress``.
 
 Peer failure: endpoints are made through a listener with UCX endpoint error
 handling on, so a peer that dies fails the pending requests, which become

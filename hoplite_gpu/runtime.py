@@ -56,6 +56,8 @@ class Runtime:
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
         self.direct: DirectCalls | None = None
+        #: set when `close` starts: calls submitted from then on are refused
+        self._closing = False
         try:
             self.call(self._start(address), config.connect_timeout_s + 30)
         except BaseException:
@@ -91,7 +93,7 @@ class Runtime:
         last step. (`asyncio.run_coroutine_threadsafe` settles it from a done-
         callback, one loop iteration later: a wake-up more for every blocking call.)
         Cancelling the future cancels the task."""
-        if self.closed:
+        if self.closed or self._closing:
             coro.close()
             raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() again")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -101,8 +103,9 @@ class Runtime:
         fut.add_done_callback(self._settled)
 
         def start() -> None:
-            if fut.cancelled():
+            if fut.cancelled() or self._closing:  # (closing: the task might never run)
                 coro.close()
+                fut.cancel()
                 return
             task = loop.create_task(_settle(coro, fut))
             self._calls.add(task)  # the loop keeps only weak references to tasks
@@ -145,7 +148,7 @@ class Runtime:
         try:
             return await asyncio.wrap_future(self.submit(coro))
         except asyncio.CancelledError:
-            if self.closed:
+            if self.closed or self._closing:
                 raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call") from None
             raise
 
@@ -157,6 +160,7 @@ class Runtime:
         return None if self.direct is None or self.on_loop_thread() else self.direct
 
     def close(self) -> None:
+        self._closing = True
         if self.direct is not None:
             self.direct.close()
         if self.closed and not self._thread.is_alive():

@@ -80,10 +80,12 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
 def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = "cupy") -> Any:
     """Return the object's value, pulling it if needed; waits for a later put.
 
-    NumPy values come back as read-only arrays that share the node's copy. Device
-    objects (put from CuPy / torch CUDA arrays) come back as a fresh array on this
-    process's GPU, of `array_type` "cupy" (default) or "torch", or as a host copy
-    with "numpy" (always NumPy where this process has no GPU).
+    NumPy values come back as read-only arrays that share the node's copy (a
+    small one fetched on this thread, `hoplite_gpu.direct`: the bytes it
+    received). Device objects (put from CuPy / torch CUDA arrays) come back
+    as a fresh array on this process's GPU, of `array_type` "cupy" (default)
+    or "torch", or as a host copy with "numpy" (always NumPy where this
+    process has no GPU).
     """
     rt = runtime()
     oid, limit = as_object_id(object_id), _timeout(rt, timeout)

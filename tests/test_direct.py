@@ -282,6 +282,6 @@ def test_the_nodes_own_connection_cannot_pass_for_a_direct_one(local):
         node.client.start({"op": "locate", "oid": OID, "direct": True})
         node.client.start({"op": "put", "oid": OID, "size": 1, "layout": {"kind": "bytes"},
                            "inline": b"z"}, -5)
-        await asyncio.sleep(0.2)
+        await node.client.request({"op": "nodes"}, 5)  # (after the two, on one connection)
     local.call(ask(), 5)
     assert _directory_idle(local) and OID not in local.directory.state.objects

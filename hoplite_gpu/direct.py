@@ -21,12 +21,12 @@ held in the node's store once registered (see `Node.keep_inline`).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .auth import check_verdict, client_answer
@@ -60,6 +60,18 @@ _IDLE_S = 30.0
 #: After a connection could not be made, the loop's path for this long.
 _BACKOFF_S = 1.0
 
+#: Bumped in a forked child, whose copies of the links and the loop are not
+#: usable (cheaper to compare on every call than asking the pid).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class _Expired(Exception):
     """The request's deadline passed (its withdrawal has been sent)."""
@@ -72,7 +84,7 @@ class DirectLink:
     def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float) -> None:
         self.peer = f"{host}:{port}"
         self.last_used = time.monotonic()
-        self._ids = itertools.count(1)
+        self._next_rid = 1
         self._buf = bytearray()
         deadline = time.monotonic() + timeout
         try:
@@ -101,22 +113,26 @@ class DirectLink:
         `_Expired` raised; the link stays usable. (A locate's answer that
         crossed its withdrawal is skipped: a sender it named was also told to
         the node, which pulls, see `Locate.direct`.)"""
-        rids = [next(self._ids) for _ in msgs]
-        self._send_all([{**m, "rid": rid} for m, rid in zip(msgs, rids, strict=True)], deadline)
-        replies: dict[int, dict[str, Any]] = {}
-        while len(replies) < len(rids):
+        first = self._next_rid
+        self._next_rid = first + len(msgs)
+        self._send_all([{**m, "rid": first + i} for i, m in enumerate(msgs)], deadline)
+        replies: list[dict[str, Any] | None] = [None] * len(msgs)
+        waiting = len(msgs)
+        while waiting:
             try:
                 reply = self._recv(deadline)
             except _Expired:
-                self._send_all([{"op": "cancel", "request": rid}
-                                for rid in rids if rid not in replies],
+                self._send_all([{"op": "cancel", "request": first + i}
+                                for i, r in enumerate(replies) if r is None],
                                time.monotonic() + _CANCEL_S)
                 raise
             rid = reply.pop("rid", None)
-            if rid in rids:
-                replies[rid] = reply
+            i = rid - first if type(rid) is int else -1
+            if 0 <= i < len(replies) and replies[i] is None:
+                replies[i] = reply
+                waiting -= 1
             # else the late answer to a request withdrawn before: skip it
-        return [replies[rid] for rid in rids]
+        return replies  # type: ignore[return-value]
 
     def close(self) -> None:
         try:
@@ -186,7 +202,7 @@ class DirectCalls:
         # A plain socket speaks only the TCP transport.
         self.enabled = node.config.direct_calls and scheme == "tcp"
         self._node, self._loop, self._token = node, loop, token
-        self._pid = os.getpid()  # a forked child has the links but not the loop: not usable
+        self._forks = _forks  # a forked child has the links but not the loop: not usable
         self._threshold = node.config.inline_threshold
         self._connect_timeout = node.config.connect_timeout_s
         self._idle: list[DirectLink] = []
@@ -199,7 +215,7 @@ class DirectCalls:
         self.puts = self.gets = 0
 
     def _usable(self) -> bool:
-        return self.enabled and not self._closed and os.getpid() == self._pid
+        return self.enabled and not self._closed and self._forks == _forks
 
     def _count(self, puts: int = 0, gets: int = 0) -> None:
         with self._lock:
@@ -214,7 +230,8 @@ class DirectCalls:
         if put is None:
             return False
         since = self._node.forgets
-        reply = self._ask([put[0]], timeout, f"the directory did not answer 'put' within {timeout:g}s")
+        reply = self._ask([put[0]], timeout,
+                          lambda: f"the directory did not answer 'put' within {timeout:g}s")
         if reply is MISS:
             return False  # re-putting the same bytes is harmless if this one got through
         raise_for_error(reply[0])
@@ -228,15 +245,22 @@ class DirectCalls:
         the directory has started this node on, or uses the node's copy."""
         if not self._usable() or self._node.store.get(oid) is not None:
             return MISS
-        values = self.get_all([oid], timeout, array_type)
-        return MISS if values is MISS or values[0] is PULL else values[0]
+        replies = self._ask([_locate(oid)], timeout, lambda: _not_available([oid], timeout))
+        if replies is MISS:
+            return MISS
+        value = self._value(raise_for_error(replies[0]), array_type)
+        if value is PULL:
+            return MISS
+        self._count(gets=1)
+        return value
 
     def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
         """The values of `oids`, asked for at once: a list of the values (PULL
         for those the loop must finish), or MISS."""
         if not self._usable():
             return MISS
-        replies = self._ask([_locate(oid) for oid in oids], timeout, _not_available(oids, timeout))
+        replies = self._ask([_locate(oid) for oid in oids], timeout,
+                           lambda: _not_available(oids, timeout))
         if replies is MISS:
             return MISS
         values = [self._value(raise_for_error(r), array_type) for r in replies]
@@ -261,8 +285,8 @@ class DirectCalls:
             msgs.append(_locate(target))
         elif then == "wait":
             msgs.append({"op": "reduced_inputs", "target": request["target"]})
-        replies = self._ask(msgs, timeout, f"the reduce producing {target.hex()} did not finish "
-                                           f"within {timeout:g}s")
+        replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} did not "
+                                                   f"finish within {timeout:g}s")
         if replies is MISS:
             return MISS
         for reply in replies:
@@ -317,8 +341,8 @@ class DirectCalls:
         return PULL if layout.kind == "device" else from_buffer(body["inline"], layout, array_type)
 
     # ------------------------------------------------------------- links ---
-    def _ask(self, msgs: list[dict[str, Any]], timeout: float, expired: str) -> Any:
-        """The replies to `msgs`, sent together; Timeout(`expired`) when they do
+    def _ask(self, msgs: list[dict[str, Any]], timeout: float, expired: Callable[[], str]) -> Any:
+        """The replies to `msgs`, sent together; Timeout(`expired()`) when they do
         not all come within `timeout` (the rest are withdrawn); MISS when no
         link could carry them (the caller then takes the loop's path)."""
         deadline = time.monotonic() + timeout
@@ -329,7 +353,7 @@ class DirectCalls:
             replies = link.requests(msgs, deadline)
         except _Expired:
             self._give(link)
-            raise Timeout(expired) from None
+            raise Timeout(expired()) from None
         except HopliteError as exc:
             log.info("direct %s to the directory failed (%s): the loop's path takes it",
                      "/".join(str(m.get("op")) for m in msgs), exc)

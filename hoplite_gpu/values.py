@@ -47,13 +47,34 @@ class Layout:
     @classmethod
     def from_wire(cls, d: dict) -> Layout:
         """Parse a dict made by `to_wire`; raise ProtocolError if it is malformed."""
+        key = None
+        if type(d) is dict and len(d) == 4:  # the same few layouts come again and again
+            shape, nbytes = d.get("shape"), d.get("nbytes")
+            if type(shape) is list and type(nbytes) is int and all(type(n) is int for n in shape):
+                try:
+                    key = (d.get("kind"), d.get("dtype"), nbytes, *shape)
+                    known = _KNOWN_LAYOUTS.get(key)
+                except TypeError:  # unhashable kind or dtype: refused below
+                    key = known = None
+                if known is not None:
+                    return known
         if not isinstance(d, dict) or set(d) != _WIRE_KEYS:
             raise ProtocolError(
                 f"a layout must be a dict with keys {sorted(_WIRE_KEYS)}; got {d!r:.200}"
             )
         layout = cls(d["kind"], d["dtype"], _wire_shape(d["shape"]), _wire_int(d["nbytes"]))
         _check_layout(layout)
+        if key is not None:
+            if len(_KNOWN_LAYOUTS) >= _MAX_KNOWN_LAYOUTS:
+                _KNOWN_LAYOUTS.clear()
+            _KNOWN_LAYOUTS[key] = layout
         return layout
+
+
+#: Checked layouts by their wire fields (`Layout.from_wire`); only a dict of
+#: a list of ints and an int is looked up here.
+_KNOWN_LAYOUTS: dict[tuple, Layout] = {}
+_MAX_KNOWN_LAYOUTS = 1024
 
 
 def to_buffer(value: Any) -> tuple[memoryview, Layout]:

@@ -5,14 +5,17 @@ directory's side of them (attach, direct locates, the located push)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
+from hoplite_gpu import direct as direct_module
 from hoplite_gpu.config import Config
 from hoplite_gpu.direct import MISS, DirectLink
 from hoplite_gpu.directory import state
@@ -270,7 +273,18 @@ def test_a_drop_that_overtakes_a_direct_put_leaves_no_stale_copy(local):
 
 
 def test_a_forked_child_does_not_use_its_parents_connections(local):
-    local.direct._pid = -1  # as in a child after fork
+    assert local.direct._usable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (forking a threaded process)
+        pid = os.fork()
+    if pid == 0:  # the child: its copies of the links must not be used
+        os._exit(0 if not local.direct._usable() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert local.direct._usable()  # the parent's still are
+
+
+def test_after_a_fork_calls_take_the_loops_path(local):
+    direct_module._forked()  # what the at-fork hook does in a child
     assert hg.get(hg.put(b"x")) == b"x"
     stats = hg.node_stats()
     assert stats["direct_puts"] == stats["direct_gets"] == 0

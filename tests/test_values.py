@@ -412,6 +412,17 @@ MALFORMED = {
 def test_malformed_wire_layouts_raise_protocol_error(wire):
     with pytest.raises(ProtocolError):
         Layout.from_wire(wire)
+    # also once a good layout of equal values is known (parsed layouts are kept)
+    Layout.from_wire(GOOD)
+    Layout.from_wire({**GOOD, "shape": [1], "dtype": "|u1", "nbytes": 1})  # (nbytes-bool's)
+    with pytest.raises(ProtocolError):
+        Layout.from_wire(wire)
+
+
+def test_known_wire_layouts_are_parsed_once():
+    first = Layout.from_wire(dict(GOOD))
+    assert Layout.from_wire(dict(GOOD)) is first
+    assert Layout.from_wire({**GOOD, "shape": [3, 2]}).shape == (3, 2)
 
 
 def test_good_wire_layout_parses():

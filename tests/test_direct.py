@@ -4,7 +4,6 @@ directory's side of them (attach, direct locates, the located push)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time

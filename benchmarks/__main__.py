@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     "namespaces + tc; root): hoplite-gpu, a star, Gloo, OpenMPI")
     _module_command(sub, "latency", "latency", "small-object collectives on loopback: per-call "
                     "time and CPU per process, every call after a sleep")
+    _module_command(sub, "coldget", "coldget", "one small blocking get: the caller's CPU back "
+                    "to back and after a sleep, beside a bare socket exchange")
     _module_command(sub, "progress", "progress", "idle CPU per process and round-trip time, "
                     "over TCP and over UCX in each ucxx progress setting")
     _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "

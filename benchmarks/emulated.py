@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -115,6 +116,11 @@ class EmulatedCluster(Closing):
         return [(s["tx"]["bytes"], s["rx"]["bytes"], s["tx"]["packets"], s["rx"]["packets"])
                 for s in (stats[f"{self.prefix}s{i}"] for i in range(self.hosts))]
 
+    def link_sampler(self, every: float = 0.02) -> LinkSampler:
+        """Every host's link byte counters every `every` seconds, read in the
+        bridge's namespace while the context runs (`LinkSampler`)."""
+        return LinkSampler(self, every)
+
     def measure_link(self, nbytes: int = 32 << 20) -> float:
         """Bits per second from host 0 to host 1, measured with a plain TCP stream."""
         server = self.popen(1, [PY, "-c", _SINK, self.address(1)], stdout=subprocess.PIPE, text=True)
@@ -125,6 +131,58 @@ class EmulatedCluster(Closing):
         seconds = float(server.communicate(timeout=120)[0].strip())
         return nbytes * 8 / seconds
 
+
+class LinkSampler:
+    """A process in the bridge's namespace printing, every `every` seconds, the
+    time and every host's (downlink, uplink) byte counters; a thread here
+    collects them in `samples` as (time, [(down, up), ...]). Reading sysfs
+    costs the machine about a percent of a core."""
+
+    def __init__(self, cluster: EmulatedCluster, every: float) -> None:
+        names = [f"{cluster.prefix}s{i}" for i in range(cluster.hosts)]
+        self._argv = ["ip", "netns", "exec", cluster.switch, PY, "-c", _LINK_SAMPLER,
+                      str(every), *names]
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> LinkSampler:
+        self._proc = subprocess.Popen(self._argv, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            t, *counters = json.loads(line)
+            self.samples.append((t, [tuple(c) for c in counters]))
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._thread.join(5)
+
+
+_LINK_SAMPLER = """
+import json, sys, time
+every, names = float(sys.argv[1]), sys.argv[2:]
+paths = [(f"/sys/class/net/{n}/statistics/tx_bytes", f"/sys/class/net/{n}/statistics/rx_bytes")
+         for n in names]
+def read(path):
+    with open(path) as f:
+        return int(f.read())
+while True:
+    try:
+        row = [time.time(), *([read(tx), read(rx)] for tx, rx in paths)]
+    except OSError:  # the cluster is being torn down
+        break
+    print(json.dumps(row), flush=True)
+    time.sleep(every)
+"""
 
 _SINK = """
 import socket, sys, time

@@ -166,8 +166,8 @@ def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.
                           period=period)
     if args.steady:  # one launch: a warm-up call, then the timed calls, each after a barrier
         return run_launch(cluster, system, op, size, tag=tag, iters=args.steady, warmup=1,
-                          sync=True)
-    return run_launch(cluster, system, op, size, tag=tag)
+                          sync=True, timeline=args.timeline)
+    return run_launch(cluster, system, op, size, tag=tag, timeline=args.timeline)
 
 
 def _say(console: Console, row: dict, args: argparse.Namespace) -> None:
@@ -181,6 +181,10 @@ def _say(console: Console, row: dict, args: argparse.Namespace) -> None:
                       f"{', ' + str(row['late_calls']) + ' started late' if row['late_calls'] else ''})")
     else:
         console.print(f"{what}: {fmt_s(row['seconds'])} = {row['ratio_to_bound']:.2f} x bound")
+    if row.get("link_use_up_mean"):
+        console.print("  uplink use per timed call, mean over hosts (least host): " + ", ".join(
+            f"{m:.0%} ({n:.0%})" for m, n in zip(row["link_use_up_mean"], row["link_use_up_min"],
+                                                   strict=True)))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -263,5 +267,10 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="seconds between inputs becoming ready (allreduce-dynamic)")
     e.add_argument("--retries", type=int, default=1,
                    help="relaunches of a launch that failed (its error is kept in the row)")
+    e.add_argument("--timeline", action="store_true",
+                   help="large sizes: sample every link's byte counters every 20 ms during the "
+                        "launch and save each host's uplink and downlink use over the timed "
+                        "calls (row fields link_timeline, link_use_up_mean, link_use_up_min; "
+                        "plotted by 'plot')")
     e.add_argument("--tag", default=None,
                    help="results file name stem (default: the benchmark name)")

@@ -19,6 +19,7 @@ counted and must reach the floor that the op needs (`payload.link_volume`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -187,13 +188,18 @@ class CpuSampler:
 
 def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int = 1,
                warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
-               sync: bool = False) -> dict:
+               sync: bool = False, timeline: bool = False) -> dict:
     """One launch of `system`: returns a row with every measured call's time
-    (`samples_s`), checked results and the bytes that crossed the links."""
-    with CpuSampler() as cpu:
+    (`samples_s`), checked results and the bytes that crossed the links; with
+    `timeline`, also every link's use over the timed calls (`link_timeline`)."""
+    with CpuSampler() as cpu, (c.link_sampler() if timeline
+                               else contextlib.nullcontext()) as links:
         ranks, extra, before, after = _launch(c, system, op, size, tag=tag, iters=iters,
                                               warmup=warmup, period=period, ready=ready, sync=sync)
     row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
+    if links is not None:
+        row.update(link_timeline(links.samples, c.bandwidth_bps, row["start_min"],
+                                 row["end_max"]))
     moved = [[a - b for a, b in zip(x, y, strict=True)] for x, y in zip(after, before, strict=True)]
     down = sum(m[0] for m in moved)
     floor = link_volume(op, c.hosts, size) * (iters + warmup)
@@ -206,6 +212,44 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
         raise AssertionError(f"{system} {op}: only {down} bytes crossed the links, fewer than the "
                              f"{floor} the op needs: some traffic went another way")
     return row
+
+
+def link_timeline(samples: list[tuple[float, list[tuple[int, int]]]], bps: float,
+                  starts: list[float], ends: list[float], step: float = 0.05) -> dict:
+    """Each host's uplink and downlink use (bytes moved / what `bps` allows)
+    from the first timed call's start to the last one's end, in steps of about
+    `step` seconds (`link_timeline`), and per timed call the hosts' mean and
+    least uplink use (`link_use_up_mean`, `link_use_up_min`): a schedule that
+    keeps every uplink busy to the end has both near 1."""
+    per_s = bps / 8
+    t_a, t_b = min(starts), max(ends)
+    pts = [p for p in samples if t_a - step <= p[0] <= t_b + step]
+    out: dict = {"link_timeline": None, "link_use_up_mean": [], "link_use_up_min": []}
+    if len(pts) < 2:
+        return out
+    series = {"t0": t_a, "step_s": step, "t_s": [], "up": [], "down": [],
+              "calls": [[round(a - t_a, 4), round(b - t_a, 4)]
+                        for a, b in zip(starts, ends, strict=True)]}
+    prev = pts[0]
+    for p in pts[1:]:
+        dt = p[0] - prev[0]
+        if dt < step and p is not pts[-1]:
+            continue
+        series["t_s"].append(round((prev[0] + p[0]) / 2 - t_a, 4))
+        series["up"].append([round((b[1] - a[1]) / dt / per_s, 3) for a, b in zip(prev[1], p[1], strict=True)])
+        series["down"].append([round((b[0] - a[0]) / dt / per_s, 3)
+                               for a, b in zip(prev[1], p[1], strict=True)])
+        prev = p
+    out["link_timeline"] = series
+    for start, end in zip(starts, ends, strict=True):
+        a = max((p for p in samples if p[0] <= start), key=lambda p: p[0], default=None)
+        b = min((p for p in samples if p[0] >= end), key=lambda p: p[0], default=None)
+        if a is None or b is None or b[0] <= a[0]:
+            continue
+        use = [(y[1] - x[1]) / (b[0] - a[0]) / per_s for x, y in zip(a[1], b[1], strict=True)]
+        out["link_use_up_mean"].append(round(statistics.fmean(use), 3))
+        out["link_use_up_min"].append(round(min(use), 3))
+    return out
 
 
 def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int,

@@ -168,6 +168,9 @@ def _summary_plots(data: dict, path: Path) -> list[Path]:
             ax.set_title(f"{op} on {mine[0]['hosts']} emulated hosts, "
                          f"{mine[0]['bandwidth_bps'] / 1e9:g} Gbit/s links")
         made.append(_save(fig, path.with_name(f"{path.stem}-{op}.png")))
+    timed = [r for r in data.get("rows", []) if r.get("link_timeline")]
+    if timed:
+        made.append(_timeline(timed, path.with_name(f"{path.stem}-timeline.png")))
     lat = [e for e in entries if e["size_bytes"] <= small and e["op"] != "allreduce-dynamic"]
     if lat:
         fig, ax = _bars(lat, lambda e: f"{e['op']}\n{_size(e['size_bytes'])}", "median_s", scale=1e3)
@@ -176,6 +179,29 @@ def _summary_plots(data: dict, path: Path) -> list[Path]:
         ax.set_title(f"small collectives on {lat[0]['hosts']} emulated hosts")
         made.append(_save(fig, path.with_name(f"{path.stem}-latency.png")))
     return made
+
+
+def _timeline(rows: list[dict], out: Path) -> Path:
+    """Each host's uplink use over the timed calls of a launch (`--timeline`),
+    one panel per launch: where links idle, the schedule left time on the table."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.0 * len(rows) + 0.6), sharex=True,
+                             squeeze=False)
+    for ax, row in zip(axes[:, 0], rows, strict=True):
+        series = row["link_timeline"]
+        for host in range(row["hosts"]):
+            ax.plot(series["t_s"], [u[host] for u in series["up"]], linewidth=0.7)
+        for start, end in series["calls"]:
+            ax.axvspan(start, end, color="0.92", zorder=0)
+        use = ", ".join(f"{m:.0%}" for m in row.get("link_use_up_mean", []))
+        ax.set_title(f"{row['system']}: {row['op']} {_size(row['size_bytes'])}, "
+                     f"mean uplink use per call {use}", fontsize=9)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("uplink use")
+    axes[-1, 0].set_xlabel(f"seconds (one line per host; shaded: timed calls; "
+                           f"{rows[0]['bandwidth_bps'] / 1e9:g} Gbit/s = 1)")
+    return _save(fig, out)
 
 
 def _bars(entries: list[dict], group, key: str, scale: float | None):

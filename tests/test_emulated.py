@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks.emulated import EmulatedCluster, EmulationUnavailable
-from benchmarks.netbench import hoplite_broadcast
+from benchmarks.netbench import hoplite_broadcast, link_timeline
 
 
 def _namespaces() -> list[str]:
@@ -30,3 +30,25 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
+
+
+def test_link_timeline_reports_each_hosts_use():
+    # two hosts at 1 Gbit/s, sampled every 50 ms: host 0 sends flat out, host 1
+    # at half the rate, and both idle after 1 s; one call from 0.0 s to 1.0 s
+    per_s, every = 1e9 / 8, 0.05
+    samples = [(k * every, [(0, int(per_s * min(k * every, 1.0))),
+                            (0, int(per_s / 2 * min(k * every, 1.0)))]) for k in range(31)]
+    out = link_timeline(samples, 1e9, [0.0], [1.0])
+    assert out["link_use_up_mean"] == [pytest.approx(0.75, abs=0.01)]
+    assert out["link_use_up_min"] == [pytest.approx(0.5, abs=0.01)]
+    series = out["link_timeline"]
+    assert series["calls"] == [[0.0, 1.0]]
+    busy = [u for t, u in zip(series["t_s"], series["up"], strict=True) if t < 0.95]
+    assert busy and all(u == [pytest.approx(1.0, abs=0.02), pytest.approx(0.5, abs=0.02)]
+                        for u in busy)
+    assert all(d == [0.0, 0.0] for d in series["down"])
+
+
+def test_link_timeline_without_samples_is_empty():
+    out = link_timeline([], 1e9, [0.0], [1.0])
+    assert out == {"link_timeline": None, "link_use_up_mean": [], "link_use_up_min": []}

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hoplite_gpu.lifecycle import Closing
+from hoplite_gpu.lifecycle import Closing, stop_process
 
 PY = sys.executable
 
@@ -158,12 +158,7 @@ class LinkSampler:
             self.samples.append((t, [tuple(c) for c in counters]))
 
     def __exit__(self, *exc: object) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(5)
+        stop_process(self._proc, grace=5)
         self._thread.join(5)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from .auth import new_token
 from .errors import HopliteError, Timeout
-from .lifecycle import Closing
+from .lifecycle import Closing, stop_process
 
 _ADDRESS = re.compile(r"listening on (\S+)")
 
@@ -102,15 +102,7 @@ class LocalCluster(Closing):
     def _stop_directory(self, kill: bool = False) -> None:
         if self._directory is None:
             return
-        if kill:
-            self._directory.kill()
-        else:
-            self._directory.terminate()
-        try:
-            self._directory.wait(10)
-        except subprocess.TimeoutExpired:
-            self._directory.kill()
-            self._directory.wait(5)
+        stop_process(self._directory, kill=kill)
         if self._directory.stdout:
             self._directory.stdout.close()
         self._directory = None

@@ -1,8 +1,24 @@
-"""A context manager that sets something up on entry and always tears it down."""
+"""A context manager that sets something up on entry and always tears it down,
+and the way a child process is stopped."""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Self
+
+
+def stop_process(proc: subprocess.Popen, *, kill: bool = False, grace: float = 10.0) -> None:
+    """Stop `proc` (SIGTERM, or SIGKILL with `kill`) and reap it; one that does
+    not exit within `grace` seconds is killed."""
+    if kill:
+        proc.kill()
+    else:
+        proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 class Closing:

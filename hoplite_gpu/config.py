@@ -78,8 +78,8 @@ class Config:
     log_level: str = "WARNING"
     #: "auto" slices a large allreduce of NumPy arrays into one piece per rank
     #: (a ring's traffic, 2(N-1)/N of the object per link instead of 2x); "off"
-    #: (the default) reduces whole objects, which measured faster on the CPU-bound
-    #: emulated cluster (docs/cost-model.md, "Sliced allreduce").
+    #: (the default) reduces whole objects, which measured as fast or faster on
+    #: the 8-host emulated cluster (docs/cost-model.md, "Sliced allreduce").
     allreduce_slicing: str = "off"
     #: Pull from nodes on the same host (the same network namespace) through
     #: shared memory: the sender's buffer is mapped and copied, not sent

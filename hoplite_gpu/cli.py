@@ -1,4 +1,4 @@
-"""The ``hoplite-gpu`` command line: directory, demo, info."""
+"""The ``hoplite-gpu`` command line: directory, demo, calibrate, simulate, info."""
 
 from __future__ import annotations
 

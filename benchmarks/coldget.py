@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from hoplite_gpu.lifecycle import stop_process
+
 WAYS = ("get", "link", "bare")
 
 
@@ -138,8 +140,9 @@ def run(args: argparse.Namespace, console) -> dict:
         if putter is not None:
             putter.stdin.close()
             putter.wait(10)
-        directory.terminate()
-        directory.wait(10)
+            putter.stdout.close()
+        stop_process(directory)
+        directory.stdout.close()
     table = Table(title="one 1 KiB get: the caller's thread CPU per call, median (wall)")
     for col in ("calls", *WAYS, "get / bare", "directory CPU per locate"):
         table.add_column(col, justify="right")

@@ -160,6 +160,7 @@ class LinkSampler:
     def __exit__(self, *exc: object) -> None:
         stop_process(self._proc, grace=5)
         self._thread.join(5)
+        self._proc.stdout.close()
 
 
 _LINK_SAMPLER = """

@@ -23,7 +23,12 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
         with cluster:
             link = cluster.measure_link(8 << 20)
             assert 100e6 < link < 260e6, f"shaping not in effect: {link / 1e6:.0f} Mbit/s"
-            row = hoplite_broadcast(cluster, 4 << 20, "smoke")
+            with cluster.link_sampler(0.01) as links:
+                row = hoplite_broadcast(cluster, 4 << 20, "smoke")
+            # the sampler saw the bytes leave the root's host (rank 0, host 0)
+            assert len(links.samples) >= 2
+            (t_a, first), (t_b, last) = links.samples[0], links.samples[-1]
+            assert t_b > t_a and last[0][1] - first[0][1] >= 4 << 20
             # 4 MiB at 200 Mbit/s is 0.17 s: far slower than loopback, so the bytes
             # really crossed the shaped veths, and a pipelined chain stays near S/B
             assert 1.0 < row["ratio_to_bound"] < 4.0, row

@@ -157,7 +157,8 @@ def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.
     from .netbench import dynamic_allreduce, run_launch
 
     if op == "allreduce-dynamic":
-        return dynamic_allreduce(cluster, size, args.gap, system, tag, steady=args.steady)
+        return dynamic_allreduce(cluster, size, args.gap, system, tag, steady=args.steady,
+                                 timeline=args.timeline)
     if size <= args.latency_max:
         bound = lower_bound(op, size, args.hosts, args.gbit * 1e9)
         period = max(args.period, 12 * bound)
@@ -268,7 +269,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--retries", type=int, default=1,
                    help="relaunches of a launch that failed (its error is kept in the row)")
     e.add_argument("--timeline", action="store_true",
-                   help="large sizes: sample every link's byte counters every 20 ms during the "
+                   help="large sizes and allreduce-dynamic: sample every link's byte counters "
+                        "every 20 ms during the "
                         "launch and save each host's uplink and downlink use over the timed "
                         "calls (row fields link_timeline, link_use_up_mean, link_use_up_min; "
                         "plotted by 'plot')")

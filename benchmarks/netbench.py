@@ -198,8 +198,9 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
                                               warmup=warmup, period=period, ready=ready, sync=sync)
     row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
     if links is not None:
+        # (with staggered inputs the last rank's start is when the last input was ready)
         row.update(link_timeline(links.samples, c.bandwidth_bps, row["start_min"],
-                                 row["end_max"]))
+                                 row["end_max"], marks=row["start_max"] if ready else None))
     moved = [[a - b for a, b in zip(x, y, strict=True)] for x, y in zip(after, before, strict=True)]
     down = sum(m[0] for m in moved)
     floor = link_volume(op, c.hosts, size) * (iters + warmup)
@@ -215,12 +216,14 @@ def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str,
 
 
 def link_timeline(samples: list[tuple[float, list[tuple[int, int]]]], bps: float,
-                  starts: list[float], ends: list[float], step: float = 0.05) -> dict:
+                  starts: list[float], ends: list[float], step: float = 0.05,
+                  marks: list[float] | None = None) -> dict:
     """Each host's uplink and downlink use (bytes moved / what `bps` allows)
     from the first timed call's start to the last one's end, in steps of about
     `step` seconds (`link_timeline`), and per timed call the hosts' mean and
     least uplink use (`link_use_up_mean`, `link_use_up_min`): a schedule that
-    keeps every uplink busy to the end has both near 1."""
+    keeps every uplink busy to the end has both near 1. `marks`: moments to
+    show in the timeline (the last input's readiness, with staggered inputs)."""
     per_s = bps / 8
     t_a, t_b = min(starts), max(ends)
     pts = [p for p in samples if t_a - step <= p[0] <= t_b + step]
@@ -229,7 +232,8 @@ def link_timeline(samples: list[tuple[float, list[tuple[int, int]]]], bps: float
         return out
     series = {"t0": t_a, "step_s": step, "t_s": [], "up": [], "down": [],
               "calls": [[round(a - t_a, 4), round(b - t_a, 4)]
-                        for a, b in zip(starts, ends, strict=True)]}
+                        for a, b in zip(starts, ends, strict=True)],
+              "marks": [round(m - t_a, 4) for m in marks or []]}
     prev = pts[0]
     for p in pts[1:]:
         dt = p[0] - prev[0]
@@ -321,7 +325,7 @@ def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | Non
 
 
 def dynamic_allreduce(c: EmulatedCluster, size: int, gap: float, system: str, tag: str,
-                      steady: int = 0) -> dict:
+                      steady: int = 0, timeline: bool = False) -> dict:
     """Inputs become ready one every `gap` seconds, as tasks finish; the time that
     matters is from the last input's readiness to the allreduce's end everywhere.
     Each rank's start is when it called the allreduce: measured, not assumed.
@@ -329,9 +333,9 @@ def dynamic_allreduce(c: EmulatedCluster, size: int, gap: float, system: str, ta
     ready = [gap * i for i in range(c.hosts)]
     if steady:
         row = run_launch(c, system, "allreduce", size, tag=tag, ready=ready, iters=steady,
-                         warmup=1, sync=True)
+                         warmup=1, sync=True, timeline=timeline)
     else:
-        row = run_launch(c, system, "allreduce", size, tag=tag, ready=ready)
+        row = run_launch(c, system, "allreduce", size, tag=tag, ready=ready, timeline=timeline)
     after = [e - s for e, s in zip(row["end_max"], row["start_max"], strict=True)]
     row["seconds_after_last_ready"] = statistics.median(after)
     bound = lower_bound("allreduce-dynamic", size, c.hosts, c.bandwidth_bps)

@@ -194,12 +194,15 @@ def _timeline(rows: list[dict], out: Path) -> Path:
             ax.plot(series["t_s"], [u[host] for u in series["up"]], linewidth=0.7)
         for start, end in series["calls"]:
             ax.axvspan(start, end, color="0.92", zorder=0)
+        for mark in series.get("marks", []):  # the last input ready (staggered inputs)
+            ax.axvline(mark, color="black", linewidth=0.8, linestyle=":")
         use = ", ".join(f"{m:.0%}" for m in row.get("link_use_up_mean", []))
         ax.set_title(f"{row['system']}: {row['op']} {_size(row['size_bytes'])}, "
                      f"mean uplink use per call {use}", fontsize=9)
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("uplink use")
-    axes[-1, 0].set_xlabel(f"seconds (one line per host; shaded: timed calls; "
+    axes[-1, 0].set_xlabel(f"seconds (one line per host; shaded: timed calls; dotted: last "
+                           f"input ready; "
                            f"{rows[0]['bandwidth_bps'] / 1e9:g} Gbit/s = 1)")
     return _save(fig, out)
 

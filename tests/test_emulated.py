@@ -43,7 +43,8 @@ def test_link_timeline_reports_each_hosts_use():
     per_s, every = 1e9 / 8, 0.05
     samples = [(k * every, [(0, int(per_s * min(k * every, 1.0))),
                             (0, int(per_s / 2 * min(k * every, 1.0)))]) for k in range(31)]
-    out = link_timeline(samples, 1e9, [0.0], [1.0])
+    out = link_timeline(samples, 1e9, [0.0], [1.0], marks=[0.5])
+    assert out["link_timeline"]["marks"] == [0.5]
     assert out["link_use_up_mean"] == [pytest.approx(0.75, abs=0.01)]
     assert out["link_use_up_min"] == [pytest.approx(0.5, abs=0.01)]
     series = out["link_timeline"]

@@ -31,13 +31,9 @@ import time
 
 from hoplite_gpu.lifecycle import stop_process
 
+from .latency import _proc_cpu_s
+
 WAYS = ("get", "link", "bare")
-
-
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _putter(address: str, count: int) -> None:
@@ -130,7 +126,8 @@ def run(args: argparse.Namespace, console) -> dict:
             first += len(WAYS) * calls + 1
             res = json.loads(out.stdout.strip().splitlines()[-1])
             row = {"sleep_s": sleep, "calls": calls,
-                   "directory_cpu_s_per_locate": (d1 - d0) / (calls * len(WAYS) + 1)}
+                   "directory_cpu_s_per_locate": None if d0 is None or d1 is None
+                   else (d1 - d0) / (calls * len(WAYS) + 1)}
             for w in WAYS:
                 row[f"{w}_cpu_median_s"] = statistics.median(res["cpu_s"][w])
                 row[f"{w}_wall_median_s"] = statistics.median(res["wall_s"][w])
@@ -151,7 +148,8 @@ def run(args: argparse.Namespace, console) -> dict:
                       *(f"{r[f'{w}_cpu_median_s'] * 1e6:.0f} us ({r[f'{w}_wall_median_s'] * 1e6:.0f})"
                         for w in WAYS),
                       f"{r['get_cpu_median_s'] / r['bare_cpu_median_s']:.2f}",
-                      f"{r['directory_cpu_s_per_locate'] * 1e6:.0f} us")
+                      "-" if r["directory_cpu_s_per_locate"] is None
+                      else f"{r['directory_cpu_s_per_locate'] * 1e6:.0f} us")
     console.print(table)
     return {"benchmark": "coldget", "rows": rows}
 

@@ -199,7 +199,8 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
         out = direct.reduce(rt.node.reduce_msg(*args), value, mine,
                             "get" if fetch else "wait" if wait else None, limit)
         if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
-            return rt.call(rt.node.get(target, api.time_left(deadline)), api.time_left(deadline))
+            left = api.time_left(deadline)
+            return rt.call(rt.node.get(target, left), left)
         if out is not MISS:
             return out
     lend = fetch or wait

@@ -245,14 +245,8 @@ class DirectCalls:
         the directory has started this node on, or uses the node's copy."""
         if not self._usable() or self._node.store.get(oid) is not None:
             return MISS
-        replies = self._ask([_locate(oid)], timeout, lambda: _not_available([oid], timeout))
-        if replies is MISS:
-            return MISS
-        value = self._value(raise_for_error(replies[0]), array_type)
-        if value is PULL:
-            return MISS
-        self._count(gets=1)
-        return value
+        values = self.get_all([oid], timeout, array_type)
+        return MISS if values is MISS or values[0] is PULL else values[0]
 
     def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
         """The values of `oids`, asked for at once: a list of the values (PULL

@@ -270,9 +270,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="relaunches of a launch that failed (its error is kept in the row)")
     e.add_argument("--timeline", action="store_true",
                    help="large sizes and allreduce-dynamic: sample every link's byte counters "
-                        "every 20 ms during the "
-                        "launch and save each host's uplink and downlink use over the timed "
-                        "calls (row fields link_timeline, link_use_up_mean, link_use_up_min; "
-                        "plotted by 'plot')")
+                        "every 20 ms during the launch and save each host's uplink and "
+                        "downlink use over the timed calls (row fields link_timeline, "
+                        "link_use_up_mean, link_use_up_min; plotted by 'plot')")
     e.add_argument("--tag", default=None,
                    help="results file name stem (default: the benchmark name)")

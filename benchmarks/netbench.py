@@ -240,9 +240,9 @@ def link_timeline(samples: list[tuple[float, list[tuple[int, int]]]], bps: float
         if dt < step and p is not pts[-1]:
             continue
         series["t_s"].append(round((prev[0] + p[0]) / 2 - t_a, 4))
-        series["up"].append([round((b[1] - a[1]) / dt / per_s, 3) for a, b in zip(prev[1], p[1], strict=True)])
-        series["down"].append([round((b[0] - a[0]) / dt / per_s, 3)
-                               for a, b in zip(prev[1], p[1], strict=True)])
+        for key, side in (("down", 0), ("up", 1)):
+            series[key].append([round((b[side] - a[side]) / dt / per_s, 3)
+                                for a, b in zip(prev[1], p[1], strict=True)])
         prev = p
     out["link_timeline"] = series
     for start, end in zip(starts, ends, strict=True):

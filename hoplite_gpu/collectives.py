@@ -20,6 +20,7 @@ from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
+from .node.pool import host_buffer
 
 
 def input_id(name: str, rank: int) -> ObjectID:
@@ -126,8 +127,10 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
        places each chain's inputs in the order the request lists them.
     3. Slice j's chain is rank j+1, j+2, ..., j-1, ending at rank j: every rank
        starts at the leaf of one chain, at once, and sits one step further in
-       each of the others, as in a ring; its result's holder serves size-1
-       receivers at once, so rank j sends slice j to every rank straight away.
+       each of the others, as in a ring. Its result is relayed on from rank j
+       to j+1, j+2, ..., j-1 (the request's `relay`), so every slice, reduced
+       or finished, travels from rank r to rank r+1 only, a ring's
+       allgather pipelined with its reduce-scatter.
     4. Every rank gets every slice's result, each pulled (or, its own slice,
        reduced) straight into its part of the output array, which is
        returned read-only, as `get` returns a view of the node's copy: the
@@ -139,7 +142,9 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
     api._reduce_args(inputs[0], op, None, results[0])  # a bad op: refused before any put
-    out = np.empty_like(value)
+    # Plain pages, as the store's own buffers (node/pool.py): np.empty asks for
+    # transparent huge pages, whose first touch was several times slower here.
+    out = host_buffer(value.nbytes, rt.node.store.pool.shared).view(value.dtype).reshape(value.shape)
     parts = out.reshape(-1)
     targets = [parts[edges[j]:edges[j + 1]] for j in range(size)]
     # The barrier's marker says what this rank passed: ranks whose arrays
@@ -163,7 +168,7 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
                         + "; every rank must pass the same dtype and shape")
                 await asyncio.gather(*[
                     node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
-                                results[j], inputs[j][j], fanout=size - 1)
+                                results[j], inputs[j][j], relay=True)
                     for j in range(size)])
                 return await asyncio.gather(*[node.get(oid, limit) for oid in results])
         except TimeoutError as exc:

@@ -117,7 +117,7 @@ def allreduce_worker(name: str, rank: int, size: int, n: int, delay: float, op: 
 
 def sliced_allreduce_worker(name: str, rank: int, size: int, n: int):
     """An allreduce large enough to be sliced; reports the result's checksum, this
-    node, and for every slice its result's origins and the nodes that sent it."""
+    node, and for every slice its result's origins and its (receiver, sender) edges."""
     from hoplite_gpu import collectives
 
     value = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
@@ -127,7 +127,7 @@ def sliced_allreduce_worker(name: str, rank: int, size: int, n: int):
     for oid in results:
         info = hg.object_info(oid)
         slices.append(([h["node"] for h in info["holders"] if h["origin"]],
-                       sorted({sender for _, sender in info["edges"]})))
+                       sorted({tuple(e) for e in info["edges"]})))
     # every slice landed in the returned array itself: no copy, no second buffer
     in_place = all(np.may_share_memory(out, hg.get(oid, timeout=10)) for oid in results)
     return (zlib.crc32(np.ascontiguousarray(out)), node_id(), slices, out.shape,

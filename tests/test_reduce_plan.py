@@ -348,6 +348,71 @@ def test_a_reduce_results_fanout_lets_its_root_serve_every_receiver_at_once():
     assert senders[oid(101)] == {"n1", "n4", "n5", "n6", "n7"}
 
 
+def relayed(d, asked):
+    """Ask a relayed reduce of oid(0..3) on n1..n4, listed 2, 3, 0, rooted at 1
+    (a sliced allreduce's slice 1), then locate its result from the nodes
+    `asked`, in that order; returns {receiver: sender}."""
+    for i in range(4):
+        put_complete(d, f"n{i + 1}", oid(i))
+    listed = (oid(2), oid(3), oid(0), oid(1))
+    d.handle(s.ReduceRequested("n0", 1, oid(100), listed, "sum", 4, root_input=oid(1), relay=True))
+    for node in asked:
+        d.handle(s.Locate(node, 50, oid(100)))
+    return {r: snd for r, snd in d.objects[oid(100)].edges}
+
+
+def test_a_relayed_result_travels_along_the_listed_inputs_nodes_whoever_asks_first():
+    # Relay order: the root's node n2, then n3, n4, n1 (inputs 2, 3, 0).
+    d = directory(bytes_per_s=1.25e8, max_receivers_per_sender=2)
+    assert relayed(d, ["n1", "n4", "n3"]) == {"n3": "n2", "n4": "n3", "n1": "n4"}
+    assert d.objects[oid(100)].relay == ("n2", "n3", "n4", "n1")
+    assert not d.objects[oid(100)].waiting
+
+
+def test_a_relay_waits_for_the_node_before_then_skips_it_once_it_is_gone():
+    d = directory(bytes_per_s=1.25e8)
+    assert relayed(d, ["n4", "n1"]) == {}  # both wait: n3 has not asked yet
+    d.handle(s.Completed("n2", oid(100)))  # the reduce is done: its inputs may go
+    d.handle(s.NodeLost("n3"))
+    # n4 now pulls from the root, n1 from n4; a receiver outside the relay as configured
+    d.handle(s.Locate("n7", 51, oid(100)))
+    assert dict(d.objects[oid(100)].edges) == {"n4": "n2", "n1": "n4", "n7": "n1"}
+
+
+def test_a_relay_that_failed_a_receiver_is_passed_over():
+    d = directory(bytes_per_s=1.25e8, max_receivers_per_sender=2)
+    assert relayed(d, ["n3", "n4"]) == {"n3": "n2", "n4": "n3"}
+    d.handle(s.TransferFailed("n4", oid(100), "n3", 0))
+    out = d.handle(s.Locate("n4", 52, oid(100)))
+    assert [(r.node, r.body.get("sender")) for r in out if isinstance(r, s.Reply)] == [("n4", "n2")]
+
+
+def test_a_non_bool_relay_is_refused_on_the_wire():
+    from hoplite_gpu.directory.wire import to_event
+    from hoplite_gpu.errors import ProtocolError
+
+    msg = {"op": "reduce", "rid": 1, "target": oid(100), "inputs": [oid(0), oid(1)],
+           "op_name": "sum", "num_objects": 2}
+    assert to_event("n0", {**msg, "relay": True}).relay is True
+    with pytest.raises(ProtocolError, match="relay"):
+        to_event("n0", {**msg, "relay": 1})
+
+
+def test_a_reduce_root_asking_for_its_own_result_waits_for_its_step_instead_of_pulling_it():
+    d = directory(bytes_per_s=1.25e8, max_receivers_per_sender=4)
+    inputs = tuple(oid(i) for i in range(3))
+    for i in range(3):
+        put_complete(d, f"n{i + 1}", oid(i))
+    d.handle(s.ReduceRequested("n0", 1, oid(100), inputs, "sum", 3, root_input=oid(0)))
+    for node in ("n5", "n6"):
+        d.handle(s.Locate(node, 40, oid(100)))
+    d.handle(s.Completed("n6", oid(100)))  # a receiver done first
+    assert d.handle(s.Locate("n1", 41, oid(100))) == []  # the root: no sender, it waits
+    out = d.handle(s.Completed("n1", oid(100)))
+    assert [(r.node, r.body.get("local")) for r in out if isinstance(r, s.Reply)] == [("n1", True)]
+    assert ("n1", "n6") not in d.objects[oid(100)].edges
+
+
 def test_a_negative_fanout_is_refused():
     d = directory()
     out = d.handle(s.ReduceRequested("n0", 1, oid(100), (oid(0), oid(1)), "sum", 2, fanout=-1))

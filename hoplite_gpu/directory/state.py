@@ -180,6 +180,13 @@ class ReduceRequested:
     #: setting). A sliced allreduce asks for N-1, so each slice's root sends it
     #: straight to every rank and every uplink carries the same share.
     fanout: int = 0
+    #: Relay the result along the inputs' nodes in the listed order: the
+    #: result's holder serves the node of the first input, that node the next
+    #: one's, and so on (while each is alive). A sliced allreduce lists slice
+    #: j's inputs from rank j+1 around to rank j, so every slice's result
+    #: travels on the same links as its reduce chain, rank r to rank r+1, as a
+    #: ring's allgather does.
+    relay: bool = False
 
 
 @dataclass(frozen=True)
@@ -335,6 +342,8 @@ class Entry:
     edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
     #: receivers one holder may serve at once; 0: the directory's setting
     fanout: int = 0
+    #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
+    relay: tuple[NodeId, ...] = ()
 
 
 @dataclass
@@ -355,6 +364,8 @@ class ReduceTask:
     root_input: Key | None = None
     #: the result's fanout (see ReduceRequested.fanout)
     fanout: int = 0
+    #: relay the result in the inputs' order (see ReduceRequested.relay)
+    relay: bool = False
     inline_data: list[bytes] = field(default_factory=list)
     backups: list[Key] = field(default_factory=list)
     started: set[int] = field(default_factory=set)
@@ -654,7 +665,7 @@ class Directory:
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
         task.root_input = ev.root_input if ev.root_input in ev.inputs else None
-        task.fanout = ev.fanout
+        task.fanout, task.relay = ev.fanout, ev.relay
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
@@ -851,6 +862,10 @@ class Directory:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
         entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None,
                                                   fanout=task.fanout)
+        if task.relay:
+            hosts = dict(task.slots)
+            order = [node] + [hosts[i] for i in task.inputs if i in hosts]
+            entry.relay = tuple(dict.fromkeys(order))  # each node once, the root first
         entry.holders[node] = Holder(origin=True)
         entry.waiting.extend(self.pending.pop(task.target, deque()))
         self._serve_waiting(task.target, entry, out)
@@ -984,6 +999,19 @@ class Directory:
     def _best_sender(self, entry: Entry, receiver: NodeId, avoid_failed: bool) -> NodeId | None:
         mine = entry.holders.get(receiver)
         have = mine.nbytes if mine else 0
+        if receiver in entry.relay[1:]:
+            before = entry.relay[entry.relay.index(receiver) - 1]
+            if before in self.nodes and not (avoid_failed and mine is not None
+                                             and before in mine.failed_from):
+                # The node before this one in the relay serves it, and only it:
+                # wait until that node holds (or pulls) the result, as it will.
+                holder = entry.holders.get(before)
+                if (holder is None or not (holder.complete or self._can_complete(entry, before))
+                        or self._depends_on(entry, before, receiver)):
+                    return None
+                if holder.complete or holder.origin or holder.nbytes >= have:
+                    return before
+            # that node is gone, failed us, or is behind us: any other holder
         best: tuple[bool, int] | None = None
         choice: NodeId | None = None
         fanout = self._fanout(entry)
@@ -1040,6 +1068,10 @@ class Directory:
             return {**base, "inline": entry.inline}
         if mine is not None and mine.complete:
             return {**base, "local": True}
+        if mine is not None and mine.origin and "reduce_tag" in base:
+            # The reduce's root step runs on this node and makes the result
+            # here: pulling it as well would only move its bytes twice.
+            return None
         if entry.size == 0:
             entry.holders[receiver] = Holder(complete=True)
             return {**base, "local": True}

@@ -56,9 +56,12 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         fanout = msg.get("fanout", 0)
         if isinstance(fanout, bool) or not isinstance(fanout, int):
             raise ProtocolError("reduce fanout must be an int")
+        relay = msg.get("relay", False)
+        if not isinstance(relay, bool):
+            raise ProtocolError("reduce relay must be a bool")
         return state.ReduceRequested(node, field(msg, "rid", int), field(msg, "target", bytes),
                                      tuple(inputs), field(msg, "op_name", str),
-                                     field(msg, "num_objects", int), root_input, fanout)
+                                     field(msg, "num_objects", int), root_input, fanout, relay)
     if op == "reduce_failed":
         return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
     if op == "step_lost":

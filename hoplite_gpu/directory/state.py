@@ -177,8 +177,7 @@ class ReduceRequested:
     #: that will get the result, so it need not pull it from elsewhere.
     root_input: Key | None = None
     #: Receivers the result's holders may serve at once (0: the directory's
-    #: setting). A sliced allreduce asks for N-1, so each slice's root sends it
-    #: straight to every rank and every uplink carries the same share.
+    #: setting); N-1 lets the result's root send it straight to every rank.
     fanout: int = 0
     #: Relay the result along the inputs' nodes in the listed order: the
     #: result's holder serves the node of the first input, that node the next

@@ -1059,7 +1059,8 @@ class Directory:
     def _assign(self, oid: Key, entry: Entry, receiver: NodeId) -> dict[str, Any] | None:
         base = {"size": entry.size, "layout": entry.layout}
         task = self.reduces.get(oid)
-        if task is not None and not (task.done or task.failed or task.inline):
+        reducing = task is not None and not (task.done or task.failed or task.inline)
+        if reducing:
             base["reduce_tag"] = task.tag  # confirm the copy before handing it out
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
@@ -1067,7 +1068,7 @@ class Directory:
             return {**base, "inline": entry.inline}
         if mine is not None and mine.complete:
             return {**base, "local": True}
-        if mine is not None and mine.origin and "reduce_tag" in base:
+        if mine is not None and mine.origin and reducing:
             # The reduce's root step runs on this node and makes the result
             # here: pulling it as well would only move its bytes twice.
             return None

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input, plain_empty
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input, page_faults, plain_empty
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     t = torch.tensor([time.time() + 0.3], dtype=torch.float64)
     dist.broadcast(t, src=0)
     t0 = float(t[0])
-    starts, ends = [], []
+    starts, ends, faults = [], [], []
     cpu0 = cpu_seconds()
     for k in range(args.warmup + args.iters):
         if args.op in ("reduce", "allreduce") or (args.op == "broadcast" and rank == 0):
@@ -57,6 +57,7 @@ def main() -> None:
         delay = t0 + k * args.period + args.ready_after - time.time()
         if delay > 0:
             time.sleep(delay)
+        faults0 = page_faults()
         start = time.time()
         if args.op == "broadcast":
             dist.broadcast(work, src=0)
@@ -72,12 +73,13 @@ def main() -> None:
         if k >= args.warmup:
             starts.append(start)
             ends.append(end)
+            faults.append(page_faults() - faults0)
     cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
     out = [q.numpy() for q in pieces] if pieces is not None else work.numpy()
     ok, crc = check(args.op, world, out, args.size, rank)
     reports = [None] * world
-    dist.gather_object({"rank": rank, "t0": t0, "starts": starts, "ends": ends, "ok": ok, "crc": crc,
-                        "host": eth0_address(), "cpu_s": cpu_s},
+    dist.gather_object({"rank": rank, "t0": t0, "starts": starts, "ends": ends, "faults": faults,
+                        "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s},
                        reports if rank == 0 else None, dst=0)
     if rank == 0:
         print(json.dumps({"ranks": reports}), flush=True)

@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input, plain_empty
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input, page_faults, plain_empty
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
         out = plain_empty((world, n))
     comm.Barrier()
     t0 = comm.bcast(time.time() + 0.3 if rank == 0 else None, root=0)
-    starts, ends = [], []
+    starts, ends, faults = [], [], []
     cpu0 = cpu_seconds()
     for k in range(args.warmup + args.iters):
         if args.sync:
@@ -49,6 +49,7 @@ def main() -> None:
         delay = t0 + k * args.period + ready[rank] - time.time()
         if delay > 0:
             time.sleep(delay)
+        faults0 = page_faults()
         start = time.time()
         if op == "broadcast":
             comm.Bcast(x, root=0)
@@ -64,10 +65,11 @@ def main() -> None:
         if k >= args.warmup:
             starts.append(start)
             ends.append(end)
+            faults.append(page_faults() - faults0)
     cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
     ok, crc = check(op, world, x if op == "broadcast" else out, args.size, rank)
-    report = {"rank": rank, "t0": t0, "starts": starts, "ends": ends, "ok": ok, "crc": crc,
-              "host": eth0_address(), "cpu_s": cpu_s}
+    report = {"rank": rank, "t0": t0, "starts": starts, "ends": ends, "faults": faults,
+              "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s}
     reports = comm.gather(report, root=0)
     if rank == 0:
         print(json.dumps({"ranks": reports, "library": MPI.Get_library_version().strip()}), flush=True)

@@ -304,6 +304,9 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
             "cpu_s_ranks": [r.get("cpu_s") for r in ranks],
             "cpu_s_per_call": (sum(r["cpu_s"] for r in ranks) / (iters + warmup)
                                if all(r.get("cpu_s") is not None for r in ranks) else None),
+            # page faults of all ranks together in each timed call (fresh memory touched)
+            "page_faults": ([sum(r["faults"][k] for r in ranks) for k in range(iters)]
+                            if all(len(r.get("faults", ())) == iters for r in ranks) else None),
             "bandwidth_bps": c.bandwidth_bps, "iters": iters, "warmup": warmup, "period_s": period,
             "late_calls": late, "samples_s": samples, "seconds": seconds, "lower_bound_s": bound,
             "ratio_to_bound": seconds / bound, "check": "exact", "crc": crcs.pop(),

@@ -19,7 +19,7 @@ import time
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
 
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input
+from .payload import OPS, check, cpu_seconds, eth0_address, make_input, page_faults
 
 
 def main() -> int:
@@ -65,7 +65,7 @@ def main() -> int:
             fn = functools.partial(fn, wait=True)
         print(json.dumps({"ready": True}), flush=True)
         t0 = json.loads(sys.stdin.readline())["t0"]
-        starts, ends, out = [], [], None
+        starts, ends, faults, out = [], [], [], None
         cpu0 = cpu_seconds()
         for k in range(args.warmup + args.iters):
             if args.sync:
@@ -74,15 +74,17 @@ def main() -> int:
             delay = t0 + k * args.period + args.ready_after - time.time()
             if delay > 0:
                 time.sleep(delay)
+            faults0 = page_faults()
             start = time.time()
             out = fn(value, name=f"{args.name}/{k}", rank=args.rank, size=args.world, timeout=600)
             end = time.time()
             if k >= args.warmup:
                 starts.append(start)
                 ends.append(end)
+                faults.append(page_faults() - faults0)
         cpu_s = cpu_seconds() - cpu0  # every call, warm-up included
         ok, crc = check(args.op, args.world, out, args.size, args.rank)
-        print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends,
+        print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends, "faults": faults,
                           "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s,
                           "init_retries": init_retries,
                           "pool_hits": hg.api.runtime().node.store.pool.hits}), flush=True)

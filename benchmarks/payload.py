@@ -126,6 +126,15 @@ def eth0_address() -> str:
     return out[out.index("inet") + 1].split("/")[0] if "inet" in out else ""
 
 
+def page_faults() -> int:
+    """Page faults (minor and major) of this process so far: first touches of
+    fresh memory, which cost the kernel a zeroed page each."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt + ru.ru_majflt
+
+
 def cpu_seconds() -> float:
     """User + system CPU time of this process, every thread included."""
     import resource

@@ -174,7 +174,9 @@ def node_stats() -> dict[str, Any]:
     here?); `kept_mappings` (objects kept as read-only mappings of a
     same-host sender's copy), `copied_from_mappings` and
     `bytes_copied_from_mappings` (pulls copied out of a same-host sender's
-    mapping); `pool_hits` and `pooled_bytes` (buffer reuse); `failovers`
+    mapping); `pool_hits` and `pooled_bytes` (buffer reuse; `pool_reclaimed`:
+    of the hits, result arrays handed to the caller and taken back once it
+    dropped them, as a sliced allreduce's); `failovers`
     (recent pulls that resumed at another sender, the last 1000 at most);
     `direct_puts` and `direct_gets` (blocking calls of small objects made on
     the caller's thread, `hoplite_gpu.direct`)."""

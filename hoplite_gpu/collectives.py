@@ -20,7 +20,6 @@ from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
-from .node.pool import host_buffer
 
 
 def input_id(name: str, rank: int) -> ObjectID:
@@ -142,17 +141,22 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
     api._reduce_args(inputs[0], op, None, results[0])  # a bad op: refused before any put
-    # Plain pages, as the store's own buffers (node/pool.py): np.empty asks for
-    # transparent huge pages, whose first touch was several times slower here.
-    out = host_buffer(value.nbytes, rt.node.store.pool.shared).view(value.dtype).reshape(value.shape)
-    parts = out.reshape(-1)
-    targets = [parts[edges[j]:edges[j + 1]] for j in range(size)]
     # The barrier's marker says what this rank passed: ranks whose arrays
     # differ fail at once, as a whole-object reduce does, instead of reducing
     # slices that do not line up.
     shape = f"{value.dtype.str} {value.shape}".encode()
+    out: list[np.ndarray] = []
 
     async def run(node: Any) -> list[Any]:
+        # The output is one of the store pool's buffers (plain pages, already
+        # touched when reused: a fresh 256 MiB cost each rank about 0.1 s of
+        # page faults per call here), lent to the caller: the pool takes it
+        # back once the caller and the store have dropped every view of it.
+        buffer = node.store.pool.acquire(value.nbytes)
+        node.store.pool.lend(buffer)
+        out.append(buffer.view(value.dtype).reshape(value.shape))
+        parts = out[0].reshape(-1)
+        targets.extend(parts[edges[j]:edges[j + 1]] for j in range(size))
         prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
         try:
             async with asyncio.timeout(limit):
@@ -179,12 +183,14 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
             for oid in prepared:
                 node.unreceived(oid)  # only those that did not complete
 
+    targets: list[np.ndarray] = []
     got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
     for target, part in zip(targets, got, strict=True):
         if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
             target[...] = part
-    out.flags.writeable = False
-    return out
+    result = out[0]
+    result.flags.writeable = False
+    return result
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,

@@ -176,6 +176,27 @@ def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict
     return {"sums": sums, "pool_hits": api.runtime().node.store.pool.hits, "gone": gone}
 
 
+def sliced_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict:
+    """`allreduce_steps` with the first step's result kept all along: later
+    steps may reuse the buffers of results dropped, never of that one."""
+    from hoplite_gpu import collectives
+
+    first, sums = None, []
+    for k in range(steps):
+        collectives.allgather(np.zeros(1), name=f"{name}/sync/{k}", rank=rank, size=size)
+        if rank == 0 and k:
+            collectives.delete(f"{name}/{k - 1}", size=size)
+        value = np.full(n, rank + k, dtype=np.float32)
+        out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
+        sums.append(float(out[-1]))
+        if first is None:
+            first = out[1:]  # a view, as a user's would be
+        del out
+    collectives.allgather(np.zeros(1), name=f"{name}/sync/end", rank=rank, size=size)
+    return {"sums": sums, "first": np.unique(first).tolist(),
+            "reclaimed": hg.node_stats()["pool_reclaimed"]}
+
+
 def collective_worker(kind: str, name: str, rank: int, size: int):
     from hoplite_gpu import collectives
 

@@ -312,7 +312,8 @@ def test_config_names_the_allreduce_slicing_choices(monkeypatch):
 def test_node_stats_counts_what_this_node_holds(local):
     before = hg.node_stats()
     assert set(before) == {"objects", "shared_memory", "kept_mappings", "copied_from_mappings",
-                           "bytes_copied_from_mappings", "pool_hits", "pooled_bytes", "failovers",
+                           "bytes_copied_from_mappings", "pool_hits", "pooled_bytes",
+                           "pool_reclaimed", "failovers",
                            "direct_puts", "direct_gets"}
     oid = hg.put(np.zeros(2 << 20, dtype=np.uint8))
     assert hg.node_stats()["objects"] == before["objects"] + 1

@@ -86,6 +86,37 @@ def test_large_buffers_are_plain_maps_and_views_of_them_block_reuse():
     assert pool.release(buf) and pool.acquire(2 * MiB) is buf
 
 
+def test_lent_buffers_come_back_once_nobody_refers_to_them():
+    pool = BufferPool(8 * MiB)
+    buf = pool.acquire(2 * MiB)
+    pool.lend(buf)
+    result = buf.view(np.float32).reshape(4, -1)  # what a caller gets
+    del buf
+    part = result[1:]
+    del result
+    assert pool.acquire(2 * MiB) is not part.base, "reused under a live view"
+    first = id(part.base)
+    del part
+    assert id(pool.acquire(2 * MiB)) == first  # dropped: taken back
+    assert pool.pooled == 0 and pool.hits == 1
+
+
+def test_lent_buffers_make_room_oldest_first():
+    pool = BufferPool(4 * MiB)
+    held = [pool.acquire(2 * MiB) for _ in range(3)]
+    for i in range(3):
+        pool.lend(held[i])  # the third forgets the first: the budget holds two
+    assert pool.pooled == 4 * MiB
+    assert pool.release(pool.acquire(2 * MiB))  # room made for a free one: the second goes
+    assert pool.pooled == 4 * MiB and pool.hits == 0
+    third = id(held[2])
+    del held
+    assert id(pool.acquire(2 * MiB)) != third  # the free one first
+    assert id(pool.acquire(2 * MiB)) == third and pool.hits == 2
+    pool.lend(np.empty(4 * MiB, dtype=np.uint8)[:2 * MiB])  # not a buffer of its own: ignored
+    assert pool.pooled == 0
+
+
 def test_pool_respects_its_budget():
     pool = BufferPool(3 * MiB)
     a, b = pool.acquire(2 * MiB), pool.acquire(2 * MiB)

@@ -586,6 +586,7 @@ class Node:
                 "copied_from_mappings": self.pool.local_pulls,
                 "bytes_copied_from_mappings": self.pool.local_bytes,
                 "pool_hits": self.store.pool.hits, "pooled_bytes": self.store.pool.pooled,
+                "pool_reclaimed": self.store.pool.reclaimed,
                 "failovers": len(self.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:

@@ -60,7 +60,11 @@ class BufferPool:
         self.shared = shared
         self.pooled = 0
         self._free: dict[int, list[np.ndarray]] = {}
+        #: buffers handed out for good (`lend`), oldest first
+        self._lent: list[np.ndarray] = []
         self.hits = 0
+        #: of `hits`, lent buffers taken back
+        self.reclaimed = 0
 
     def acquire(self, nbytes: int) -> np.ndarray:
         free = self._free.get(nbytes)
@@ -76,16 +80,50 @@ class BufferPool:
                     self.hits += 1
                     self.pooled -= nbytes
                     return free.pop(i)
+        lent = self._lent
+        for i in range(len(lent) - 1, -1, -1):
+            if lent[i].nbytes != nbytes:
+                continue
+            if shm.abandoned(lent[i]):
+                self.pooled -= lent.pop(i).nbytes
+            # (2: the list's reference and getrefcount's argument, so no view,
+            # memoryview or store object of anyone's is left)
+            elif sys.getrefcount(lent[i]) == 2 and not shm.read_elsewhere(lent[i]):
+                self.hits += 1
+                self.reclaimed += 1
+                self.pooled -= nbytes
+                return lent.pop(i)
         return host_buffer(nbytes, self.shared)
+
+    def lend(self, buffer: np.ndarray) -> None:
+        """Track `buffer`, one of ours handed out for good (an array returned to
+        the caller, whose views we cannot see go): `acquire` takes it back once
+        nothing but the pool refers to it. Lent buffers count against the
+        budget as kept ones do; the oldest is forgotten to make room."""
+        n = buffer.nbytes
+        if n < MIN_POOLED or n > self.budget or not _owns_its_memory(buffer):
+            return
+        self._make_room(n)
+        self._lent.append(buffer)
+        self.pooled += n
+
+    def _make_room(self, nbytes: int) -> None:
+        """Forget lent buffers, oldest first, until `nbytes` more fit the budget
+        (they may be in use for good; their holders keep their memory alive)."""
+        while self._lent and self.pooled + nbytes > self.budget:
+            self.pooled -= self._lent.pop(0).nbytes
 
     def release(self, buffer: np.ndarray) -> bool:
         """Keep `buffer` for reuse if no one else holds it and the budget allows."""
         n = buffer.nbytes
         # getrefcount counts its own argument and our parameter: 2 means nobody
         # else (no user view, no memoryview being sent) refers to the buffer.
-        if n < MIN_POOLED or self.pooled + n > self.budget or sys.getrefcount(buffer) > 3:
+        if n < MIN_POOLED or n > self.budget or sys.getrefcount(buffer) > 3:
             return False
         if not _owns_its_memory(buffer) or not buffer.flags.writeable or shm.abandoned(buffer):
+            return False
+        self._make_room(n)
+        if self.pooled + n > self.budget:
             return False
         # One that another process on this host still reads (`shm`) is kept
         # too, but handed out only once it no longer is (`acquire` checks).
@@ -95,4 +133,5 @@ class BufferPool:
 
     def clear(self) -> None:
         self._free.clear()
+        self._lent.clear()
         self.pooled = 0

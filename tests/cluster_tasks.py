@@ -149,20 +149,25 @@ def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: flo
     return float(out[:1000].astype(np.float64).sum()), origins, node_id()
 
 
-def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict:
+def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int,
+                    keep_first: bool = False) -> dict:
     """A training loop's allreduces: step k deletes step k-1's objects (rank 0,
     after an allgather barrier). Reports sums, the pool's reuse and whether the
-    deleted result is gone."""
+    deleted result is gone; with `keep_first`, the first step's result stays
+    held (a view, as a user's would be) and its values are reported at the end:
+    later steps may reuse buffers of results dropped, never of that one."""
     from hoplite_gpu import api, collectives
 
-    sums = []
+    sums, first = [], None
     for k in range(steps):
         collectives.allgather(np.zeros(1), name=f"{name}/sync/{k}", rank=rank, size=size)
         if rank == 0 and k:
             collectives.delete(f"{name}/{k - 1}", size=size)
         value = np.full(n, rank + k, dtype=np.float32)
         out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
-        sums.append(float(out[0]))
+        sums.append(float(out[-1]))
+        if keep_first and first is None:
+            first = out[1:]
         del out  # a user view would keep the buffer out of the pool
     collectives.allgather(np.zeros(1), name=f"{name}/sync/end", rank=rank, size=size)
     gone = None
@@ -173,27 +178,8 @@ def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict
             gone = False
         except hg.ObjectNotFound:
             gone = True
-    return {"sums": sums, "pool_hits": api.runtime().node.store.pool.hits, "gone": gone}
-
-
-def sliced_steps(name: str, rank: int, size: int, n: int, steps: int) -> dict:
-    """`allreduce_steps` with the first step's result kept all along: later
-    steps may reuse the buffers of results dropped, never of that one."""
-    from hoplite_gpu import collectives
-
-    first, sums = None, []
-    for k in range(steps):
-        collectives.allgather(np.zeros(1), name=f"{name}/sync/{k}", rank=rank, size=size)
-        if rank == 0 and k:
-            collectives.delete(f"{name}/{k - 1}", size=size)
-        value = np.full(n, rank + k, dtype=np.float32)
-        out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
-        sums.append(float(out[-1]))
-        if first is None:
-            first = out[1:]  # a view, as a user's would be
-        del out
-    collectives.allgather(np.zeros(1), name=f"{name}/sync/end", rank=rank, size=size)
-    return {"sums": sums, "first": np.unique(first).tolist(),
+    return {"sums": sums, "pool_hits": api.runtime().node.store.pool.hits, "gone": gone,
+            "first": None if first is None else np.unique(first).tolist(),
             "reclaimed": hg.node_stats()["pool_reclaimed"]}
 
 

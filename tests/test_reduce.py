@@ -87,8 +87,8 @@ def test_a_large_allreduce_is_sliced_and_each_slice_relayed_round_the_ranks(slic
 
 def test_sliced_results_reuse_dropped_buffers_never_held_ones(sliced_cluster):
     n, steps = (12 << 20) // 4, 5
-    got = sliced_cluster.map(t.sliced_steps, [("sliced-loop", r, RANKS, n, steps)
-                                              for r in range(RANKS)], timeout=120)
+    got = sliced_cluster.map(t.allreduce_steps, [("sliced-loop", r, RANKS, n, steps, True)
+                                                 for r in range(RANKS)], timeout=120)
     want = [float(sum(range(RANKS)) + RANKS * k) for k in range(steps)]
     assert all(g["sums"] == want for g in got)
     assert all(g["first"] == [want[0]] for g in got), "a kept result changed under its holder"

@@ -106,15 +106,15 @@ def test_lent_buffers_make_room_oldest_first():
     held = [pool.acquire(2 * MiB) for _ in range(3)]
     for i in range(3):
         pool.lend(held[i])  # the third forgets the first: the budget holds two
-    assert pool.pooled == 4 * MiB
+    assert (pool.lent, pool.pooled) == (4 * MiB, 0)
     assert pool.release(pool.acquire(2 * MiB))  # room made for a free one: the second goes
-    assert pool.pooled == 4 * MiB and pool.hits == 0
+    assert (pool.lent, pool.pooled) == (2 * MiB, 2 * MiB) and pool.hits == 0
     third = id(held[2])
     del held
     assert id(pool.acquire(2 * MiB)) != third  # the free one first
     assert id(pool.acquire(2 * MiB)) == third and pool.hits == 2
     pool.lend(np.empty(4 * MiB, dtype=np.uint8)[:2 * MiB])  # not a buffer of its own: ignored
-    assert pool.pooled == 0
+    assert pool.pooled == pool.lent == 0
 
 
 def test_pool_respects_its_budget():

@@ -60,8 +60,10 @@ class BufferPool:
         self.shared = shared
         self.pooled = 0
         self._free: dict[int, list[np.ndarray]] = {}
-        #: buffers handed out for good (`lend`), oldest first
+        #: buffers handed out for good (`lend`), taken back once let go, oldest
+        #: first, and their bytes (`pooled` counts free ones; both share the budget)
         self._lent: list[np.ndarray] = []
+        self.lent = 0
         self.hits = 0
         #: of `hits`, lent buffers taken back
         self.reclaimed = 0
@@ -80,19 +82,19 @@ class BufferPool:
                     self.hits += 1
                     self.pooled -= nbytes
                     return free.pop(i)
-        lent = self._lent
-        for i in range(len(lent) - 1, -1, -1):
-            if lent[i].nbytes != nbytes:
+        held = self._lent
+        for i in range(len(held) - 1, -1, -1):
+            if held[i].nbytes != nbytes:
                 continue
-            if shm.abandoned(lent[i]):
-                self.pooled -= lent.pop(i).nbytes
+            if shm.abandoned(held[i]):
+                self.lent -= held.pop(i).nbytes
             # (2: the list's reference and getrefcount's argument, so no view,
             # memoryview or store object of anyone's is left)
-            elif sys.getrefcount(lent[i]) == 2 and not shm.read_elsewhere(lent[i]):
+            elif sys.getrefcount(held[i]) == 2 and not shm.read_elsewhere(held[i]):
                 self.hits += 1
                 self.reclaimed += 1
-                self.pooled -= nbytes
-                return lent.pop(i)
+                self.lent -= nbytes
+                return held.pop(i)
         return host_buffer(nbytes, self.shared)
 
     def lend(self, buffer: np.ndarray) -> None:
@@ -105,13 +107,13 @@ class BufferPool:
             return
         self._make_room(n)
         self._lent.append(buffer)
-        self.pooled += n
+        self.lent += n
 
     def _make_room(self, nbytes: int) -> None:
         """Forget lent buffers, oldest first, until `nbytes` more fit the budget
         (they may be in use for good; their holders keep their memory alive)."""
-        while self._lent and self.pooled + nbytes > self.budget:
-            self.pooled -= self._lent.pop(0).nbytes
+        while self._lent and self.pooled + self.lent + nbytes > self.budget:
+            self.lent -= self._lent.pop(0).nbytes
 
     def release(self, buffer: np.ndarray) -> bool:
         """Keep `buffer` for reuse if no one else holds it and the budget allows."""
@@ -123,7 +125,7 @@ class BufferPool:
         if not _owns_its_memory(buffer) or not buffer.flags.writeable or shm.abandoned(buffer):
             return False
         self._make_room(n)
-        if self.pooled + n > self.budget:
+        if self.pooled + self.lent + n > self.budget:
             return False
         # One that another process on this host still reads (`shm`) is kept
         # too, but handed out only once it no longer is (`acquire` checks).
@@ -134,4 +136,4 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
-        self.pooled = 0
+        self.pooled = self.lent = 0

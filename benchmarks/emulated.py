@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from collections.abc import Sequence
 from hoplite_gpu.lifecycle import Closing, stop_process
 
 PY = sys.executable
+#: A namespace this harness makes: "hg<tag>" then "sw", "probe" or "n<i>", where
+#: the tag is the making process's id modulo 100000.
+_OURS = re.compile(r"hg(\d+)(?:sw|probe|n\d+)")
 
 
 class EmulationUnavailable(RuntimeError):
@@ -42,10 +46,13 @@ class EmulatedCluster(Closing):
         self.subnet = f"10.{subnet}.{tag % 250}"
         self.netem = False
         self._made: list[str] = []
+        #: namespaces left by earlier runs that died without cleaning up, removed by `_open`
+        self.swept: list[str] = []
 
     # ------------------------------------------------------------ set-up ---
     def _open(self) -> None:
         self._check()  # refuses before anything is made; close() then has nothing to undo
+        self.swept = sweep_stale()
         self._build()
 
     def _check(self) -> None:
@@ -130,6 +137,33 @@ class EmulatedCluster(Closing):
         src.communicate(timeout=120)
         seconds = float(server.communicate(timeout=120)[0].strip())
         return nbytes * 8 / seconds
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of earlier runs whose process is gone: a run
+    killed outright (SIGKILL, an out-of-memory kill) cannot clean up after
+    itself, and its hosts would otherwise stay until reboot. A namespace whose
+    tag matches a live process id is kept (it may be another run's)."""
+    out = _sh("ip", "netns", "list", check=False).stdout
+    stale = []
+    for line in out.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = _OURS.fullmatch(name)
+        if m and int(m.group(1)) != os.getpid() % 100000 and not _alive(int(m.group(1))):
+            _sh("ip", "netns", "del", name, check=False)
+            stale.append(name)
+    return stale
+
+
+def _alive(tag: int) -> bool:
+    """Whether some live process may have made namespaces tagged `tag` (a
+    process id, or one that is `tag` modulo 100000)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+    except (OSError, ValueError):
+        pid_max = 1 << 22
+    return any(os.path.exists(f"/proc/{pid}") for pid in range(tag, pid_max + 1, 100000))
 
 
 class LinkSampler:

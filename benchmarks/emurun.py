@@ -94,6 +94,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     skipped: list[dict] = []
     failed: list[dict] = []
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
+        if cluster.swept:
+            console.print(f"removed {len(cluster.swept)} namespaces left by an earlier run that was "
+                  f"killed: {', '.join(cluster.swept)}")
         link = cluster.measure_link()
         console.print(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "
                       f"(measured host 0 -> 1: {link / 1e9:.3f} Gbit/s)")

@@ -548,6 +548,9 @@ def run_workloads(args: argparse.Namespace) -> dict:
                  "object_store_bytes": {"head": args.head_store_mib * MiB, "other": args.store_mib * MiB}}
     names = ["rl", "sgd", "collectives"] if args.workload == "all" else [args.workload]
     with EmulatedCluster(args.hosts, args.gbit * 1e9) as cluster:
+        if cluster.swept:
+            _say(f"removed {len(cluster.swept)} namespaces left by an earlier run that was "
+                  f"killed: {', '.join(cluster.swept)}")
         link = cluster.measure_link()
         out["measured_link_bps"] = link
         _say(f"{args.hosts} hosts, links shaped to {args.gbit:g} Gbit/s "

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from benchmarks.emulated import EmulatedCluster, EmulationUnavailable
+from benchmarks.emulated import EmulatedCluster, EmulationUnavailable, _alive, sweep_stale
 from benchmarks.netbench import hoplite_broadcast, link_timeline
 
 
@@ -35,6 +35,27 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
+
+
+@pytest.mark.timeout(60)
+def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
+    dead = next(t for t in range(99999, 0, -1) if not _alive(t))
+    live = EmulatedCluster(2).prefix  # this process's own tag: alive
+    made = []
+    try:
+        for name in (f"hg{dead}n0", f"hg{dead}sw", f"{live}n9"):
+            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+            if r.returncode:
+                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
+            made.append(name)
+        swept = sweep_stale()
+        left = _namespaces()
+        assert sorted(swept) == [f"hg{dead}n0", f"hg{dead}sw"]
+        assert f"hg{dead}n0" not in left and f"hg{dead}sw" not in left
+        assert f"{live}n9" in left
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def test_link_timeline_reports_each_hosts_use():

@@ -88,8 +88,11 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
     process has no GPU).
     """
     rt = runtime()
-    oid, limit = as_object_id(object_id), _timeout(rt, timeout)
-    _check_array_type(array_type)
+    # (checks written out: a small get's every call counts, see DirectLink.requests)
+    oid = object_id if type(object_id) is ObjectID else as_object_id(object_id)
+    limit = rt.config.timeout_s if timeout is None else _timeout(rt, timeout)
+    if array_type not in AS_CHOICES:
+        _check_array_type(array_type)
     direct = rt.direct_here()
     if direct is not None:
         # An inline object comes straight to this thread (hoplite_gpu.direct);

@@ -29,11 +29,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+import numpy as np
+
 from .auth import check_verdict, client_answer
 from .directory.wire import raise_for_error
 from .errors import HopliteError, Timeout, TransportClosed, TransportError
 from .ids import ObjectID
-from .protocol import decode, message_length, pack
+from .protocol import LENGTH, MAX_MESSAGE, check_length, decode, pack
 from .transports import split_address
 from .values import Layout, from_buffer, to_buffer
 
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
     from .node.node import Node
 
 log = logging.getLogger("hoplite_gpu.direct")
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
 
 #: What a direct call returns when the loop's path must do the call instead.
 MISS = object()
@@ -112,22 +117,30 @@ class DirectLink:
         same order. At `deadline` the unanswered ones are withdrawn and
         `_Expired` raised; the link stays usable. (A locate's answer that
         crossed its withdrawal is skipped: a sender it named was also told to
-        the node, which pulls, see `Locate.direct`.)"""
+        the node, which pulls, see `Locate.direct`.)
+
+        Every small call runs this, mostly in a thread just woken from a
+        sleep, where each Python call costs several times what it does in a
+        tight loop (`python -m benchmarks coldget`): hence few calls here."""
         first = self._next_rid
         self._next_rid = first + len(msgs)
-        self._send_all([{**m, "rid": first + i} for i, m in enumerate(msgs)], deadline)
+        data = b""
+        for i, m in enumerate(msgs):
+            body = _packb({**m, "rid": first + i}, use_bin_type=True)
+            data += LENGTH.pack(len(body)) + body
+        self._send(data, deadline)
         replies: list[dict[str, Any] | None] = [None] * len(msgs)
         waiting = len(msgs)
         while waiting:
             try:
                 reply = self._recv(deadline)
             except _Expired:
-                self._send_all([{"op": "cancel", "request": first + i}
-                                for i, r in enumerate(replies) if r is None],
-                               time.monotonic() + _CANCEL_S)
+                self._send(b"".join(pack({"op": "cancel", "request": first + i})
+                                    for i, r in enumerate(replies) if r is None),
+                           time.monotonic() + _CANCEL_S)
                 raise
-            rid = reply.pop("rid", None)
-            i = rid - first if type(rid) is int else -1
+            i = reply.pop("rid", None)
+            i = i - first if type(i) is int else -1
             if 0 <= i < len(replies) and replies[i] is None:
                 replies[i] = reply
                 waiting -= 1
@@ -149,9 +162,12 @@ class DirectLink:
             pass
 
     def _send_all(self, msgs: list[dict[str, Any]], deadline: float) -> None:
+        self._send(b"".join(pack(m) for m in msgs), deadline)
+
+    def _send(self, data: bytes, deadline: float) -> None:
         try:
             self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-            self._sock.sendall(b"".join(pack(m) for m in msgs))
+            self._sock.sendall(data)
         except OSError as exc:  # a timeout too: part of a message may be out
             raise TransportClosed(f"the directory connection to {self.peer} broke: {exc}") from exc
 
@@ -161,11 +177,20 @@ class DirectLink:
         cut short stay buffered for the next call."""
         buf = self._buf
         while True:
-            if len(buf) >= 4:
-                n = message_length(buf[:4], self.peer)
-                if len(buf) >= 4 + n:
-                    msg = decode(self.peer, buf[4:4 + n])
+            have = len(buf)
+            if have >= 4:
+                n = LENGTH.unpack_from(buf)[0]
+                if n > MAX_MESSAGE:
+                    check_length(self.peer, n)
+                if have >= 4 + n:
+                    body = buf[4:4 + n]  # (a copy: the buffer shrinks next)
                     del buf[:4 + n]
+                    try:
+                        msg = _unpackb(body, raw=False)
+                    except Exception:  # msgpack raises several unrelated types
+                        msg = None
+                    if type(msg) is not dict:
+                        decode(self.peer, body)  # raises the ProtocolError that says why
                     return msg
             left = deadline - time.monotonic()
             if left <= 0:
@@ -245,8 +270,20 @@ class DirectCalls:
         the directory has started this node on, or uses the node's copy."""
         if not self._usable() or self._node.store.get(oid) is not None:
             return MISS
-        values = self.get_all([oid], timeout, array_type)
-        return MISS if values is MISS or values[0] is PULL else values[0]
+        # (get_all's work for one object, with fewer calls: see DirectLink.requests)
+        replies = self._ask([{"op": "locate", "oid": oid.binary}], timeout,
+                            lambda: _not_available([oid], timeout))
+        if replies is MISS:
+            return MISS
+        reply = replies[0]
+        if "error" in reply:
+            raise_for_error(reply)
+        value = self._value(reply, array_type)
+        if value is PULL:
+            return MISS
+        with self._lock:
+            self.gets += 1
+        return value
 
     def get_all(self, oids: list[ObjectID], timeout: float, array_type: str = "cupy") -> Any:
         """The values of `oids`, asked for at once: a list of the values (PULL
@@ -298,7 +335,7 @@ class DirectCalls:
         """The put message of a small host value not held here yet, else None."""
         from . import device
 
-        if not self._usable() or device.is_device_array(value):
+        if not self._usable() or (type(value) is not np.ndarray and device.is_device_array(value)):
             return None
         nbytes = len(value) if isinstance(value, bytes | bytearray) else getattr(value, "nbytes", 0)
         if isinstance(nbytes, int) and nbytes > self._threshold:

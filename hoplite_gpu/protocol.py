@@ -19,7 +19,8 @@ import msgpack
 from .errors import HopliteError, ProtocolError, TransportClosed
 from .transports import SendWindow, Stream
 
-_LEN = struct.Struct(">I")
+#: A message's head: its body's length in bytes.
+LENGTH = struct.Struct(">I")
 FRAME = struct.Struct(">BQ")
 FRAME_DATA = 0
 FRAME_ERROR = 1
@@ -29,7 +30,7 @@ MAX_MESSAGE = 64 * 1024 * 1024
 
 def pack(msg: dict[str, Any]) -> bytes:
     body = msgpack.packb(msg, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
@@ -37,13 +38,13 @@ async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
 
 
 async def recv_msg(stream: Stream) -> dict[str, Any]:
-    n = message_length(await stream.recv_exactly(_LEN.size), stream.peer)
+    n = message_length(await stream.recv_exactly(LENGTH.size), stream.peer)
     return decode(stream.peer, await stream.recv_exactly(n))
 
 
 def message_length(head: bytes | bytearray | memoryview, peer: str) -> int:
     """The body length a message's 4-byte head announces, checked."""
-    (n,) = _LEN.unpack(head)
+    (n,) = LENGTH.unpack(head)
     check_length(peer, n)
     return n
 
@@ -96,17 +97,17 @@ class _Framer:
 
     def received(self, n: int) -> None:
         self._end += n
-        need = _LEN.size  # bytes of the next message's length, then of the whole message
-        while self._end - self._start >= _LEN.size:
-            (body,) = _LEN.unpack_from(self._buf, self._start)
+        need = LENGTH.size  # bytes of the next message's length, then of the whole message
+        while self._end - self._start >= LENGTH.size:
+            (body,) = LENGTH.unpack_from(self._buf, self._start)
             check_length(self._stream.peer, body)
-            need = _LEN.size + body
+            need = LENGTH.size + body
             if self._end - self._start < need:
                 break
-            at = self._start + _LEN.size
+            at = self._start + LENGTH.size
             self._start = at + body
             msg = decode(self._stream.peer, self._view[at:self._start])
-            need = _LEN.size
+            need = LENGTH.size
             self._on_message(msg)
         self._make_room(need)
 

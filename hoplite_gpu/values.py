@@ -119,6 +119,9 @@ def from_buffer(buf: Any, layout: Layout, array_type: str = "cupy") -> object:
             raise InvalidArgument(
                 f"the buffer holds {buf.nbytes} bytes but the layout needs {layout.nbytes}")
         return device.materialize(buf, _wire_numpy_dtype(layout.dtype), layout.shape, array_type)
+    if type(buf) is bytes and layout.kind == "numpy" and len(buf) == layout.nbytes:
+        # (an inline reply's bytes: immutable, so the array is read-only by itself)
+        return np.ndarray(layout.shape, dtype=_wire_numpy_dtype(layout.dtype), buffer=buf)
     view = memoryview(buf)
     if view.nbytes != layout.nbytes:
         raise InvalidArgument(
@@ -177,6 +180,10 @@ def _buffer_protocol_to_buffer(view: memoryview) -> tuple[memoryview, Layout]:
 
 
 def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout]:
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype.itemsize:
+        # the common case, in few calls (a small put's every call counts)
+        layout = _numpy_layout(_numpy_dtype_code(value.dtype), value.shape, value.nbytes)
+        return memoryview(value.reshape(-1).view(np.uint8)), layout
     if isinstance(value, np.ma.MaskedArray):
         raise UnsupportedValue(
             "got a NumPy masked array; its mask would be lost. Send arr.filled(...) "
@@ -190,7 +197,12 @@ def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout
         flat = np.empty(0, dtype=np.uint8)  # view(uint8) cannot divide by a zero itemsize
     else:
         flat = arr.reshape(-1).view(np.uint8)
-    return memoryview(flat), Layout("numpy", code, tuple(arr.shape), arr.nbytes)
+    return memoryview(flat), _numpy_layout(code, tuple(arr.shape), arr.nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _numpy_layout(code: str, shape: tuple[int, ...], nbytes: int) -> Layout:
+    return Layout("numpy", code, shape, nbytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -237,6 +249,7 @@ def _parse_numpy_dtype(code: str) -> np.dtype:
     raise TypeError(f"unknown dtype {code!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def _wire_numpy_dtype(code: str) -> np.dtype:
     try:
         dtype = _parse_numpy_dtype(code)

@@ -5,10 +5,12 @@ directory's side of them (attach, direct locates, the located push)."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import warnings
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -298,3 +300,80 @@ def test_the_nodes_own_connection_cannot_pass_for_a_direct_one(local):
         await node.client.request({"op": "nodes"}, 5)  # (after the two, on one connection)
     local.call(ask(), 5)
     assert _directory_idle(local) and OID not in local.directory.state.objects
+
+
+# ------------------------------------------------- a link's own framing ---
+def _bare_link() -> tuple[DirectLink, socket.socket]:
+    """A DirectLink on one end of a socket pair (no directory, no handshake),
+    and the other end, which plays the directory."""
+    ours, theirs = socket.socketpair()
+    link = object.__new__(DirectLink)
+    link.peer, link.last_used, link._next_rid, link._buf, link._sock = "pair", 0.0, 1, bytearray(), ours
+    return link, theirs
+
+
+def _framed(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+def test_a_link_matches_replies_by_id_across_split_receives_and_skips_late_ones():
+    link, peer = _bare_link()
+    try:
+        late = _framed(msgpack.packb({"rid": 0, "ok": "withdrawn earlier"}))
+        second = _framed(msgpack.packb({"rid": 2, "n": 2}))
+        first = _framed(msgpack.packb({"rid": 1, "n": 1, "inline": b"x" * 3000}))
+        stream = late + second + first
+
+        def answer():
+            time.sleep(0.05)
+            for i in range(0, len(stream), 7):  # in small pieces: messages span receives
+                peer.sendall(stream[i:i + 7])
+
+        t = threading.Thread(target=answer)
+        t.start()
+        replies = link.requests([{"op": "locate"}, {"op": "locate"}], time.monotonic() + 5)
+        t.join()
+        assert [r["n"] for r in replies] == [1, 2] and replies[0]["inline"] == b"x" * 3000
+        assert all("rid" not in r for r in replies)
+        sent = [msgpack.unpackb(b) for b in _split_frames(peer.recv(1 << 16))]
+        assert sent == [{"op": "locate", "rid": 1}, {"op": "locate", "rid": 2}]
+    finally:
+        link.close()
+        peer.close()
+
+
+def _split_frames(data: bytes) -> list[bytes]:
+    out = []
+    while data:
+        n = int.from_bytes(data[:4], "big")
+        out.append(data[4:4 + n])
+        data = data[4 + n:]
+    return out
+
+
+@pytest.mark.parametrize("frame, says", [
+    (_framed(b"\xc1"), "undecodable"),                     # a byte msgpack never uses
+    (_framed(msgpack.packb([1, 2])), "expected a map"),
+    ((65 * 1024 * 1024).to_bytes(4, "big"), "exceeds"),
+])
+def test_a_link_refuses_a_bad_reply_with_a_protocol_error(frame, says):
+    link, peer = _bare_link()
+    try:
+        peer.sendall(frame)
+        with pytest.raises(ProtocolError, match=says):
+            link.requests([{"op": "locate"}], time.monotonic() + 5)
+    finally:
+        link.close()
+        peer.close()
+
+
+def test_a_link_withdraws_what_is_unanswered_at_its_deadline():
+    link, peer = _bare_link()
+    try:
+        with pytest.raises(direct_module._Expired):
+            link.requests([{"op": "locate"}], time.monotonic() + 0.1)
+        msgs = [msgpack.unpackb(b) for b in _split_frames(peer.recv(1 << 16))]
+        assert msgs == [{"op": "locate", "rid": 1}, {"op": "cancel", "request": 1}]
+    finally:
+        link.close()
+        peer.close()

@@ -49,6 +49,8 @@ def cupy() -> Any:
 
 def is_device_array(value: Any) -> bool:
     """A GPU array of any library (checked without importing CuPy or torch)."""
+    if type(value) is np.ndarray:  # the common case, answered in one check
+        return False
     if hasattr(value, "__cuda_array_interface__"):
         return True
     if type(value).__module__.startswith("torch") and getattr(value, "is_cuda", False):

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
 
 from .auth import check_verdict, client_answer
 from .directory.wire import raise_for_error
@@ -335,7 +334,7 @@ class DirectCalls:
         """The put message of a small host value not held here yet, else None."""
         from . import device
 
-        if not self._usable() or (type(value) is not np.ndarray and device.is_device_array(value)):
+        if not self._usable() or device.is_device_array(value):
             return None
         nbytes = len(value) if isinstance(value, bytes | bytearray) else getattr(value, "nbytes", 0)
         if isinstance(nbytes, int) and nbytes > self._threshold:

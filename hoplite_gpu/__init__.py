@@ -32,6 +32,7 @@ from .errors import (
     PeerLost,
     ReduceFailed,
     RuntimeClosed,
+    StoreFull,
     Timeout,
     TransportClosed,
     UnsupportedValue,
@@ -43,7 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationFailed", "Config", "ConfigError", "DirectoryUnavailable", "HopliteError",
     "InvalidArgument", "NotInitialized", "ObjectExists", "ObjectID", "ObjectNotFound", "PeerLost",
-    "ReduceFailed", "RuntimeClosed", "Timeout", "TransportClosed", "UnsupportedValue", "delete",
+    "ReduceFailed", "RuntimeClosed", "StoreFull", "Timeout", "TransportClosed", "UnsupportedValue", "delete",
     "delete_async", "get", "get_async", "init", "node_id", "node_stats", "object_info", "object_info_async", "put",
     "put_async", "reduce", "reduce_async", "reduced_inputs", "reduced_inputs_async", "runtime",
     "shutdown",

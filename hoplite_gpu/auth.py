@@ -13,11 +13,12 @@ from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClose
 from .protocol import recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 6  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 7  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
 #                       6: a reduce's "relay"
+#                       7: "evict" (a node with a store limit frees pulled copies)
 _NONCE = 32
 
 

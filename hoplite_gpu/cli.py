@@ -10,8 +10,8 @@ import platform
 import signal
 import sys
 
-from .config import Config
-from .errors import HopliteError
+from .config import Config, parse_size
+from .errors import ConfigError, HopliteError
 
 
 def _directory(args: argparse.Namespace) -> int:
@@ -132,13 +132,10 @@ def _gpu_summary() -> str:
 
 
 def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1] if t and t[-1] in "kmg" else ""
     try:
-        return int(float(t[: len(t) - len(unit)]) * units[unit])
-    except ValueError:
-        raise SystemExit(f"not a size: {text!r} (examples: 4096, 64KiB, 256MiB, 1GiB)") from None
+        return parse_size(text)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

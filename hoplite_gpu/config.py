@@ -70,6 +70,12 @@ class Config:
     node_lease_s: float = 5.0
     #: Bytes of freed object buffers a node keeps for reuse (0 turns reuse off).
     pool_bytes: int = 1 << 30
+    #: Most bytes of host objects a node holds (its puts, copies it pulled,
+    #: reduce results); 0: no limit. A put or get that would go over first
+    #: evicts pulled copies that another node also holds, least recently used
+    #: first, and fails with `StoreFull` if that is not enough (README,
+    #: "Memory"). Freed buffers the pool keeps (`pool_bytes`) come on top.
+    store_bytes: int = 0
     #: Cost model: one-way latency of a transfer between two nodes (reduce tree shape).
     link_latency_s: float = 1e-4
     #: Cost model: bandwidth of one node's link, bytes per second (reduce tree shape).
@@ -92,8 +98,9 @@ class Config:
         for name in ("chunk_size", "device_chunk_size"):
             if getattr(self, name) < 4 * KiB:
                 raise ConfigError(f"{name} must be at least 4096 bytes; got {getattr(self, name)}")
-        if self.pool_bytes < 0:
-            raise ConfigError(f"pool_bytes must be >= 0; got {self.pool_bytes}")
+        for name in ("pool_bytes", "store_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}")
         if not 0 <= self.inline_threshold <= 16 * MiB:
             raise ConfigError(
                 f"inline_threshold must be between 0 and 16 MiB (inline objects travel in "
@@ -158,9 +165,32 @@ class Config:
                 "heartbeat_interval_s": self.heartbeat_interval_s}
 
 
+_UNITS = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '0x1000', '64KiB', '256M', '1.5GiB' (binary units)."""
+    t = text.strip().lower()
+    if not t.startswith("0x"):
+        t = t.removesuffix("ib").removesuffix("b").strip()
+    unit = t[-1] if t and t[-1] in "kmgt" and not t.startswith("0x") else ""
+    number = t[: len(t) - len(unit)].strip()
+    try:
+        value: float = int(number, 0)
+    except ValueError:
+        try:
+            value = float(number)
+        except ValueError:
+            raise ConfigError(f"not a size: {text!r} (examples: 4096, 64KiB, 256MiB, 1GiB)") from None
+    return int(value * _UNITS[unit])
+
+
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
+        if kind.startswith("int") and (f.name.endswith("_size") or f.name.endswith("_bytes")
+                                       or f.name == "inline_threshold"):
+            return parse_size(raw)
         if kind.startswith("int"):
             return int(raw, 0)
         if kind.startswith("float"):
@@ -171,6 +201,8 @@ def _parse(f: dataclasses.Field, raw: str, key: str) -> object:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}={raw!r}: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"{key}={raw!r} is not a valid {kind}") from exc
     return raw

@@ -72,3 +72,8 @@ class DirectoryUnavailable(HopliteError):
 
 class ReduceFailed(HopliteError):
     """A reduce cannot complete (mismatched inputs, too few live inputs, ...)."""
+
+
+class StoreFull(HopliteError, MemoryError):
+    """This node's objects would exceed its `store_bytes` limit, and none of the
+    copies it may evict (pulled ones that another node also holds) made room."""

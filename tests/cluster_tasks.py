@@ -314,3 +314,33 @@ def local_pulls() -> int:
 def pool_hits() -> int:
     """Buffers this node's pool handed out again."""
     return hg.node_stats()["pool_hits"]
+
+
+def node_stats() -> dict:
+    return hg.node_stats()
+
+
+#: get results a test asks a worker to keep referring to (`get_and_keep`)
+KEPT: list = []
+
+
+def get_and_keep(name: str) -> int:
+    value = hg.get(hg.ObjectID.from_name(name), timeout=60)
+    KEPT.append(value)
+    return zlib.crc32(value)
+
+
+def put_error(name: str, size: int) -> str:
+    try:
+        put_pattern(name, size)
+    except hg.HopliteError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def get_error_text(name: str, timeout: float = 30.0) -> str:
+    try:
+        hg.get(hg.ObjectID.from_name(name), timeout=timeout)
+    except hg.HopliteError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

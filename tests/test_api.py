@@ -238,9 +238,20 @@ def test_config_rejects_unknown_env(monkeypatch):
         hg.Config.from_env()
     monkeypatch.delenv("HOPLITE_CHUNKSIZE")
     monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "lots")
-    with pytest.raises(hg.ConfigError, match="not a valid int"):
+    with pytest.raises(hg.ConfigError, match="HOPLITE_CHUNK_SIZE='lots': not a size"):
         hg.Config.from_env()
     monkeypatch.delenv("HOPLITE_CHUNK_SIZE")
+    monkeypatch.setenv("HOPLITE_MAX_RECEIVERS_PER_SENDER", "two")
+    with pytest.raises(hg.ConfigError, match="not a valid int"):
+        hg.Config.from_env()
+    monkeypatch.delenv("HOPLITE_MAX_RECEIVERS_PER_SENDER")
+
+
+@pytest.mark.parametrize("text, size", [("4096", 4096), ("0x1000", 4096), ("64KiB", 64 << 10),
+                                        ("4M", 4 << 20), ("1.5GiB", 3 << 29), ("8 gb", 8 << 30)])
+def test_byte_settings_take_binary_units(monkeypatch, text, size):
+    monkeypatch.setenv("HOPLITE_STORE_BYTES", text)
+    assert hg.Config.from_env().store_bytes == size
 
 
 def test_device_chunks_only_where_the_transport_moves_device_memory():
@@ -313,7 +324,7 @@ def test_node_stats_counts_what_this_node_holds(local):
     before = hg.node_stats()
     assert set(before) == {"objects", "shared_memory", "kept_mappings", "copied_from_mappings",
                            "bytes_copied_from_mappings", "pool_hits", "pooled_bytes",
-                           "pool_reclaimed", "failovers",
+                           "pool_reclaimed", "failovers", "held_bytes", "store_bytes", "evicted",
                            "direct_puts", "direct_gets"}
     oid = hg.put(np.zeros(2 << 20, dtype=np.uint8))
     assert hg.node_stats()["objects"] == before["objects"] + 1

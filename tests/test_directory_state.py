@@ -22,6 +22,7 @@ from hoplite_gpu.directory.state import (
     Directory,
     Drop,
     Dropped,
+    Evict,
     Locate,
     NodeJoined,
     NodeLost,
@@ -546,6 +547,11 @@ class DirectoryMachine(RuleBasedStateMachine):
             op, oid = self.open.pop(key)
             if op == "locate":
                 self.check_locate_reply(cmd, oid)
+            elif op == "evict":
+                # what may go was complete, pulled and idle, and is held elsewhere
+                for freed in cmd.body["evicted"]:
+                    event("a copy evicted")
+                    assert freed in ev.oids and cmd.node not in self.holders_of(freed)
         return out
 
     def holders_of(self, oid: bytes) -> set[str]:
@@ -577,7 +583,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             assert body["local"] is True and mine.complete
 
     def send(self, op: str, ev) -> None:
-        self.open[(ev.node, ev.request)] = (op, ev.oid)
+        self.open[(ev.node, ev.request)] = (op, getattr(ev, "oid", None))
         self.apply(ev)
 
     # ------------------------------------------------------------- rules ---
@@ -648,6 +654,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.apply(Progress(node, oid, nbytes))
 
     @precondition(lambda self: self.holdings())
+    @rule(picks=st.lists(st.integers(0, 50), min_size=1, max_size=3))
+    def evict(self, picks: list[int]) -> None:
+        node, _ = self.holdings()[picks[0] % len(self.holdings())]
+        oids = tuple(self.holdings()[i % len(self.holdings())][1] for i in picks)
+        self.send("evict", Evict(node, self.rid(), oids))
+
+    @precondition(lambda self: self.holdings())
     @rule(i=st.integers(0, 50))
     def drop(self, i: int) -> None:
         self.apply(Dropped(*self.holdings()[i % len(self.holdings())]))
@@ -713,3 +726,57 @@ DirectoryMachine.TestCase.settings = settings(max_examples=200, deadline=None,
                                               stateful_step_count=50)
 TestDirectoryMachine = DirectoryMachine.TestCase
 
+
+
+# ------------------------------------------------------------- eviction ---
+def evicted(d: Directory, node: str, *oids: bytes, request: int = 99) -> list[bytes]:
+    (reply,) = d.handle(Evict(node, request, oids))
+    assert isinstance(reply, Reply) and (reply.node, reply.request) == (node, request)
+    return reply.body["evicted"]
+
+
+def test_a_pulled_idle_copy_held_elsewhere_may_be_evicted_and_is_forgotten():
+    d = make()
+    put(d, "n0", complete=True)
+    assert senders(d.handle(Locate("n1", 1, K))) == {("n1", 1): "n0"}
+    assert evicted(d, "n1", K) == []  # still pulling: not complete
+    d.handle(Completed("n1", K))
+    assert evicted(d, "n1", K) == [K]
+    assert set(d.objects[K].holders) == {"n0"}
+    # the next receiver is sent to the origin, never to the evicted copy
+    assert senders(d.handle(Locate("n2", 2, K))) == {("n2", 2): "n0"}
+
+
+def test_the_last_complete_copy_a_put_and_a_busy_sender_are_never_evicted():
+    d = make()
+    put(d, "n0", complete=True)
+    d.handle(Locate("n1", 1, K))
+    d.handle(Completed("n1", K))
+    assert evicted(d, "n0", K) == []  # the origin: the put's own copy stays
+    d.handle(NodeLost("n0"))
+    assert evicted(d, "n1", K) == []  # now the only complete copy
+    d.handle(Locate("n2", 2, K))  # n1 serves n2
+    d.handle(NodeJoined("n0", "addr0"))
+    d.handle(Locate("n0", 3, K))
+    d.handle(Completed("n2", K))
+    d.handle(Completed("n0", K))
+    assert d.objects[K].holders["n1"].serving == set()
+    assert evicted(d, "n1", K) == [K]  # n0 and n2 hold it now
+    assert evicted(d, "n2", K) == [K]
+    assert evicted(d, "n0", K) == []  # the last one
+
+
+def test_inline_copies_go_unknown_ids_stay_and_reduce_inputs_stay():
+    from hoplite_gpu.directory.state import ReduceRequested
+
+    d = make()
+    put(d, "n0", oid=K2, size=4, inline=b"abcd")
+    d.handle(Locate("n1", 1, K2))
+    assert evicted(d, "n1", K2, bytes(20)) == [K2]  # the directory has the bytes
+    floats = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 20], "nbytes": 4 << 20}
+    put(d, "n0", size=4 << 20, layout=floats, complete=True)
+    d.handle(Locate("n1", 2, K))
+    d.handle(Completed("n1", K))
+    d.handle(ReduceRequested("n2", 3, bytes([9] * 20), (K, bytes([8] * 20)), "sum", 2))
+    assert not d.reduces[bytes([9] * 20)].failed
+    assert evicted(d, "n1", K) == []  # an unfinished reduce may read this copy

@@ -128,6 +128,20 @@ class Dropped:
 
 
 @dataclass(frozen=True)
+class Evict:
+    """`node` would free its copies of `oids` to make room for new objects.
+    Answered ``{"evicted": [oid, ...]}``: the ones it may free, which the
+    directory forgets as its copies at once. A copy may go only if nothing is
+    lost and nothing breaks: it is complete and was pulled, not put; no
+    receiver is assigned to it; no unfinished reduce takes it as an input; and
+    the object is inline here or another live node holds a complete copy."""
+
+    node: NodeId
+    request: int
+    oids: tuple[Key, ...]
+
+
+@dataclass(frozen=True)
 class Delete:
     node: NodeId
     request: int
@@ -237,7 +251,7 @@ class ReduceConfirm:
 
 
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
-         | TransferFailed | Dropped | Delete | Query | ChannelPublish | ChannelHead | ReduceRequested | ReduceFailed
+         | TransferFailed | Dropped | Evict | Delete | Query | ChannelPublish | ChannelHead | ReduceRequested | ReduceFailed
          | StepLost | InlineReduced | ReducedInputs | ReduceConfirm)
 
 
@@ -610,6 +624,27 @@ class Directory:
             self._forget_holder(ev.oid, entry, ev.node)
             self._after_loss(ev.oid, entry, out)
             self._clean_pending()
+
+    def _on_Evict(self, ev: Evict, out: list[Command]) -> None:
+        freed = []
+        for oid in dict.fromkeys(ev.oids):
+            entry = self.objects.get(oid)
+            if entry is None or not self._may_evict(oid, entry, ev.node):
+                continue
+            if ev.node in entry.holders:
+                self._forget_holder(oid, entry, ev.node)
+            freed.append(oid)
+        out.append(Reply(ev.node, ev.request, {"evicted": freed}))
+
+    def _may_evict(self, oid: Key, entry: Entry, node: NodeId) -> bool:
+        holder = entry.holders.get(node)
+        if holder is not None and (holder.origin or not holder.complete or holder.serving):
+            return False
+        if any(oid in task.inputs for task in self.reduces.values()
+               if not (task.done or task.failed)):
+            return False
+        return entry.inline is not None or holder is None or any(
+            h.complete and n != node and n in self.nodes for n, h in entry.holders.items())
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:
         entry = self.objects.pop(ev.oid, None)

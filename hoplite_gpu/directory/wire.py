@@ -36,6 +36,11 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                                     field(msg, "have", int))
     if op == "dropped":
         return state.Dropped(node, field(msg, "oid", bytes))
+    if op == "evict":
+        oids = field(msg, "oids", list)
+        if not all(isinstance(i, bytes) and len(i) == 20 for i in oids):
+            raise ProtocolError("evict oids must be 20-byte object ids")
+        return state.Evict(node, field(msg, "rid", int), tuple(oids))
     if op == "delete":
         return state.Delete(node, field(msg, "rid", int), field(msg, "oid", bytes))
     if op == "query":

@@ -24,6 +24,7 @@ from hoplite_gpu.errors import (
     ObjectNotFound,
     PeerLost,
     RuntimeClosed,
+    StoreFull,
     Timeout,
     TransportError,
 )
@@ -92,6 +93,8 @@ class Node:
         #: can tell a drop that overtook the put (`keep_inline`)
         self.forgets = 0
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
+        #: copies freed to make room under `store_bytes`
+        self.evicted = 0
 
     async def start(self) -> None:
         await self.server.start()
@@ -183,8 +186,13 @@ class Node:
         lent = lend and not inline and not device.is_device_buffer(buf)
         data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
                 else np.frombuffer(buf, dtype=np.uint8) if lent else None)
-        obj = self.store.create(oid, layout, data)
+        if data is None:
+            await self._make_room(layout, f"put of object {oid.hex()}")
+            if self.store.get(oid) is not None:  # put here meanwhile, by another call
+                return await self.put(value, oid, lend=lend)
+        obj = self.store.create(oid, layout, data, borrowed=lent)
         obj.lent = lent
+        obj.own = True
         if inline or lent:
             obj.advance(obj.size)
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
@@ -214,7 +222,8 @@ class Node:
         if self.store.get(oid) is not None:
             return False
         buf, layout = to_buffer(value)
-        self.store.create(oid, layout, np.frombuffer(buf, dtype=np.uint8)).receiving = True
+        obj = self.store.create(oid, layout, np.frombuffer(buf, dtype=np.uint8), borrowed=True)
+        obj.receiving = True
         return True
 
     def unreceived(self, oid: ObjectID) -> None:
@@ -286,6 +295,7 @@ class Node:
             # A final copy of a reduce's result: a restarted directory learns of
             # it from its holders, so the reduce need not be asked for again.
             self._my_reduces.pop(oid, None)
+            obj.used = time.monotonic()
             return obj
 
     async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
@@ -417,6 +427,11 @@ class Node:
                 continue
             sender, address = reply["sender"], reply["address"]
             if obj is None or obj.error is not None:
+                try:
+                    await self._make_room(layout, f"get of object {oid.hex()}")
+                except BaseException:
+                    self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
+                    raise
                 mapped = await self._map_from(oid, layout, address)
                 if mapped is not None:  # the sender's complete copy, mapped: nothing to pull
                     mapped.reduce_tag = reply.get("reduce_tag")
@@ -543,7 +558,7 @@ class Node:
         of the id would take for its own and not register."""
         if (self._closed is None and self.store.get(oid) is None
                 and self._forgotten.get(oid, 0) <= since):
-            self._store_inline(oid, layout, data)
+            self._store_inline(oid, layout, data).own = True
 
     def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)
@@ -574,6 +589,44 @@ class Node:
         self.store.remove(oid, reason)
         self._cancel_pull(oid, reason)
 
+    async def _make_room(self, layout: Layout, what: str) -> None:
+        """Keep this node's objects within `store_bytes` once an object of
+        `layout` is added: evict pulled copies that another node also holds,
+        least recently used first, with the directory's consent; else raise
+        `StoreFull`, having changed nothing but the evicted copies."""
+        limit, need = self.config.store_bytes, layout.nbytes
+        if not limit or self.store.held + need <= limit or not self.store.on_host(layout):
+            return
+        if need > limit:
+            raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
+                            f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
+        tried: set[ObjectID] = set()
+        while self.store.held + need > limit:
+            over = self.store.held + need - limit
+            ask, total = [], 0
+            for obj in self.store.evictable(busy=self._steps):
+                if obj.oid not in tried and total < over:
+                    ask.append(obj.oid)
+                    total += obj.size
+            if not ask:
+                break
+            tried.update(ask)
+            body = await self._request({"op": "evict", "oids": [o.binary for o in ask]},
+                                       self.config.timeout_s)
+            for raw in body.get("evicted", ()):
+                if self.store.remove(ObjectID(raw), ObjectNotFound(
+                        f"object {raw.hex()} was evicted from node {self.node_id} to make "
+                        "room (HOPLITE_STORE_BYTES); get it again")) is not None:
+                    self.evicted += 1
+                    log.debug("evicted %s to make room for a %s", raw.hex(), what)
+        if self.store.held + need > limit:
+            raise StoreFull(
+                f"{what} needs {need} bytes, but this node holds {self.store.held} bytes of "
+                f"objects (limit HOPLITE_STORE_BYTES={limit}) and could not evict enough: only "
+                "copies pulled from others, held by another node too and used by no get "
+                "result here, can go. Delete objects you no longer need, drop references "
+                "to get results, or raise the limit")
+
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
         self.store.remove(oid, reason)
@@ -587,6 +640,8 @@ class Node:
                 "bytes_copied_from_mappings": self.pool.local_bytes,
                 "pool_hits": self.store.pool.hits, "pooled_bytes": self.store.pool.pooled,
                 "pool_reclaimed": self.store.pool.reclaimed,
+                "held_bytes": self.store.held, "store_bytes": self.config.store_bytes,
+                "evicted": self.evicted,
                 "failovers": len(self.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:

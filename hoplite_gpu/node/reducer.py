@@ -39,13 +39,15 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
     if out is None and not step["children"] and not int(step["count"]):
         # A leaf's partial result is its input: share the input's buffer (both
         # are immutable) instead of copying it into a fresh one.
-        out = store.create(out_oid, layout, own.buffer)
+        out = store.create(out_oid, layout, own.buffer, borrowed=True)
+        out.own = True
         if out_oid.binary == step["target"]:
             out.reduce_tag = step.get("tag")
         await _follow(own, out, timeout)
         return out
     if out is None:
         out = store.create(out_oid, layout)
+    out.own = True
     if out_oid.binary == step["target"]:
         out.reduce_tag = step.get("tag")
     kids, pulls, inplace = [], [], None

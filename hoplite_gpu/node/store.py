@@ -8,6 +8,7 @@ by `advance` (never polled). All methods run on the node's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,12 @@ class StoredObject:
     lent: bool = False
     #: Its buffer is a caller's memory to be filled (`Node.receive_into`).
     receiving: bool = False
+    #: Put or made here (a put, a reduce step's output), not pulled: never evicted.
+    own: bool = False
+    #: Its bytes count against the store's limit: host memory of the store's own.
+    counted: bool = False
+    #: When this node last made or read it (monotonic): eviction goes oldest first.
+    used: float = 0.0
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property
@@ -106,6 +113,8 @@ class ChunkStore:
     def __init__(self, pool_bytes: int = 0, shared: bool = False) -> None:
         self._objects: dict[ObjectID, StoredObject] = {}
         self._appear: dict[ObjectID, list[asyncio.Future]] = {}
+        #: Bytes of the counted objects (see `StoredObject.counted`).
+        self.held = 0
         #: `shared`: large host buffers are memfd mappings that pulls from
         #: this host can map (`shm`)
         self.pool = BufferPool(pool_bytes, shared)
@@ -133,17 +142,29 @@ class ChunkStore:
     def alloc(self, layout: Layout) -> Any:
         """A buffer for an object of `layout`: device memory for a device object
         when this process has a GPU, else a (pooled) host buffer."""
-        if layout.kind == "device" and device.gpu_present():
+        if not self.on_host(layout):
             return device.empty(layout.nbytes)
         return self.pool.acquire(layout.nbytes)
 
-    def create(self, oid: ObjectID, layout: Layout, buffer: Any = None) -> StoredObject:
+    @staticmethod
+    def on_host(layout: Layout) -> bool:
+        """Whether an object of `layout` is held in host memory here."""
+        return layout.kind != "device" or not device.gpu_present()
+
+    def create(self, oid: ObjectID, layout: Layout, buffer: Any = None, *,
+               borrowed: bool = False) -> StoredObject:
+        """Hold a new object. `borrowed`: `buffer` is memory the store does not
+        own (a caller's array, another object's buffer), so it does not count
+        against the limit."""
         if buffer is None:
             buffer = self.alloc(layout)
         elif layout.kind == "device" and device.gpu_present() and \
                 not device.is_device_buffer(buffer):
             buffer = device.from_host(buffer)  # an inline device object: back on the GPU
-        obj = StoredObject(oid, layout, buffer)
+        obj = StoredObject(oid, layout, buffer, used=time.monotonic())
+        if not borrowed and not device.is_device_buffer(buffer):
+            obj.counted = True
+            self.held += layout.nbytes
         self._objects[oid] = obj
         for fut in self._appear.pop(oid, []):
             if not fut.done():
@@ -153,11 +174,26 @@ class ChunkStore:
     def remove(self, oid: ObjectID, reason: BaseException | None = None) -> StoredObject | None:
         obj = self._objects.pop(oid, None)
         if obj is not None:
+            if obj.counted:
+                self.held -= obj.layout.nbytes
             obj.removed = reason
             if not obj.complete:
                 obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
             self.recycle(obj)
         return obj
+
+    def evictable(self, busy: Any = ()) -> list[StoredObject]:
+        """Copies this node could free, least recently used first: complete,
+        pulled (not put or made here), of the store's own host memory, and
+        used by nobody (no reader's view, no send in progress, not an input
+        of a reduce step in `busy`). The directory has the last word."""
+        found = [obj for oid, obj in self._objects.items()
+                 if obj.counted and not obj.own and obj.complete and obj.reduce_tag is None
+                 and oid not in busy
+                 # 2: the object's reference and getrefcount's argument
+                 and sys.getrefcount(obj.buffer) <= 2]
+        found.sort(key=lambda obj: obj.used)
+        return found
 
     async def wait_for(self, oid: ObjectID, timeout: float) -> StoredObject:
         """Wait for `oid` to be created here (a peer may ask before our own reply arrives)."""

@@ -18,7 +18,8 @@ PROTOCOL_VERSION = 7  # 2: reduce_confirm, reduce_tag in locate replies, tag in 
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
 #                       6: a reduce's "relay"
-#                       7: "evict" (a node with a store limit frees pulled copies)
+#                       7: "evict" (a node with a store limit frees pulled copies),
+#                          a reduce's "fanout" removed
 _NONCE = 32
 
 

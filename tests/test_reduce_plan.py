@@ -331,23 +331,6 @@ def test_inputs_ready_before_the_request_take_the_chain_in_the_listed_order():
     assert [c.node for c in steps(out)] == ["n4", "n1", "n2"]  # chain 2 -> 3 -> 0 -> 1
 
 
-def test_a_reduce_results_fanout_lets_its_root_serve_every_receiver_at_once():
-    d = directory(bytes_per_s=1.25e8, max_receivers_per_sender=1)
-    inputs = tuple(oid(i) for i in range(3))
-    for i in range(3):
-        put_complete(d, f"n{i + 1}", oid(i))
-    d.handle(s.ReduceRequested("n0", 1, oid(100), inputs, "sum", 3, root_input=oid(0), fanout=5))
-    d.handle(s.ReduceRequested("n0", 2, oid(101), inputs, "sum", 3, root_input=oid(0)))
-    senders = {}
-    for target in (oid(100), oid(101)):
-        for r in range(4, 9):
-            d.handle(s.Locate(f"n{r}", 10 + r, target))
-        senders[target] = {e[1] for e in d.objects[target].edges}
-    assert senders[oid(100)] == {"n1"} and len(d.objects[oid(100)].edges) == 5
-    # the directory's setting: a chain, each receiver pulling from the one before
-    assert senders[oid(101)] == {"n1", "n4", "n5", "n6", "n7"}
-
-
 def relayed(d, asked):
     """Ask a relayed reduce of oid(0..3) on n1..n4, listed 2, 3, 0, rooted at 1
     (a sliced allreduce's slice 1), then locate its result from the nodes
@@ -411,12 +394,6 @@ def test_a_reduce_root_asking_for_its_own_result_waits_for_its_step_instead_of_p
     out = d.handle(s.Completed("n1", oid(100)))
     assert [(r.node, r.body.get("local")) for r in out if isinstance(r, s.Reply)] == [("n1", True)]
     assert ("n1", "n6") not in d.objects[oid(100)].edges
-
-
-def test_a_negative_fanout_is_refused():
-    d = directory()
-    out = d.handle(s.ReduceRequested("n0", 1, oid(100), (oid(0), oid(1)), "sum", 2, fanout=-1))
-    assert out[0].body["error"] == "InvalidArgument" and "fanout" in out[0].body["message"]
 
 
 @pytest.mark.parametrize("nbytes,ranks,chunk,want", [

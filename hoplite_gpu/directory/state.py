@@ -190,9 +190,6 @@ class ReduceRequested:
     #: An input whose node should hold the result (the tree's root): the node
     #: that will get the result, so it need not pull it from elsewhere.
     root_input: Key | None = None
-    #: Receivers the result's holders may serve at once (0: the directory's
-    #: setting); N-1 lets the result's root send it straight to every rank.
-    fanout: int = 0
     #: Relay the result along the inputs' nodes in the listed order: the
     #: result's holder serves the node of the first input, that node the next
     #: one's, and so on (while each is alive). A sliced allreduce lists slice
@@ -353,8 +350,6 @@ class Entry:
     waiting: deque[tuple[NodeId, int]] = field(default_factory=deque)
     #: Every (receiver, sender) pair ever assigned, for tests, demos and tools.
     edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
-    #: receivers one holder may serve at once; 0: the directory's setting
-    fanout: int = 0
     #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
     relay: tuple[NodeId, ...] = ()
 
@@ -375,8 +370,6 @@ class ReduceTask:
     at: dict[int, int] = field(default_factory=dict)
     #: the input that takes the tree's root when it arrives among the first k
     root_input: Key | None = None
-    #: the result's fanout (see ReduceRequested.fanout)
-    fanout: int = 0
     #: relay the result in the inputs' order (see ReduceRequested.relay)
     relay: bool = False
     inline_data: list[bytes] = field(default_factory=list)
@@ -699,7 +692,7 @@ class Directory:
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
         task.root_input = ev.root_input if ev.root_input in ev.inputs else None
-        task.fanout, task.relay = ev.fanout, ev.relay
+        task.relay = ev.relay
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
@@ -894,8 +887,7 @@ class Directory:
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
-        entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None,
-                                                  fanout=task.fanout)
+        entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None)
         if task.relay:
             hosts = dict(task.slots)
             order = [node] + [hosts[i] for i in task.inputs if i in hosts]
@@ -1007,11 +999,8 @@ class Directory:
             del self.pending[key]
 
     def _fanout(self, entry: Entry) -> int:
-        """Receivers one holder may serve at once: the object's own (a reduce
-        result's, when its request named one), else the configured number, or
+        """Receivers one holder may serve at once: the configured number, or
         with 0 ("auto") the cost model's choice for the receivers seen so far."""
-        if entry.fanout > 0:
-            return entry.fanout
         if self.max_receivers_per_sender > 0:
             return self.max_receivers_per_sender
         receivers = len(entry.holders) + len(entry.waiting)
@@ -1132,8 +1121,6 @@ def _check_reduce_args(ev: ReduceRequested) -> str | None:
         return "a reduce cannot write into one of its own inputs"
     if not 1 <= ev.num_objects <= len(ev.inputs):
         return f"num_objects must be between 1 and {len(ev.inputs)}; got {ev.num_objects}"
-    if ev.fanout < 0:
-        return f"fanout must be 0 (the directory's setting) or more; got {ev.fanout}"
     return None
 
 

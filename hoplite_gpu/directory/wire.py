@@ -58,15 +58,12 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         root_input = msg.get("root_input")
         if root_input is not None and not (isinstance(root_input, bytes) and len(root_input) == 20):
             raise ProtocolError("reduce root_input must be a 20-byte object id")
-        fanout = msg.get("fanout", 0)
-        if isinstance(fanout, bool) or not isinstance(fanout, int):
-            raise ProtocolError("reduce fanout must be an int")
         relay = msg.get("relay", False)
         if not isinstance(relay, bool):
             raise ProtocolError("reduce relay must be a bool")
         return state.ReduceRequested(node, field(msg, "rid", int), field(msg, "target", bytes),
                                      tuple(inputs), field(msg, "op_name", str),
-                                     field(msg, "num_objects", int), root_input, fanout, relay)
+                                     field(msg, "num_objects", int), root_input, relay)
     if op == "reduce_failed":
         return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
     if op == "step_lost":

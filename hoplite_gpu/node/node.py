@@ -653,22 +653,19 @@ class Node:
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
                      target: ObjectID, root_input: ObjectID | None = None,
-                     fanout: int = 0, relay: bool = False) -> ObjectID:
-        msg = self.reduce_msg(inputs, op, num_objects, target, root_input, fanout, relay)
+                     relay: bool = False) -> ObjectID:
+        msg = self.reduce_msg(inputs, op, num_objects, target, root_input, relay)
         await self._request(msg, self.config.timeout_s)
         self.remember_reduce(target, msg)
         return target
 
     @staticmethod
     def reduce_msg(inputs: list[ObjectID], op: str, num_objects: int, target: ObjectID,
-                   root_input: ObjectID | None = None, fanout: int = 0,
-                   relay: bool = False) -> dict:
+                   root_input: ObjectID | None = None, relay: bool = False) -> dict:
         msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
                "op_name": op, "num_objects": num_objects}
         if root_input is not None:
             msg["root_input"] = root_input.binary
-        if fanout:
-            msg["fanout"] = fanout
         if relay:
             msg["relay"] = True
         return msg

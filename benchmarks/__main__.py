@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                     "to back and after a sleep, beside a bare socket exchange")
     _module_command(sub, "progress", "progress", "idle CPU per process and round-trip time, "
                     "over TCP and over UCX in each ucxx progress setting")
+    _module_command(sub, "memory", "memory", "a reader getting many large objects in turn, "
+                    "with and without a store limit: its peak memory and get time")
     _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "
                     "pages) and of Python run after a sleep, on this machine")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

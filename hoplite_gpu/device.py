@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgument, UnsupportedValue
+from .errors import InvalidArgument, StoreFull, UnsupportedValue
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 #: What `get` may return for a device object.
@@ -118,7 +118,15 @@ def _to_device_buffer(cp: Any, value: Any) -> tuple[Any, str, tuple[int, ...]]:
 
 
 def empty(nbytes: int) -> Any:
-    return cupy().empty(nbytes, dtype=cupy().uint8)
+    cp = cupy()
+    try:
+        return cp.empty(nbytes, dtype=cp.uint8)
+    except cp.cuda.memory.OutOfMemoryError as exc:
+        raise StoreFull(
+            f"the GPU has no room for an object of {nbytes} bytes ({exc}): delete device "
+            "objects you no longer need and drop references to device get results; CuPy "
+            "keeps freed blocks in its pool (cupy.get_default_memory_pool().free_all_blocks() "
+            "returns them)") from None
 
 
 def copy_into(dst: Any, src: Any) -> None:

@@ -75,5 +75,6 @@ class ReduceFailed(HopliteError):
 
 
 class StoreFull(HopliteError, MemoryError):
-    """This node's objects would exceed its `store_bytes` limit, and none of the
-    copies it may evict (pulled ones that another node also holds) made room."""
+    """No room for a new object on this node: its objects would exceed its
+    `store_bytes` limit and evicting copies held elsewhere did not make room,
+    or the machine (or GPU) could not allocate the memory."""

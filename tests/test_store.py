@@ -224,3 +224,29 @@ def test_release_stops_every_pull_of_an_object_before_it_returns(window):
         await reader
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_memory_the_machine_cannot_give_is_a_store_full_error(shared):
+    huge = Layout(kind="bytes", dtype="|u1", shape=(1 << 50,), nbytes=1 << 50)  # 1 PiB
+    store = ChunkStore(pool_bytes=0, shared=shared)
+    with pytest.raises(hg.StoreFull, match="no memory for an object of 1125899906842624 bytes"):
+        store.create(ObjectID.random(), huge)
+    assert (len(store), store.held) == (0, 0)
+
+
+def test_the_store_counts_only_memory_it_owns_and_picks_idle_pulled_copies_oldest_first():
+    store = ChunkStore(pool_bytes=0)
+    layout = Layout(kind="bytes", dtype="|u1", shape=(1000,), nbytes=1000)
+    mine, old, new, viewed = (store.create(ObjectID.random(), layout) for _ in range(4))
+    lent = store.create(ObjectID.random(), layout, np.zeros(1000, np.uint8), borrowed=True)
+    for i, obj in enumerate((mine, old, new, viewed, lent)):
+        obj.advance(obj.size)
+        obj.used = float(i)
+    mine.own = True
+    view = viewed.buffer[:10]  # a get result still looking at it
+    assert store.held == 4000
+    assert store.evictable() == [old, new]
+    assert store.evictable(busy={old.oid}) == [new]
+    store.remove(old.oid)
+    assert store.held == 3000 and view.sum() >= 0

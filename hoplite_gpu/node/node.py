@@ -429,18 +429,19 @@ class Node:
             if obj is None or obj.error is not None:
                 try:
                     await self._make_room(layout, f"get of object {oid.hex()}")
+                    mapped = await self._map_from(oid, layout, address)
+                    if mapped is None:
+                        obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
+                        if obj is None or obj.error is not None:
+                            obj = self.store.create(oid, layout)
+                            log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
                 except BaseException:
                     self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
                     raise
-                mapped = await self._map_from(oid, layout, address)
                 if mapped is not None:  # the sender's complete copy, mapped: nothing to pull
                     mapped.reduce_tag = reply.get("reduce_tag")
                     self._post(self._complete_msg(mapped))
                     return mapped
-                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                if obj is None or obj.error is not None:
-                    obj = self.store.create(oid, layout)
-                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
             obj.reduce_tag = reply.get("reduce_tag")
             try:
                 await self._fetch_from(obj, address)

@@ -8,6 +8,7 @@ by `advance` (never polled). All methods run on the node's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hoplite_gpu import device
-from hoplite_gpu.errors import ObjectNotFound, Timeout
+from hoplite_gpu.errors import ObjectNotFound, StoreFull, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.values import Layout
@@ -144,7 +145,15 @@ class ChunkStore:
         when this process has a GPU, else a (pooled) host buffer."""
         if not self.on_host(layout):
             return device.empty(layout.nbytes)
-        return self.pool.acquire(layout.nbytes)
+        try:
+            return self.pool.acquire(layout.nbytes)
+        except (MemoryError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
+            raise StoreFull(
+                f"this machine has no memory for an object of {layout.nbytes} bytes ({exc}); "
+                "delete objects you no longer need, or set HOPLITE_STORE_BYTES so that this "
+                "node evicts copies held elsewhere before it runs out") from None
 
     @staticmethod
     def on_host(layout: Layout) -> bool:

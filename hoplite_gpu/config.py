@@ -181,8 +181,12 @@ def parse_size(text: str) -> int:
         try:
             value = float(number)
         except ValueError:
-            raise ConfigError(f"not a size: {text!r} (examples: 4096, 64KiB, 256MiB, 1GiB)") from None
-    return int(value * _UNITS[unit])
+            value = -1.0
+    size = value * _UNITS[unit]
+    if not (0 <= size < 1 << 63) or size != int(size):
+        raise ConfigError(f"not a size in whole bytes: {text!r} (examples: 4096, 64KiB, "
+                          "256MiB, 1.5GiB)")
+    return int(size)
 
 
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:

@@ -238,7 +238,7 @@ def test_config_rejects_unknown_env(monkeypatch):
         hg.Config.from_env()
     monkeypatch.delenv("HOPLITE_CHUNKSIZE")
     monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "lots")
-    with pytest.raises(hg.ConfigError, match="HOPLITE_CHUNK_SIZE='lots': not a size"):
+    with pytest.raises(hg.ConfigError, match="HOPLITE_CHUNK_SIZE='lots': not a size in whole"):
         hg.Config.from_env()
     monkeypatch.delenv("HOPLITE_CHUNK_SIZE")
     monkeypatch.setenv("HOPLITE_MAX_RECEIVERS_PER_SENDER", "two")
@@ -252,6 +252,13 @@ def test_config_rejects_unknown_env(monkeypatch):
 def test_byte_settings_take_binary_units(monkeypatch, text, size):
     monkeypatch.setenv("HOPLITE_STORE_BYTES", text)
     assert hg.Config.from_env().store_bytes == size
+
+
+@pytest.mark.parametrize("text", ["1.9", "inf", "nan", "-4K", "lots", "1e30"])
+def test_byte_settings_refuse_what_is_not_a_whole_number_of_bytes(monkeypatch, text):
+    monkeypatch.setenv("HOPLITE_STORE_BYTES", text)
+    with pytest.raises(hg.ConfigError, match="not a size in whole bytes"):
+        hg.Config.from_env()
 
 
 def test_device_chunks_only_where_the_transport_moves_device_memory():

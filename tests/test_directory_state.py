@@ -552,6 +552,10 @@ class DirectoryMachine(RuleBasedStateMachine):
                 for freed in cmd.body["evicted"]:
                     event("a copy evicted")
                     assert freed in ev.oids and cmd.node not in self.holders_of(freed)
+                    # what is freed is held complete elsewhere, or inline here
+                    entry = self.d.objects[freed]
+                    assert entry.inline is not None or any(
+                        h.complete and n in self.d.nodes for n, h in entry.holders.items())
         return out
 
     def holders_of(self, oid: bytes) -> set[str]:
@@ -780,3 +784,26 @@ def test_inline_copies_go_unknown_ids_stay_and_reduce_inputs_stay():
     d.handle(ReduceRequested("n2", 3, bytes([9] * 20), (K, bytes([8] * 20)), "sum", 2))
     assert not d.reduces[bytes([9] * 20)].failed
     assert evicted(d, "n1", K) == []  # an unfinished reduce may read this copy
+
+
+def test_a_relay_node_keeps_its_copy_until_the_next_one_has_it():
+    d = make()
+    put(d, "n0", complete=True)
+    d.objects[K].relay = ("n1", "n2")
+    d.handle(Locate("n1", 1, K))
+    d.handle(Completed("n1", K))
+    assert evicted(d, "n1", K) == []  # n2 will pull from n1 and from n1 alone
+    d.handle(Locate("n2", 2, K))
+    d.handle(Completed("n2", K))
+    assert evicted(d, "n1", K) == [K]
+
+
+def test_a_restarted_directory_takes_an_announced_pulled_copy_for_what_it_is():
+    d = make()
+    d.handle(Completed("n1", K, SIZE, LAYOUT))  # re-announced: n1 had pulled it
+    assert not d.objects[K].holders["n1"].origin
+    d.handle(Locate("n2", 1, K))
+    d.handle(Completed("n2", K))
+    assert evicted(d, "n1", K) == [K]
+    d.handle(Completed("n3", K2, SIZE, LAYOUT, own=True))  # n3 had put it
+    assert d.objects[K2].holders["n3"].origin

@@ -82,3 +82,89 @@ def test_a_put_larger_than_the_limit_is_refused_before_it_registers(cluster):
     error = cluster.run(2, t.put_error, "too-big", LIMIT + 4)
     assert error.startswith("StoreFull: put of object") and "whole store limit" in error
     assert not cluster.run(0, t.object_exists, "too-big")
+
+
+# In one process, nodes and a directory on one loop: the eviction's round trip
+# can be interrupted exactly where a caller would give up.
+def _nodes(limit: int):
+    from hoplite_gpu.directory.server import DirectoryServer
+    from hoplite_gpu.node.node import Node
+
+    async def start():
+        directory = DirectoryServer("tok")
+        address = await directory.start()
+        config = hg.Config(shared_memory=False, chunk_size=MiB)
+        origin, reader = Node(config, "tok", address), Node(
+            config.replace(store_bytes=limit), "tok", address)
+        await origin.start()
+        await reader.start()
+        return directory, origin, reader
+
+    async def stop(directory, *nodes):
+        for node in nodes:
+            await node.close()
+        await directory.close()
+
+    return start, stop
+
+
+def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_forgot():
+    import asyncio
+
+    import numpy as np
+
+    start, stop = _nodes(5 * MiB)
+
+    async def main():
+        directory, origin, reader = await start()
+        x, y, z = (hg.ObjectID.from_name(f"cancel-{n}") for n in "xyz")
+        for i, oid in enumerate((x, y, z)):
+            await origin.put(np.full(OBJ, i + 1, np.uint8), oid)
+        await reader.fetch(x, 10)
+        await reader.fetch(y, 10)  # 4 MiB held: z needs room
+        asking = reader.client.start
+
+        def start_then_give_up(msg, rid=None):
+            fut = asking(msg, rid)
+            if msg.get("op") == "evict":
+                asyncio.get_running_loop().call_soon(get.cancel)
+            return fut
+
+        reader.client.start = start_then_give_up
+        get = asyncio.ensure_future(reader.get(z, 10, "numpy"))
+        with pytest.raises(asyncio.CancelledError):
+            await get
+        reader.client.start = asking
+        await asyncio.sleep(0.2)
+        holders = {h["node"] for h in directory.state.describe(x.binary)["holders"]}
+        # the directory forgot the reader's x, and so did the reader
+        assert reader.node_id not in holders and reader.store.get(x) is None
+        assert reader.evicted == 1
+        await origin.delete(x)
+        await origin.put(np.full(OBJ, 9, np.uint8), x)  # the same id, new bytes
+        assert int((await reader.get(x, 10, "numpy"))[0]) == 9
+        await stop(directory, reader, origin)
+
+    asyncio.run(main())
+
+
+def test_a_call_that_cannot_get_room_evicts_nothing():
+    import asyncio
+
+    import numpy as np
+
+    start, stop = _nodes(5 * MiB)
+
+    async def main():
+        directory, origin, reader = await start()
+        x, big, mine = (hg.ObjectID.from_name(f"nothing-{n}") for n in ("x", "big", "mine"))
+        await origin.put(np.ones(OBJ, np.uint8), x)
+        await origin.put(np.ones(2 * OBJ, np.uint8), big)
+        await reader.put(np.ones(OBJ, np.uint8), mine)  # its own: never evicted
+        await reader.fetch(x, 10)  # 4 MiB held; big needs 4 more and only x (2) may go
+        with pytest.raises(hg.StoreFull, match="could not evict enough"):
+            await reader.get(big, 10, "numpy")
+        assert reader.store.get(x) is not None and reader.evicted == 0
+        await stop(directory, reader, origin)
+
+    asyncio.run(main())

@@ -76,13 +76,15 @@ class Completed:
     """`node` now holds every byte of `oid` (a put finished copying, or a pull ended).
 
     With `size` and `layout`, an object the directory does not know is registered
-    (a restarted directory learns what survives from the nodes that hold it).
+    (a restarted directory learns what survives from the nodes that hold it);
+    `own`: the node put or made it, rather than pulled it.
     """
 
     node: NodeId
     oid: Key
     size: int = -1
     layout: dict[str, Any] | None = None
+    own: bool = False
 
 
 @dataclass(frozen=True)
@@ -538,7 +540,7 @@ class Directory:
         entry = self.objects.get(ev.oid)
         if entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes:
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None)
-            entry.holders[ev.node] = Holder(origin=True)
+            entry.holders[ev.node] = Holder(origin=ev.own)
             entry.waiting.extend(self.pending.pop(ev.oid, deque()))
         holder = self._holder(ev.oid, ev.node)
         if entry is None or holder is None:
@@ -633,10 +635,16 @@ class Directory:
         holder = entry.holders.get(node)
         if holder is not None and (holder.origin or not holder.complete or holder.serving):
             return False
+        if node in entry.relay[:-1]:
+            # the next node of a relay waits for this one alone while it lives
+            after = entry.relay[entry.relay.index(node) + 1]
+            if after in self.nodes and not (after in entry.holders
+                                            and entry.holders[after].complete):
+                return False
         if any(oid in task.inputs for task in self.reduces.values()
                if not (task.done or task.failed)):
             return False
-        return entry.inline is not None or holder is None or any(
+        return entry.inline is not None or any(
             h.complete and n != node and n in self.nodes for n, h in entry.holders.items())
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:

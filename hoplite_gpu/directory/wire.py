@@ -30,7 +30,8 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         size, layout = msg.get("size", -1), msg.get("layout")
         return state.Completed(node, field(msg, "oid", bytes),
                                size if isinstance(size, int) else -1,
-                               layout if isinstance(layout, dict) else None)
+                               layout if isinstance(layout, dict) else None,
+                               msg.get("own") is True)
     if op == "failed":
         return state.TransferFailed(node, field(msg, "oid", bytes), field(msg, "sender", str),
                                     field(msg, "have", int))

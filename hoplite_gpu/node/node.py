@@ -79,8 +79,9 @@ class Node:
         #: (object, when a pull failed, when bytes flowed again) of recent failovers
         self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
         self._failed_at: dict[ObjectID, float] = {}
-        #: reduce steps running here, by the object they produce
+        #: reduce steps running here, by the object they produce, and their commands
         self._steps: dict[ObjectID, asyncio.Task] = {}
+        self._step_msgs: dict[ObjectID, dict] = {}
         self._heartbeat: asyncio.Task | None = None
         self._reconnector: asyncio.Task | None = None
         self._connected = asyncio.Event()
@@ -533,8 +534,11 @@ class Node:
 
     def _complete_msg(self, obj: StoredObject) -> dict:
         # size and layout let a restarted directory learn of the object from this alone
-        return {"op": "complete", "oid": obj.oid.binary, "size": obj.size,
-                "layout": obj.layout.to_wire()}
+        msg = {"op": "complete", "oid": obj.oid.binary, "size": obj.size,
+               "layout": obj.layout.to_wire()}
+        if obj.own:  # put or made here: a restarted directory counts it as an origin
+            msg["own"] = True
+        return msg
 
     async def _fetch_from(self, obj: StoredObject, address: str) -> None:
         last = [time.monotonic()]
@@ -585,6 +589,7 @@ class Node:
         if not isinstance(reason, _Retry):
             self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
         step = self._steps.pop(oid, None)
+        self._step_msgs.pop(oid, None)
         if step is not None:
             step.cancel(str(reason))
         self.store.remove(oid, reason)
@@ -594,7 +599,7 @@ class Node:
         """Keep this node's objects within `store_bytes` once an object of
         `layout` is added: evict pulled copies that another node also holds,
         least recently used first, with the directory's consent; else raise
-        `StoreFull`, having changed nothing but the evicted copies."""
+        `StoreFull`. Nothing is evicted for a call that cannot get room."""
         limit, need = self.config.store_bytes, layout.nbytes
         if not limit or self.store.held + need <= limit or not self.store.on_host(layout):
             return
@@ -604,22 +609,30 @@ class Node:
         tried: set[ObjectID] = set()
         while self.store.held + need > limit:
             over = self.store.held + need - limit
-            ask, total = [], 0
-            for obj in self.store.evictable(busy=self._steps):
-                if obj.oid not in tried and total < over:
-                    ask.append(obj.oid)
-                    total += obj.size
-            if not ask:
+            candidates = [obj for obj in self.store.evictable(busy=self._step_reads())
+                          if obj.oid not in tried]
+            if sum(obj.size for obj in candidates) < over:
+                break  # even all of them would not do: keep them
+            offered: dict[ObjectID, StoredObject] = {}
+            for obj in candidates:
+                if sum(o.size for o in offered.values()) >= over:
+                    break
+                offered[obj.oid] = obj
+            tried.update(offered)
+            msg = {"op": "evict", "oids": [oid.binary for oid in offered]}
+            try:
+                assert self.client is not None
+                reply = self.client.start(msg)
+            except DirectoryUnavailable:
                 break
-            tried.update(ask)
-            body = await self._request({"op": "evict", "oids": [o.binary for o in ask]},
-                                       self.config.timeout_s)
-            for raw in body.get("evicted", ()):
-                if self.store.remove(ObjectID(raw), ObjectNotFound(
-                        f"object {raw.hex()} was evicted from node {self.node_id} to make "
-                        "room (HOPLITE_STORE_BYTES); get it again")) is not None:
-                    self.evicted += 1
-                    log.debug("evicted %s to make room for a %s", raw.hex(), what)
+            # The directory forgets the copies it agrees to as it answers, so
+            # they go whatever becomes of this call (cancelled, timed out):
+            # a copy kept past that would miss the object's deletion.
+            reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
+            try:
+                await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
+            except (Expired, DirectoryUnavailable):
+                break
         if self.store.held + need > limit:
             raise StoreFull(
                 f"{what} needs {need} bytes, but this node holds {self.store.held} bytes of "
@@ -627,6 +640,28 @@ class Node:
                 "copies pulled from others, held by another node too and used by no get "
                 "result here, can go. Delete objects you no longer need, drop references "
                 "to get results, or raise the limit")
+
+    def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
+        """Free the copies the directory agreed to evict (it no longer counts them)."""
+        if reply.cancelled() or reply.exception() is not None:
+            return  # no answer: the directory kept them, or a new one hears of them
+        for raw in reply.result().get("evicted", ()):
+            oid = ObjectID(raw)
+            if self.store.get(oid) is not offered.get(oid):
+                continue  # (made here anew since: not the copy offered)
+            self.store.remove(oid, ObjectNotFound(
+                f"object {oid.hex()} was evicted from node {self.node_id} to make room "
+                "(HOPLITE_STORE_BYTES); get it again"))
+            self.evicted += 1
+            log.debug("evicted %s", oid.hex())
+
+    def _step_reads(self) -> set[ObjectID]:
+        """Objects the reduce steps running here read or write."""
+        busy = set(self._steps)
+        for step in self._step_msgs.values():
+            busy.add(ObjectID(step["input"]))
+            busy.update(ObjectID(child["oid"]) for child in step["children"])
+        return busy
 
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
@@ -783,6 +818,7 @@ class Node:
                 self.store.remove(out, _Retry("the reduce restarted"))
             task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
             self._steps[out] = task
+            self._step_msgs[out] = msg
             task.add_done_callback(lambda t, out=out: self._step_done(out, t))
         elif op == "located":
             self._located(msg)
@@ -794,6 +830,7 @@ class Node:
     def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
         if self._steps.get(out) is task:
             del self._steps[out]
+            self._step_msgs.pop(out, None)
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         task = self._pulls.get(oid)

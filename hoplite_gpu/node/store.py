@@ -193,9 +193,9 @@ class ChunkStore:
 
     def evictable(self, busy: Any = ()) -> list[StoredObject]:
         """Copies this node could free, least recently used first: complete,
-        pulled (not put or made here), of the store's own host memory, and
-        used by nobody (no reader's view, no send in progress, not an input
-        of a reduce step in `busy`). The directory has the last word."""
+        pulled (not put or made here), counted against the limit, and used
+        by nobody (no reader's view, no send in progress, not read or made
+        by a reduce step: `busy`). The directory has the last word."""
         found = [obj for oid, obj in self._objects.items()
                  if obj.counted and not obj.own and obj.complete and obj.reduce_tag is None
                  and oid not in busy

@@ -807,3 +807,24 @@ def test_a_restarted_directory_takes_an_announced_pulled_copy_for_what_it_is():
     assert evicted(d, "n1", K) == [K]
     d.handle(Completed("n3", K2, SIZE, LAYOUT, own=True))  # n3 had put it
     assert d.objects[K2].holders["n3"].origin
+
+
+def test_a_restarted_directory_counts_every_announced_copy_and_a_delete_reaches_every_node():
+    d = make(nodes=4)
+    d.handle(Completed("n1", K, SIZE, LAYOUT, own=True))  # announced by each holder in turn
+    d.handle(Completed("n2", K, SIZE, LAYOUT))
+    d.handle(Completed("n3", K, SIZE + 1, LAYOUT))  # not the same object: not counted
+    assert {n: h.complete for n, h in d.objects[K].holders.items()} == {"n1": True, "n2": True}
+    out = d.handle(Delete("n0", 5, K))
+    # n3's copy, and any whose announcement is still on its way, must go too
+    assert sorted(c.node for c in out if isinstance(c, Drop)) == ["n1", "n2", "n3"]
+
+
+def test_a_pull_completion_that_crossed_a_delete_is_not_taken_for_a_copy_of_the_new_object():
+    d = make()
+    put(d, "n0", complete=True)
+    d.handle(Locate("n1", 1, K))
+    d.handle(Delete("n0", 2, K))
+    put(d, "n0", request=3, complete=True)  # the same id again, new bytes
+    d.handle(Completed("n1", K, SIZE, LAYOUT))  # n1's pull of the old one, sent before its drop
+    assert set(d.objects[K].holders) == {"n0"}

@@ -354,6 +354,9 @@ class Entry:
     edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
     #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
     relay: tuple[NodeId, ...] = ()
+    #: learnt from a node's announcement, not from a put here (a restarted
+    #: directory): other nodes may hold copies it has not heard of yet
+    recovered: bool = False
 
 
 @dataclass
@@ -539,10 +542,17 @@ class Directory:
     def _on_Completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
         if entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes:
-            entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None)
+            entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=True)
             entry.holders[ev.node] = Holder(origin=ev.own)
             entry.waiting.extend(self.pending.pop(ev.oid, deque()))
         holder = self._holder(ev.oid, ev.node)
+        if (holder is None and entry is not None and entry.recovered and ev.node in self.nodes
+                and (ev.size, ev.layout) == (entry.size, entry.layout)
+                and ev.oid not in self.reduces):
+            # Another node's copy announced to a restarted directory. (Elsewhere
+            # a complete from a non-holder is a pull's that crossed a delete:
+            # it is ignored, or a stale copy would be served.)
+            holder = entry.holders[ev.node] = Holder(origin=ev.own)
         if entry is None or holder is None:
             return
         holder.complete, holder.nbytes = True, entry.size
@@ -657,7 +667,9 @@ class Directory:
         if entry is None:
             return
         reason = f"object {ev.oid.hex()} was deleted"
-        for node in entry.holders:
+        # A recovered object may have copies that were never announced (their
+        # nodes' announcements are still on the way): every node hears.
+        for node in (self.nodes if entry.recovered else entry.holders):
             # The deleting node drops its own copy when the reply comes; a drop
             # arriving after that reply could cancel a get it started since.
             if node != ev.node:

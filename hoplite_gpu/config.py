@@ -165,24 +165,20 @@ class Config:
                 "heartbeat_interval_s": self.heartbeat_interval_s}
 
 
-_UNITS = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30, "t": 1 << 40}
+_UNITS = {"k": KiB, "m": MiB, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
     """Bytes from '4096', '0x1000', '64KiB', '256M', '1.5GiB' (binary units)."""
-    t = text.strip().lower()
+    t, unit = text.strip().lower(), 1
     if not t.startswith("0x"):
         t = t.removesuffix("ib").removesuffix("b").strip()
-    unit = t[-1] if t and t[-1] in "kmgt" and not t.startswith("0x") else ""
-    number = t[: len(t) - len(unit)].strip()
+        if t[-1:] in _UNITS:
+            unit, t = _UNITS[t[-1]], t[:-1].strip()
     try:
-        value: float = int(number, 0)
+        size = (int(t, 16) if t.startswith("0x") else float(t)) * unit
     except ValueError:
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-    size = value * _UNITS[unit]
+        size = -1.0
     if not (0 <= size < 1 << 63) or size != int(size):
         raise ConfigError(f"not a size in whole bytes: {text!r} (examples: 4096, 64KiB, "
                           "256MiB, 1.5GiB)")

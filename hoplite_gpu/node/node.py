@@ -615,9 +615,10 @@ class Node:
                 break  # even all of them would not do: keep them
             offered: dict[ObjectID, StoredObject] = {}
             for obj in candidates:
-                if sum(o.size for o in offered.values()) >= over:
+                if over <= 0:
                     break
                 offered[obj.oid] = obj
+                over -= obj.size
             tried.update(offered)
             msg = {"op": "evict", "oids": [oid.binary for oid in offered]}
             try:

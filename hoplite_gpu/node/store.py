@@ -43,7 +43,8 @@ class StoredObject:
     receiving: bool = False
     #: Put or made here (a put, a reduce step's output), not pulled: never evicted.
     own: bool = False
-    #: Its bytes count against the store's limit: host memory of the store's own.
+    #: Its bytes count against the store's limit: host memory it holds that is
+    #: neither a caller's nor another object's buffer.
     counted: bool = False
     #: When this node last made or read it (monotonic): eviction goes oldest first.
     used: float = 0.0

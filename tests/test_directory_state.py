@@ -828,3 +828,18 @@ def test_a_pull_completion_that_crossed_a_delete_is_not_taken_for_a_copy_of_the_
     put(d, "n0", request=3, complete=True)  # the same id again, new bytes
     d.handle(Completed("n1", K, SIZE, LAYOUT))  # n1's pull of the old one, sent before its drop
     assert set(d.objects[K].holders) == {"n0"}
+
+
+def test_a_pull_completion_that_crossed_a_delete_makes_no_phantom_object():
+    d = make()
+    put(d, "n0", complete=True)
+    d.handle(Locate("n1", 1, K))
+    d.handle(Delete("n0", 2, K))
+    d.handle(Completed("n1", K, SIZE, LAYOUT))  # sent before n1 heard of the delete
+    assert K not in d.objects
+    # so a get before the next put waits for it instead of being sent to n1
+    assert d.handle(Locate("n2", 3, K)) == [] and K in d.pending
+    # a restarted directory has no such memory: an announcement registers
+    fresh = make()
+    fresh.handle(Completed("n1", K, SIZE, LAYOUT))
+    assert set(fresh.objects[K].holders) == {"n1"}

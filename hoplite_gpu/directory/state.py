@@ -14,7 +14,7 @@ transitively, so failover can never create a cycle.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,6 +314,9 @@ class Disconnect:
 
 Command = Reply | Drop | StartReduceStep | InlineReduce | PushLocated | Disconnect
 
+#: Removed ids a directory remembers (see `Directory.gone`).
+_GONE_KEPT = 4096
+
 #: Layout kinds a reduce accepts: typed arrays, folded by the NumPy kernels on a
 #: host buffer and by the CuPy kernels where a node keeps the object on a GPU.
 REDUCIBLE_KINDS = ("numpy", "device")
@@ -450,6 +453,10 @@ class Directory:
         self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
         #: waiting locates asked on direct connections (`Locate.direct`)
         self.direct: set[tuple[NodeId, int]] = set()
+        #: ids whose entry this directory removed (deleted, lost, a reduce
+        #: restarted or failed), most recent last, at most `_GONE_KEPT`: a
+        #: completion announced for one crossed that removal and is stale
+        self.gone: OrderedDict[Key, None] = OrderedDict()
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -541,7 +548,8 @@ class Directory:
 
     def _on_Completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
-        if entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes:
+        if (entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes
+                and ev.oid not in self.gone):
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=True)
             entry.holders[ev.node] = Holder(origin=ev.own)
             entry.waiting.extend(self.pending.pop(ev.oid, deque()))
@@ -658,7 +666,7 @@ class Directory:
             h.complete and n != node and n in self.nodes for n, h in entry.holders.items())
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:
-        entry = self.objects.pop(ev.oid, None)
+        entry = self._remove_entry(ev.oid)
         task = self.reduces.get(ev.oid)
         if task is not None and (task.done or task.failed):
             del self.reduces[ev.oid]  # a long job deletes one result per step: nothing left behind
@@ -811,7 +819,7 @@ class Directory:
         for pos in task.started:
             if parent[pos] is not None:
                 out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), reason))
-        entry = self.objects.pop(task.target, None)
+        entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
                 out.append(Drop(node, task.target, reason, retry=True))
@@ -944,7 +952,7 @@ class Directory:
         task.confirms.clear()
         for node, request in self.pending.pop(task.target, deque()):
             out.append(Reply(node, request, error_body("ReduceFailed", message)))
-        entry = self.objects.pop(task.target, None)
+        entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
                 out.append(Drop(node, task.target, message))
@@ -1006,13 +1014,20 @@ class Directory:
         task = self.reduces.get(oid)
         if task is not None and not task.done and not task.failed:
             return  # the result of a reduce in flight: the reduce restarts and rebuilds it
-        del self.objects[oid]
+        self._remove_entry(oid)
         reason = (f"object {oid.hex()} was lost: every node holding a complete copy "
                   "(or still putting it) died or dropped it; put it again")
         for node in entry.holders:
             out.append(Drop(node, oid, reason))
         for node, request in entry.waiting:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
+
+    def _remove_entry(self, oid: Key) -> Entry | None:
+        self.gone[oid] = None
+        self.gone.move_to_end(oid)
+        if len(self.gone) > _GONE_KEPT:
+            self.gone.popitem(last=False)
+        return self.objects.pop(oid, None)
 
     def _clean_pending(self) -> None:
         for key in [k for k, q in self.pending.items() if not q]:

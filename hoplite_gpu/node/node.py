@@ -4,11 +4,13 @@ tied to the directory. Every method runs on the node's event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -188,10 +190,12 @@ class Node:
         data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
                 else np.frombuffer(buf, dtype=np.uint8) if lent else None)
         if data is None:
-            await self._make_room(layout, f"put of object {oid.hex()}")
-            if self.store.get(oid) is not None:  # put here meanwhile, by another call
-                return await self.put(value, oid, lend=lend)
-        obj = self.store.create(oid, layout, data, borrowed=lent)
+            async with self._room(layout, f"put of object {oid.hex()}"):
+                if self.store.get(oid) is not None:  # put here meanwhile, by another call
+                    return await self.put(value, oid, lend=lend)
+                obj = self.store.create(oid, layout)
+        else:
+            obj = self.store.create(oid, layout, data, borrowed=lent)
         obj.lent = lent
         obj.own = True
         if inline or lent:
@@ -429,13 +433,13 @@ class Node:
             sender, address = reply["sender"], reply["address"]
             if obj is None or obj.error is not None:
                 try:
-                    await self._make_room(layout, f"get of object {oid.hex()}")
-                    mapped = await self._map_from(oid, layout, address)
-                    if mapped is None:
-                        obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                        if obj is None or obj.error is not None:
-                            obj = self.store.create(oid, layout)
-                            log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
+                    async with self._room(layout, f"get of object {oid.hex()}"):
+                        mapped = await self._map_from(oid, layout, address)
+                        if mapped is None:
+                            obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
+                            if obj is None or obj.error is not None:
+                                obj = self.store.create(oid, layout)
+                                log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
                 except BaseException:
                     self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
                     raise
@@ -595,20 +599,35 @@ class Node:
         self.store.remove(oid, reason)
         self._cancel_pull(oid, reason)
 
-    async def _make_room(self, layout: Layout, what: str) -> None:
-        """Keep this node's objects within `store_bytes` once an object of
-        `layout` is added: evict pulled copies that another node also holds,
-        least recently used first, with the directory's consent; else raise
-        `StoreFull`. Nothing is evicted for a call that cannot get room."""
+    @contextlib.asynccontextmanager
+    async def _room(self, layout: Layout, what: str) -> AsyncIterator[None]:
+        """Room under `store_bytes` for an object of `layout`, kept for it
+        (`ChunkStore.reserved`) until the block, which makes it, ends: calls
+        making objects at the same time cannot both take the last of it."""
+        need = await self._make_room(layout, what)
+        self.store.reserved += need
+        try:
+            yield
+        finally:
+            self.store.reserved -= need
+
+    async def _make_room(self, layout: Layout, what: str) -> int:
+        """Make room under `store_bytes` for an object of `layout`: evict
+        pulled copies that another node also holds, least recently used
+        first, with the directory's consent; else raise `StoreFull`. Nothing
+        is evicted for a call that cannot get room. Returns the bytes that
+        count against the limit (0 without one)."""
         limit, need = self.config.store_bytes, layout.nbytes
-        if not limit or self.store.held + need <= limit or not self.store.on_host(layout):
-            return
+        if not limit or not self.store.on_host(layout):
+            return 0
+        if self.store.used + need <= limit:
+            return need
         if need > limit:
             raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
                             f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
         tried: set[ObjectID] = set()
-        while self.store.held + need > limit:
-            over = self.store.held + need - limit
+        while self.store.used + need > limit:
+            over = self.store.used + need - limit
             candidates = [obj for obj in self.store.evictable(busy=self._step_reads())
                           if obj.oid not in tried]
             if sum(obj.size for obj in candidates) < over:
@@ -634,13 +653,14 @@ class Node:
                 await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
             except (Expired, DirectoryUnavailable):
                 break
-        if self.store.held + need > limit:
+        if self.store.used + need > limit:
             raise StoreFull(
-                f"{what} needs {need} bytes, but this node holds {self.store.held} bytes of "
+                f"{what} needs {need} bytes, but this node holds {self.store.used} bytes of "
                 f"objects (limit HOPLITE_STORE_BYTES={limit}) and could not evict enough: only "
                 "copies pulled from others, held by another node too and used by no get "
                 "result here, can go. Delete objects you no longer need, drop references "
                 "to get results, or raise the limit")
+        return need
 
     def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
         """Free the copies the directory agreed to evict (it no longer counts them)."""

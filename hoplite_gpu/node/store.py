@@ -115,8 +115,10 @@ class ChunkStore:
     def __init__(self, pool_bytes: int = 0, shared: bool = False) -> None:
         self._objects: dict[ObjectID, StoredObject] = {}
         self._appear: dict[ObjectID, list[asyncio.Future]] = {}
-        #: Bytes of the counted objects (see `StoredObject.counted`).
+        #: Bytes of the counted objects (see `StoredObject.counted`), and of
+        #: objects about to be made that room was made for (`Node._room`).
         self.held = 0
+        self.reserved = 0
         #: `shared`: large host buffers are memfd mappings that pulls from
         #: this host can map (`shm`)
         self.pool = BufferPool(pool_bytes, shared)
@@ -155,6 +157,11 @@ class ChunkStore:
                 f"this machine has no memory for an object of {layout.nbytes} bytes ({exc}); "
                 "delete objects you no longer need, or set HOPLITE_STORE_BYTES so that this "
                 "node evicts copies held elsewhere before it runs out") from None
+
+    @property
+    def used(self) -> int:
+        """Bytes that count against the limit: held and reserved."""
+        return self.held + self.reserved
 
     @staticmethod
     def on_host(layout: Layout) -> bool:

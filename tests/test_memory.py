@@ -4,9 +4,11 @@ can make room for fails with `StoreFull`, and nothing is lost."""
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 
 import cluster_tasks as t
+import numpy as np
 import pytest
 
 import hoplite_gpu as hg
@@ -86,37 +88,31 @@ def test_a_put_larger_than_the_limit_is_refused_before_it_registers(cluster):
 
 # In one process, nodes and a directory on one loop: the eviction's round trip
 # can be interrupted exactly where a caller would give up.
-def _nodes(limit: int):
+def with_nodes(limit: int, body) -> None:
+    """Run `body(directory, origin, reader)`: the reader has the store limit."""
     from hoplite_gpu.directory.server import DirectoryServer
     from hoplite_gpu.node.node import Node
 
-    async def start():
+    async def main():
         directory = DirectoryServer("tok")
         address = await directory.start()
         config = hg.Config(shared_memory=False, chunk_size=MiB)
-        origin, reader = Node(config, "tok", address), Node(
-            config.replace(store_bytes=limit), "tok", address)
-        await origin.start()
-        await reader.start()
-        return directory, origin, reader
+        origin = Node(config, "tok", address)
+        reader = Node(config.replace(store_bytes=limit), "tok", address)
+        try:
+            await origin.start()
+            await reader.start()
+            await body(directory, origin, reader)
+        finally:
+            for node in (reader, origin):
+                await node.close()
+            await directory.close()
 
-    async def stop(directory, *nodes):
-        for node in nodes:
-            await node.close()
-        await directory.close()
-
-    return start, stop
+    asyncio.run(main())
 
 
 def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_forgot():
-    import asyncio
-
-    import numpy as np
-
-    start, stop = _nodes(5 * MiB)
-
-    async def main():
-        directory, origin, reader = await start()
+    async def body(directory, origin, reader):
         x, y, z = (hg.ObjectID.from_name(f"cancel-{n}") for n in "xyz")
         for i, oid in enumerate((x, y, z)):
             await origin.put(np.full(OBJ, i + 1, np.uint8), oid)
@@ -146,20 +142,12 @@ def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_fo
         await origin.delete(x)
         await origin.put(np.full(OBJ, 9, np.uint8), x)  # the same id, new bytes
         assert int((await reader.get(x, 10, "numpy"))[0]) == 9
-        await stop(directory, reader, origin)
 
-    asyncio.run(main())
+    with_nodes(5 * MiB, body)
 
 
 def test_a_call_that_cannot_get_room_evicts_nothing():
-    import asyncio
-
-    import numpy as np
-
-    start, stop = _nodes(5 * MiB)
-
-    async def main():
-        directory, origin, reader = await start()
+    async def body(directory, origin, reader):
         x, big, mine = (hg.ObjectID.from_name(f"nothing-{n}") for n in ("x", "big", "mine"))
         await origin.put(np.ones(OBJ, np.uint8), x)
         await origin.put(np.ones(2 * OBJ, np.uint8), big)
@@ -168,20 +156,12 @@ def test_a_call_that_cannot_get_room_evicts_nothing():
         with pytest.raises(hg.StoreFull, match="could not evict enough"):
             await reader.get(big, 10, "numpy")
         assert reader.store.get(x) is not None and reader.evicted == 0
-        await stop(directory, reader, origin)
 
-    asyncio.run(main())
+    with_nodes(5 * MiB, body)
 
 
 def test_gets_at_the_same_time_cannot_both_take_the_last_room():
-    import asyncio
-
-    import numpy as np
-
-    start, stop = _nodes(5 * MiB)
-
-    async def main():
-        directory, origin, reader = await start()
+    async def body(directory, origin, reader):
         a, b, mine = (hg.ObjectID.from_name(f"race-{n}") for n in ("a", "b", "mine"))
         await origin.put(np.ones(OBJ, np.uint8), a)
         await origin.put(np.ones(OBJ, np.uint8), b)
@@ -197,6 +177,5 @@ def test_gets_at_the_same_time_cannot_both_take_the_last_room():
                                    return_exceptions=True)
         assert sorted(type(g).__name__ for g in got) == ["StoreFull", "ndarray"]
         assert reader.store.held == 2 * OBJ and reader.store.reserved == 0
-        await stop(directory, reader, origin)
 
-    asyncio.run(main())
+    with_nodes(5 * MiB, body)

@@ -11,7 +11,7 @@ import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,13 @@ from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range, map_object
 
 log = logging.getLogger("hoplite_gpu.node")
+
+
+class _Step(NamedTuple):
+    """A reduce step running here: its task and its command."""
+
+    task: asyncio.Task
+    msg: dict
 
 
 class _Retry(HopliteError):
@@ -81,9 +88,8 @@ class Node:
         #: (object, when a pull failed, when bytes flowed again) of recent failovers
         self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
         self._failed_at: dict[ObjectID, float] = {}
-        #: reduce steps running here, by the object they produce, and their commands
-        self._steps: dict[ObjectID, asyncio.Task] = {}
-        self._step_msgs: dict[ObjectID, dict] = {}
+        #: reduce steps running here, by the object they produce
+        self._steps: dict[ObjectID, _Step] = {}
         self._heartbeat: asyncio.Task | None = None
         self._reconnector: asyncio.Task | None = None
         self._connected = asyncio.Event()
@@ -122,7 +128,7 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self._pulls.values(), *self._steps.values()]
+        tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
         tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
         for task in tasks:
             task.cancel()
@@ -593,9 +599,8 @@ class Node:
         if not isinstance(reason, _Retry):
             self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
         step = self._steps.pop(oid, None)
-        self._step_msgs.pop(oid, None)
         if step is not None:
-            step.cancel(str(reason))
+            step.task.cancel(str(reason))
         self.store.remove(oid, reason)
         self._cancel_pull(oid, reason)
 
@@ -679,7 +684,7 @@ class Node:
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write."""
         busy = set(self._steps)
-        for step in self._step_msgs.values():
+        for _, step in self._steps.values():
             busy.add(ObjectID(step["input"]))
             busy.update(ObjectID(child["oid"]) for child in step["children"])
         return busy
@@ -829,7 +834,7 @@ class Node:
             out = ObjectID(msg["output"])
             old = self._steps.pop(out, None)
             if old is not None:
-                old.cancel("replaced by a new step")
+                old.task.cancel("replaced by a new step")
             stale = self.store.get(out)
             # (A first step into memory set aside by `receive_into` keeps it.)
             fresh = stale is not None and stale.receiving and old is None and not stale.ready
@@ -838,8 +843,7 @@ class Node:
                 # may hold other inputs: start over; its readers ask again
                 self.store.remove(out, _Retry("the reduce restarted"))
             task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
-            self._steps[out] = task
-            self._step_msgs[out] = msg
+            self._steps[out] = _Step(task, msg)
             task.add_done_callback(lambda t, out=out: self._step_done(out, t))
         elif op == "located":
             self._located(msg)
@@ -849,9 +853,9 @@ class Node:
             log.warning("ignoring unknown push %r", op)
 
     def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
-        if self._steps.get(out) is task:
+        step = self._steps.get(out)
+        if step is not None and step.task is task:
             del self._steps[out]
-            self._step_msgs.pop(out, None)
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         task = self._pulls.get(oid)

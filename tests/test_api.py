@@ -350,3 +350,27 @@ def test_a_directory_address_without_a_scheme_means_the_control_transport():
     assert ucx_data.directory_address == "tcp://10.0.0.1:7777"
     ucx_control = Node(hg.Config(control_transport="ucx"), "token", "10.0.0.1:7777")
     assert ucx_control.directory_address == "ucx://10.0.0.1:7777"
+
+
+def test_a_put_cancelled_while_copying_leaves_nothing_behind(local):
+    """A put given up half-way through copying its value (a cancelled async
+    put, a blocking put past its deadline) takes its partial copy back: a
+    later put of the id stores the new bytes, and nobody waits on a copy
+    that never completes."""
+    rt = hg.api.runtime()
+    node = rt.node
+    oid = hg.ObjectID.from_name("half-put")
+
+    async def cancel_half_way():
+        put = asyncio.ensure_future(node.put(np.ones(8 << 20, np.uint8), oid))
+        while (obj := node.store.get(oid)) is None or not 0 < obj.ready < obj.size:
+            await asyncio.sleep(0)
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert node.store.get(oid) is None
+
+    rt.call(cancel_half_way(), 10)
+    hg.put(np.full(8 << 20, 2, np.uint8), oid)
+    got = hg.get(oid, timeout=5)
+    assert got.min() == got.max() == 2

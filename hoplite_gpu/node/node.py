@@ -218,7 +218,17 @@ class Node:
             return oid  # reclaimed meanwhile: its "dropped" follows our put to the directory
         if not inline:
             if not lent:
-                await self._fill(obj, buf)
+                try:
+                    await self._fill(obj, buf)
+                except BaseException:
+                    # Given up half-way (cancelled, past its deadline): a partial
+                    # copy left here would never complete, yet a later put of the
+                    # id would take it for its own and readers would wait on it.
+                    if self.store.get(oid) is obj:
+                        self._let_go(oid, ObjectNotFound(
+                            f"the put of object {oid.hex()} was given up before its value "
+                            "was copied; put it again"))
+                    raise
             self._post(self._complete_msg(obj))
             log.debug("put %s: complete", oid.hex())
         return oid

@@ -179,3 +179,40 @@ def test_gets_at_the_same_time_cannot_both_take_the_last_room():
         assert reader.store.held == 2 * OBJ and reader.store.reserved == 0
 
     with_nodes(5 * MiB, body)
+
+
+def test_a_reduce_step_makes_room_for_its_result():
+    async def body(directory, origin, reader):
+        x, theirs, mine, total = (hg.ObjectID.from_name(f"step-{n}")
+                                  for n in ("x", "theirs", "mine", "total"))
+        await origin.put(np.ones(OBJ, np.uint8), x)
+        await reader.fetch(x, 10)
+        await origin.put(np.full(OBJ, 2, np.uint8), theirs)
+        await reader.put(np.full(OBJ, 3, np.uint8), mine)  # 4 MiB held: the result needs 2 more
+        await reader.reduce([theirs, mine], "sum", 2, total, root_input=mine)
+        got = await reader.get(total, 10, "numpy")
+        assert got.min() == got.max() == 5
+        assert reader.evicted == 1 and reader.store.get(x) is None
+        assert reader.store.held == 2 * OBJ <= 5 * MiB
+
+    with_nodes(5 * MiB, body)
+
+
+def test_small_objects_that_fill_the_store_make_room_in_the_background():
+    async def body(directory, origin, reader):
+        x, y = (hg.ObjectID.from_name(f"small-{n}") for n in "xy")
+        for oid in (x, y):
+            await origin.put(np.ones(OBJ, np.uint8), oid)
+            await reader.fetch(oid, 10)
+        small = reader.config.inline_threshold
+        # one more than the room left (inline objects take no room first)
+        for i in range((5 * MiB - 2 * OBJ) // small + 1):
+            await reader.put(np.ones(small, np.uint8), hg.ObjectID.from_name(f"small-{i}"))
+        for _ in range(500):  # the eviction runs in the background (within 5 s)
+            if reader.evicted:
+                break
+            await asyncio.sleep(0.01)
+        assert reader.evicted == 1 and reader.store.get(x) is None
+        assert reader.store.held <= 5 * MiB
+
+    with_nodes(5 * MiB, body)

@@ -104,6 +104,8 @@ class Node:
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
         #: copies freed to make room under `store_bytes`
         self.evicted = 0
+        #: the eviction running in the background (`_trim_soon`)
+        self._trimming: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -129,7 +131,7 @@ class Node:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
-        tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
+        tasks += [t for t in (self._heartbeat, self._reconnector, self._trimming) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,6 +204,7 @@ class Node:
                 obj = self.store.create(oid, layout)
         else:
             obj = self.store.create(oid, layout, data, borrowed=lent)
+            self._trim_soon()
         obj.lent = lent
         obj.own = True
         if inline or lent:
@@ -589,6 +592,7 @@ class Node:
         obj = self.store.get(oid)
         if obj is None or obj.error is not None:
             obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
+            self._trim_soon()
         obj.advance(obj.size)
         return obj
 
@@ -619,21 +623,21 @@ class Node:
         """Room under `store_bytes` for an object of `layout`, kept for it
         (`ChunkStore.reserved`) until the block, which makes it, ends: calls
         making objects at the same time cannot both take the last of it."""
-        need = await self._make_room(layout, what)
+        need = await self._make_room(layout.nbytes, what) if self.store.on_host(layout) else 0
         self.store.reserved += need
         try:
             yield
         finally:
             self.store.reserved -= need
 
-    async def _make_room(self, layout: Layout, what: str) -> int:
-        """Make room under `store_bytes` for an object of `layout`: evict
-        pulled copies that another node also holds, least recently used
-        first, with the directory's consent; else raise `StoreFull`. Nothing
-        is evicted for a call that cannot get room. Returns the bytes that
-        count against the limit (0 without one)."""
-        limit, need = self.config.store_bytes, layout.nbytes
-        if not limit or not self.store.on_host(layout):
+    async def _make_room(self, need: int, what: str) -> int:
+        """Make room under `store_bytes` for `need` more bytes of host
+        objects: evict pulled copies that another node also holds, least
+        recently used first, with the directory's consent; else raise
+        `StoreFull`. Nothing is evicted for a call that cannot get room.
+        Returns the bytes that count against the limit (0 without one)."""
+        limit = self.config.store_bytes
+        if not limit:
             return 0
         if self.store.used + need <= limit:
             return need
@@ -676,6 +680,24 @@ class Node:
                 "result here, can go. Delete objects you no longer need, drop references "
                 "to get results, or raise the limit")
         return need
+
+    def _trim_soon(self) -> None:
+        """An object made without asking for room first (an inline one, at
+        most `inline_threshold` bytes, or a reduce step's output that no
+        eviction could make room for) left this node over `store_bytes`:
+        evict in the background what the limit allows, as a get would."""
+        limit = self.config.store_bytes
+        if (limit and self.store.used > limit and self._trimming is None
+                and self._closed is None):
+            self._trimming = asyncio.get_running_loop().create_task(self._trim())
+
+    async def _trim(self) -> None:
+        try:
+            await self._make_room(0, "keeping the store within its limit")
+        except HopliteError as exc:  # nothing may go now; the next call tries again
+            log.debug("store over its limit: %s", exc)
+        finally:
+            self._trimming = None
 
     def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
         """Free the copies the directory agreed to evict (it no longer counts them)."""
@@ -762,6 +784,15 @@ class Node:
         if self._closed is not None:
             return
         target = step["target"]
+        need = self._step_bytes(step)
+        if need:  # (the step makes its output as soon as it starts, no await between)
+            try:
+                await self._make_room(need, "a reduce step")
+            except StoreFull as exc:
+                # Failing here would fail the reduce for every rank over one
+                # node's cache limit: go over it, and let later calls evict.
+                log.info("reduce step for %s goes over the store limit: %s",
+                         ObjectID(step["output"]).hex(), exc)
         try:
             out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
         except asyncio.CancelledError:
@@ -782,6 +813,17 @@ class Node:
             self._post(self._complete_msg(out))
         else:  # an intermediate result: its parent is already pulling it
             self._post({"op": "complete", "oid": out.oid.binary})
+
+    def _step_bytes(self, step: dict) -> int:
+        """Bytes a reduce step's output will add to what counts against
+        `store_bytes`: none for a leaf (its output shares its input's
+        buffer), for an output already here, or for device memory."""
+        layout = Layout.from_wire(step["layout"])
+        leaf = not step["children"] and not int(step["count"])
+        if (leaf or not self.store.on_host(layout)
+                or self.store.get(ObjectID(step["output"])) is not None):
+            return 0
+        return layout.nbytes
 
     # ------------------------------------------------------- reconnection ---
     def _directory_lost(self, reason: str) -> None:

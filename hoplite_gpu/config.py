@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -93,6 +94,11 @@ class Config:
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f, getattr(self, f.name))
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
+                              f"got {self.log_level!r}")
         if self.allreduce_slicing not in ("off", "auto"):
             raise ConfigError(f"allreduce_slicing must be 'off' or 'auto'; got {self.allreduce_slicing!r}")
         for name in ("chunk_size", "device_chunk_size"):
@@ -143,6 +149,8 @@ class Config:
         for name, value in overrides.items():
             if name not in known:
                 raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
+            if isinstance(value, str) and _kind(known[name]) != "str":
+                value = _parse(known[name], value, name)  # "8GiB", "30", "on"
             if value is not None:
                 values[name] = value
         return cls(**values)
@@ -163,6 +171,26 @@ class Config:
                 "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
                 "chunk_size": self.chunk_size, "lease_s": self.node_lease_s,
                 "heartbeat_interval_s": self.heartbeat_interval_s}
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _kind(f: dataclasses.Field) -> str:
+    """A field's type name: "int", "float", "bool", "str", "str | None"."""
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def _check_type(f: dataclasses.Field, value: object) -> None:
+    kind = _kind(f)
+    if value is None and kind.endswith("None"):
+        return
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool)}.get(kind.split(" ")[0], isinstance(value, str))
+    if not ok:
+        raise ConfigError(f"{f.name} must be {kind.split(' ')[0]}; got {value!r} "
+                          f"({type(value).__name__})")
 
 
 _UNITS = {"k": KiB, "m": MiB, "g": 1 << 30, "t": 1 << 40}
@@ -186,7 +214,7 @@ def parse_size(text: str) -> int:
 
 
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = _kind(f)
     try:
         if kind.startswith("int") and (f.name.endswith("_size") or f.name.endswith("_bytes")
                                        or f.name == "inline_threshold"):

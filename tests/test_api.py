@@ -261,6 +261,22 @@ def test_byte_settings_refuse_what_is_not_a_whole_number_of_bytes(monkeypatch, t
         hg.Config.from_env()
 
 
+def test_keyword_settings_take_what_the_variables_take_and_refuse_wrong_types():
+    config = hg.Config.from_env({}, store_bytes="8GiB", chunk_size="4M", timeout_s="30",
+                                shared_memory="off", log_level="debug")
+    assert (config.store_bytes, config.chunk_size, config.timeout_s, config.shared_memory) == \
+        (8 << 30, 4 << 20, 30.0, False)
+    for bad, match in [({"store_bytes": 1.5}, "store_bytes must be int; got 1.5"),
+                       ({"timeout_s": True}, "timeout_s must be float"),
+                       ({"store_bytes": "lots"}, "store_bytes='lots': not a size"),
+                       ({"token": 5}, "token must be str"),
+                       ({"log_level": "loud"}, "log_level must be one of DEBUG")]:
+        with pytest.raises(hg.ConfigError, match=match):
+            hg.Config.from_env({}, **bad)
+    with pytest.raises(hg.ConfigError, match="log_level must be one of"):
+        hg.Config.from_env({"HOPLITE_LOG_LEVEL": "loud"})
+
+
 def test_device_chunks_only_where_the_transport_moves_device_memory():
     tcp = hg.Config(chunk_size=4096, device_chunk_size=65536)
     ucx = tcp.replace(transport="ucx")

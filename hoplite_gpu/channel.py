@@ -13,6 +13,7 @@ freed version starts over from the newest.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import msgpack
 
 from . import api
-from .errors import InvalidArgument, ObjectNotFound, Timeout
+from .errors import HopliteError, InvalidArgument, ObjectNotFound, Timeout
 from .ids import ObjectID
 
 #: How long a reader waits for one array before checking whether its version was freed.
@@ -42,6 +43,8 @@ class WeightChannel:
             raise InvalidArgument(f"keep must be an int >= 1; got {keep!r}")
         self.name, self.keep = name, keep
         self._published: dict[int, list[str]] = {}  # version -> keys, for freeing
+        #: the highest version this publisher tried: a failed one is not reused
+        self._tried = -1
 
     # ------------------------------------------------------------ publisher ---
     def publish(self, tensors: Mapping[str, Any], *, version: int | None = None) -> int:
@@ -50,16 +53,31 @@ class WeightChannel:
             raise InvalidArgument("publish takes a non-empty mapping of name -> array")
         if not all(isinstance(k, str) for k in tensors):
             raise InvalidArgument("weight names must be str")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)
+                                    or version < 0):
+            raise InvalidArgument(f"version must be an int >= 0; got {version!r}")
         rt = api.runtime()
         if version is None:
-            version = self.latest_version() + 1
+            version = max(self.latest_version(), self._tried) + 1
+        self._tried = max(self._tried, version)
         keys = list(tensors)
-        for key in keys:
-            api.put(tensors[key], _oid(self.name, version, "t/" + key))
-        manifest = msgpack.packb({"version": version, "keys": keys}, use_bin_type=True)
-        api.put(manifest, _oid(self.name, version, "manifest"))
-        rt.call(rt.node.channel_publish(self.name, version), rt.config.timeout_s)
+        done: list[ObjectID] = []
+        try:
+            for key in keys:
+                done.append(api.put(tensors[key], _oid(self.name, version, "t/" + key)))
+            manifest = msgpack.packb({"version": version, "keys": keys}, use_bin_type=True)
+            api.put(manifest, _oid(self.name, version, "manifest"))
+        except BaseException:
+            # None of this version may stay: a later publish of it would find
+            # these ids taken and keep their bytes, mixing two versions.
+            for oid in done:
+                with contextlib.suppress(HopliteError):
+                    api.delete(oid)
+            raise
+        # From here the head may move even if this call fails (an answer that
+        # came after the deadline): the version is freed with the others.
         self._published[version] = keys
+        rt.call(rt.node.channel_publish(self.name, version), rt.config.timeout_s)
         self._free_old(version)
         return version
 
@@ -79,6 +97,9 @@ class WeightChannel:
     def fetch(self, *, newer_than: int = -1, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
         """The newest version (waiting for one newer than `newer_than`), as
         ``(version, {name: array})`` in the order they were published."""
+        if not isinstance(newer_than, int) or isinstance(newer_than, bool):
+            raise InvalidArgument(f"newer_than must be an int (-1: any version); got "
+                                  f"{newer_than!r}")
         rt = api.runtime()
         limit = rt.config.timeout_s if timeout is None else float(timeout)
         deadline = time.monotonic() + limit

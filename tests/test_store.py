@@ -56,6 +56,20 @@ def test_wait_ready_times_out_and_fail_wakes_everyone():
     asyncio.run(main())
 
 
+def test_a_wait_for_an_object_made_and_removed_before_it_ran_is_not_found():
+    async def main():
+        store = ChunkStore()
+        oid = ObjectID.random()
+        waiter = asyncio.create_task(store.wait_for(oid, 5))
+        await asyncio.sleep(0)
+        store.create(oid, layout(100))
+        store.remove(oid)  # in the same loop turn: the waiter wakes to nothing
+        with pytest.raises(hg.ObjectNotFound, match="not held by this node"):
+            await waiter
+
+    asyncio.run(main())
+
+
 def test_pool_reuses_only_unreferenced_buffers():
     pool = BufferPool(64 * MiB)
     buf = pool.acquire(2 * MiB)

@@ -104,6 +104,8 @@ class Node:
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
         #: copies freed to make room under `store_bytes`
         self.evicted = 0
+        #: puts under way here, each ended (set) when it has (`put`)
+        self._puts: dict[ObjectID, asyncio.Future] = {}
         #: the eviction running in the background (`_trim_soon`)
         self._trimming: asyncio.Task | None = None
 
@@ -184,6 +186,16 @@ class Node:
         A blocking collective lends its input for the length of the call."""
         self._check_open()
         buf, layout = to_buffer(value)
+        running = self._puts.get(oid)
+        if running is not None:
+            # Another put of this id is under way here: its outcome decides
+            # ours (done: so is this one; given up: this one puts the value).
+            try:
+                await until(asyncio.shield(running), time.monotonic() + self.config.timeout_s)
+            except Expired:
+                raise Timeout(f"put of object {oid.hex()}: another put of it here did not "
+                              f"end within {self.config.timeout_s:g}s") from None
+            return await self.put(value, oid, lend=lend)
         existing = self.store.get(oid)
         if existing is not None:
             if existing.layout != layout:
@@ -209,6 +221,17 @@ class Node:
         obj.own = True
         if inline or lent:
             obj.advance(obj.size)
+        ended = self._puts[oid] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._register(obj, buf, inline, lent)
+        finally:
+            del self._puts[oid]
+            ended.set_result(None)
+
+    async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
+                        lent: bool) -> ObjectID:
+        """The rest of a put: register `obj` and copy its value in."""
+        oid, layout = obj.oid, obj.layout
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
         try:
@@ -474,6 +497,7 @@ class Node:
                 self._failed_at.setdefault(oid, time.time())
                 self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
                 if time.monotonic() >= deadline:
+                    self._let_go(oid)  # (receivers pulling from this copy fail over at once)
                     raise
                 # back off a little: the directory may hand us the same sender again
                 failures += 1
@@ -510,10 +534,23 @@ class Node:
         try:
             return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
         except Timeout as exc:
-            if self.store.get(oid) is not None:
-                self._let_go(oid)
+            self._withdrawn(oid)
             raise Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
                           "nobody has put it yet, or every copy is busy") from None
+        except asyncio.CancelledError:
+            self._withdrawn(oid)
+            raise
+
+    def _withdrawn(self, oid: ObjectID) -> None:
+        """A locate given up. The directory may have named a sender just
+        before (made this node a holder pulling from it, in one of that
+        sender's slots), and its answer is dropped unread: `dropped` frees
+        that (a non-holder's is ignored). A partial copy of an earlier try
+        goes too; a copy made here (a put still copying, a reduce step's
+        output, a caller's receiving array) stays."""
+        obj = self.store.get(oid)
+        if obj is None or not (obj.complete or obj.own or obj.receiving):
+            self._let_go(oid)
 
     async def _wait_reply(self, msg: dict, deadline: float) -> dict:
         """A request the directory may answer much later (it waits for something to
@@ -598,9 +635,19 @@ class Node:
 
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
-        await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
-        # The directory sends no drop to us: everything a drop would do, here.
-        self._forget(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
+        answered = False
+        try:
+            await self._request({"op": "delete", "oid": oid.binary}, self.config.timeout_s)
+            answered = True
+        finally:
+            # The directory sends no drop to us: everything a drop would do,
+            # here, also for a call given up while the answer was on its way
+            # (the delete may have happened: a copy kept would be served as
+            # the id's after a new put of it). Unanswered, `dropped` tells the
+            # directory this node holds nothing, in case it never heard.
+            self._forget(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
+            if not answered:
+                self._post({"op": "dropped", "oid": oid.binary})
 
     def _forget(self, oid: ObjectID, reason: BaseException) -> None:
         """Everything of `oid` on this node ends: its reduce step, its copy, its
@@ -749,8 +796,20 @@ class Node:
                      target: ObjectID, root_input: ObjectID | None = None,
                      relay: bool = False) -> ObjectID:
         msg = self.reduce_msg(inputs, op, num_objects, target, root_input, relay)
-        await self._request(msg, self.config.timeout_s)
+        # Remembered first: a call given up while the answer was on its way
+        # may have started the reduce, which a restarted directory must hear of.
+        before = self._my_reduces.get(target)
         self.remember_reduce(target, msg)
+        try:
+            await self._request(msg, self.config.timeout_s)
+        except (asyncio.CancelledError, Timeout, DirectoryUnavailable):
+            raise
+        except BaseException:  # refused: nothing new to ask again
+            if self._my_reduces.get(target) is msg:
+                del self._my_reduces[target]
+                if before is not None:
+                    self._my_reduces[target] = before
+            raise
         return target
 
     @staticmethod

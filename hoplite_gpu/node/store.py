@@ -229,7 +229,10 @@ class ChunkStore:
                 waiters.remove(fut)
                 if not waiters:
                     del self._appear[oid]
-        return self._objects[oid]
+        obj = self._objects.get(oid)
+        if obj is None:  # made and removed again before this waiter ran
+            raise ObjectNotFound(f"object {oid.hex()} is not held by this node")
+        return obj
 
     def close(self, reason: BaseException) -> None:
         for oid in list(self._objects):

@@ -3,13 +3,22 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+SUM    := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+# The package alone (numpy, msgpack, rich): enough for the demo.
+BASE   := $(VENV)/.base-$(SUM)
+# Everything the tests cover (torch, ucxx, Ray: about 1.5 GB).
+STAMP  := $(VENV)/.installed-$(SUM)
 
 .PHONY: setup demo test test-fast lint bench bench-emulated clean
 
-$(STAMP):
+$(BASE):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	rm -f $(VENV)/.base-*
+	touch $@
+
+$(STAMP): $(BASE)
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	@# CPU torch lets the tests cover torch tensors; they skip if it cannot be installed.
 	$(BIN)/python -m pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will skip"
@@ -22,7 +31,7 @@ $(STAMP):
 
 setup: $(STAMP)
 
-demo: setup
+demo: $(BASE)
 	$(BIN)/hoplite-gpu demo
 
 RUNTIME_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py \

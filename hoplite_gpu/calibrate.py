@@ -2,9 +2,10 @@
 
 A get of a small object (one chunk, just above the inline threshold) costs about
 L + s/B; a get of a large one about L + S/B. Two medians give both unknowns.
-This measures the path between two processes of this machine (loopback); on a
-cluster, run it between two hosts by hand or set the values from the network's
-specifications.
+This measures the path between two processes of this machine over the
+transport (loopback), with shared memory off: a same-host mapping moves no
+bytes and would pass for a link of tens of GB/s. On a cluster, run it between
+two hosts by hand or set the values from the network's specifications.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .config import Config
 def calibrate(large: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
     small = Config.from_env().inline_threshold + 1
     times: dict[int, list[float]] = {small: [], large: []}
-    with LocalCluster(2) as cluster:
+    with LocalCluster(2, shared_memory=False) as cluster:
         for r in range(-1, repeats):  # round -1 warms up, untimed
             for size in (small, large):
                 name = f"calibrate-{size}-{r}"

@@ -1,4 +1,4 @@
-"""The ``hoplite-gpu`` command line: directory, demo, calibrate, simulate, info."""
+"""The hoplite-gpu command line: directory, demo, calibrate, simulate, info."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
-    print("measuring gets between two local worker processes ...", flush=True)
+    print("measuring gets between two local worker processes over the transport "
+          "(loopback, shared memory off) ...", flush=True)
     res = calibrate(large=_parse_size(args.size), repeats=args.repeats)
     print(f"small get {res['small_get_s'] * 1e3:.2f} ms, large get {res['large_get_s'] * 1e3:.1f} ms")
     print("cost-model settings for this machine (export them, or pass them to init):")
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
     d.add_argument("--port", type=int, default=7777, help="port (0 picks a free one; default 7777)")
     d.add_argument("--token", default=None, help="cluster token (default: $HOPLITE_TOKEN, else generated)")
-    d.add_argument("--log-level", default="WARNING")
+    d.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default WARNING")
     d.set_defaults(func=_directory)
 
     m = sub.add_parser("demo", help="broadcast a large array across a local cluster and show the tree")
@@ -158,15 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure latency and bandwidth for the reduce cost model")
     c.add_argument("--size", default="64MiB", help="large transfer size (default 64MiB)")
-    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--repeats", type=int, default=5, help="timed gets of each size (default 5)")
     c.set_defaults(func=_calibrate)
 
     s = sub.add_parser("simulate", help="simulate a broadcast at any scale with the real scheduler")
-    s.add_argument("--receivers", type=int, default=1000)
-    s.add_argument("--size", default="256MiB")
+    s.add_argument("--receivers", type=int, default=1000, help="default 1000")
+    s.add_argument("--size", default="256MiB", help="object size (default 256MiB)")
     s.add_argument("--bandwidth", default="1.25e9", help="bytes/s per link direction")
     s.add_argument("--latency", type=float, default=1e-4, help="seconds per message")
-    s.add_argument("--chunk", default="4MiB")
+    s.add_argument("--chunk", default="4MiB", help="pipeline chunk size (default 4MiB)")
     s.set_defaults(func=_simulate)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")

@@ -843,16 +843,8 @@ class Node:
         if self._closed is not None:
             return
         target = step["target"]
-        need = self._step_bytes(step)
-        if need:  # (the step makes its output as soon as it starts, no await between)
-            try:
-                await self._make_room(need, "a reduce step")
-            except StoreFull as exc:
-                # Failing here would fail the reduce for every rank over one
-                # node's cache limit: go over it, and let later calls evict.
-                log.info("reduce step for %s goes over the store limit: %s",
-                         ObjectID(step["output"]).hex(), exc)
         try:
+            await self._room_for_step(step)
             out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
         except asyncio.CancelledError:
             raise
@@ -873,16 +865,23 @@ class Node:
         else:  # an intermediate result: its parent is already pulling it
             self._post({"op": "complete", "oid": out.oid.binary})
 
-    def _step_bytes(self, step: dict) -> int:
-        """Bytes a reduce step's output will add to what counts against
-        `store_bytes`: none for a leaf (its output shares its input's
-        buffer), for an output already here, or for device memory."""
+    async def _room_for_step(self, step: dict) -> None:
+        """Evict, as a get would, for the output a reduce step is about to
+        make (it makes it as soon as it starts, with no await between).
+        Nothing to do for a leaf (its output shares its input's buffer), an
+        output already here, or device memory. Where no eviction makes room
+        the step goes over the limit: failing would fail the reduce for every
+        rank over one node's cache, and later calls evict again."""
         layout = Layout.from_wire(step["layout"])
         leaf = not step["children"] and not int(step["count"])
         if (leaf or not self.store.on_host(layout)
                 or self.store.get(ObjectID(step["output"])) is not None):
-            return 0
-        return layout.nbytes
+            return
+        try:
+            await self._make_room(layout.nbytes, "a reduce step")
+        except StoreFull as exc:
+            log.info("reduce step for %s goes over the store limit: %s",
+                     ObjectID(step["output"]).hex(), exc)
 
     # ------------------------------------------------------- reconnection ---
     def _directory_lost(self, reason: str) -> None:

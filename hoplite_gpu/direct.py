@@ -315,8 +315,14 @@ class DirectCalls:
             msgs.append(_locate(target))
         elif then == "wait":
             msgs.append({"op": "reduced_inputs", "target": request["target"]})
-        replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} did not "
-                                                   f"finish within {timeout:g}s")
+        try:
+            replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} "
+                                                       f"did not finish within {timeout:g}s")
+        except Timeout:
+            # Sent, so perhaps started: a restarted directory must hear of it
+            # (as of a reduce the loop's path gave up waiting for).
+            self._on_loop(self._node.remember_reduce, target, request, since)
+            raise
         if replies is MISS:
             return MISS
         for reply in replies:

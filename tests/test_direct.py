@@ -247,6 +247,13 @@ def test_small_collectives_run_from_the_callers_thread(local):
     assert collectives.reduce(np.ones(2), name="w", rank=0, size=1, wait=True) is not None
 
 
+def test_a_direct_reduce_given_up_at_its_deadline_is_still_remembered(local):
+    with pytest.raises(hg.Timeout, match="did not finish within"):
+        collectives.reduce(np.ones(2), name="late", rank=1, size=2, wait=True, timeout=0.3)
+    hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
+    assert collectives._reduce_ids("late", 2, "sum", None)[1] in local.node._my_reduces
+
+
 def test_a_gather_of_small_and_large_objects_takes_each_its_way(local, other):
     # ranks 1 and 2 on the other node; rank 1's is 1 MiB: pulled, not inline
     other.call(other.node.put(np.ones(1 << 17), collectives.input_id("mix", 1)), 10)

@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 from rich.table import Table
 
 from . import api
@@ -49,10 +49,12 @@ def checksum(name: str) -> int:
 
 # ---------------------------------------------------------- the driver ---
 def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, console: Console) -> None:
-    """Poll the directory for each receiver's bytes and draw one bar each."""
+    """Poll the directory for each receiver's bytes and draw one bar each (no
+    speed column: a broadcast here may end between two polls; the table
+    after it has each receiver's rate)."""
     oid = ObjectID.from_name(name)
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                  TransferSpeedColumn(), console=console, transient=False) as progress:
+                  console=console, transient=False) as progress:
         bars = {n: progress.add_task(f"receiver {i + 1}", total=size) for i, n in enumerate(receivers)}
         while True:
             try:

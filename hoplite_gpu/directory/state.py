@@ -463,6 +463,11 @@ class Directory:
         if method is None:
             raise TypeError(f"not a directory event: {event!r}")
         out: list[Command] = []
+        node = getattr(event, "node", None)
+        if node and node not in self.nodes and not isinstance(event, NodeJoined | NodeLost):
+            # A node declared dead (its lease ran out) whose messages were
+            # still being read: it holds, pulls and asks nothing any more.
+            return out
         method(event, out)
         if self.direct:  # an answered request, whatever the answer, waits no more
             for cmd in out:
@@ -500,12 +505,19 @@ class Directory:
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
         self.direct = {w for w in self.direct if w[0] != ev.node}
+        for task in self.reduces.values():  # (its next connection numbers requests anew)
+            task.waiters = [w for w in task.waiters if w[0] != ev.node]
+            task.confirms = [w for w in task.confirms if w[0] != ev.node]
         for key in list(self.objects):
             entry = self.objects[key]
             _remove_node(entry.waiting, ev.node)
             if ev.node in entry.holders:
                 self._forget_holder(key, entry, ev.node)
                 self._after_loss(key, entry, out)
+            elif ev.node in entry.relay and entry.waiting:
+                # the next node of a relay waited for this one alone: it may
+                # now pull from any holder
+                self._serve_waiting(key, entry, out)
         self._clean_pending()
 
     # ------------------------------------------------------------ objects ---
@@ -518,6 +530,14 @@ class Directory:
                 f"{entry.layout}; this put has {ev.size} bytes and layout {ev.layout}. "
                 "Objects are immutable: use a new ObjectID.")))
             return
+        task = self.reduces.get(ev.oid)
+        if task is not None and not (task.done or task.failed):
+            if entry is not None:
+                out.append(Reply(ev.node, ev.request, error_body(
+                    "ObjectExists", f"a reduce is making object {ev.oid.hex()}; objects are "
+                    "immutable: use a new ObjectID")))
+                return
+            self._supersede_reduce(task, out)  # (a restarted directory: see there)
         if entry is None:
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, ev.inline)
         complete = ev.inline is not None or ev.size == 0
@@ -552,6 +572,9 @@ class Directory:
                 and ev.oid not in self.gone):
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=True)
             entry.holders[ev.node] = Holder(origin=ev.own)
+            task = self.reduces.get(ev.oid)
+            if task is not None and not (task.done or task.failed):
+                self._supersede_reduce(task, out)
             entry.waiting.extend(self.pending.pop(ev.oid, deque()))
         holder = self._holder(ev.oid, ev.node)
         if (holder is None and entry is not None and entry.recovered and ev.node in self.nodes
@@ -591,7 +614,8 @@ class Directory:
     def _on_CancelLocate(self, ev: CancelLocate, out: list[Command]) -> None:
         self.direct.discard((ev.node, ev.request))
         for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values()),
-                      *(t.confirms for t in self.reduces.values())]:
+                      *(t.confirms for t in self.reduces.values()),
+                      *(t.waiters for t in self.reduces.values())]:
             try:
                 queue.remove((ev.node, ev.request))
             except ValueError:
@@ -667,9 +691,14 @@ class Directory:
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:
         entry = self._remove_entry(ev.oid)
-        task = self.reduces.get(ev.oid)
-        if task is not None and (task.done or task.failed):
-            del self.reduces[ev.oid]  # a long job deletes one result per step: nothing left behind
+        # (a long job deletes one result per step: nothing left behind)
+        task = self.reduces.pop(ev.oid, None)
+        if task is not None:
+            if not (task.done or task.failed):
+                # The reduce making it ends with it: its waiters hear, its
+                # partial results go (the root's copy goes with the entry's).
+                self._fail_reduce(task, f"object {ev.oid.hex()} was deleted while a reduce "
+                                  "was making it", out, kind="ObjectNotFound")
             self.failed.pop(ev.oid, None)
         out.append(Reply(ev.node, ev.request, {"ok": True, "existed": entry is not None}))
         if entry is None:
@@ -915,7 +944,10 @@ class Directory:
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
+        old = self.objects.get(task.target)  # (none: a put or announcement supersedes the task)
         entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None)
+        if old is not None:
+            entry.waiting.extend(old.waiting)
         if task.relay:
             hosts = dict(task.slots)
             order = [node] + [hosts[i] for i in task.inputs if i in hosts]
@@ -941,23 +973,42 @@ class Directory:
                 if not targets:
                     del self.watching[oid]
 
-    def _fail_reduce(self, task: ReduceTask, message: str, out: list[Command]) -> None:
+    def _supersede_reduce(self, task: ReduceTask, out: list[Command]) -> None:
+        """A node announced a complete copy of an unfinished reduce's target
+        (to a restarted directory: a result made before the restart, while
+        the reduce was asked again), or put the id, before the tree made it:
+        that object is the result. The reduce is forgotten, as if it had been
+        asked after the object existed: its partial results go, and whoever
+        waits for its inputs hears they are unknown here."""
+        del self.reduces[task.target]
+        self._forget_watch(task)
+        message = (f"the inputs of the reduce into {task.target.hex()} are unknown to this "
+                   "directory: the object was announced (or put) before the reduce finished "
+                   "here, e.g. after a directory restart")
+        for node, request in task.waiters:
+            out.append(Reply(node, request, error_body("ObjectNotFound", message)))
+        self._answer_confirms(task, True, out)  # the announced copy is final
+        for pos in task.started:
+            out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
+
+    def _fail_reduce(self, task: ReduceTask, message: str, out: list[Command],
+                     kind: str = "ReduceFailed") -> None:
         if task.failed:
             return
         task.failed = self.failed[task.target] = message
         self._forget_watch(task)
         for node, request in [*task.waiters, *task.confirms]:
-            out.append(Reply(node, request, error_body("ReduceFailed", message)))
+            out.append(Reply(node, request, error_body(kind, message)))
         task.waiters.clear()
         task.confirms.clear()
         for node, request in self.pending.pop(task.target, deque()):
-            out.append(Reply(node, request, error_body("ReduceFailed", message)))
+            out.append(Reply(node, request, error_body(kind, message)))
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
                 out.append(Drop(node, task.target, message))
             for node, request in entry.waiting:
-                out.append(Reply(node, request, error_body("ReduceFailed", message)))
+                out.append(Reply(node, request, error_body(kind, message)))
         for pos in task.started:
             out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
 

@@ -222,7 +222,7 @@ async def recv_frame_header(stream: Stream) -> tuple[int, int]:
 async def recv_error_body(stream: Stream, n: int) -> dict[str, Any]:
     if n > MAX_MESSAGE:
         raise ProtocolError(f"error frame of {n} bytes from {stream.peer}")
-    return msgpack.unpackb(await stream.recv_exactly(n), raw=False)
+    return decode(stream.peer, await stream.recv_exactly(n))
 
 
 def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -25,6 +25,7 @@ from hoplite_gpu.errors import (
     ObjectExists,
     ObjectNotFound,
     PeerLost,
+    ProtocolError,
     RuntimeClosed,
     StoreFull,
     Timeout,
@@ -106,6 +107,8 @@ class Node:
         self.evicted = 0
         #: puts under way here, each ended (set) when it has (`put`)
         self._puts: dict[ObjectID, asyncio.Future] = {}
+        #: serves of objects that left the store, being stopped (`_stop_serving`)
+        self._releases: set[asyncio.Task] = set()
         #: the eviction running in the background (`_trim_soon`)
         self._trimming: asyncio.Task | None = None
 
@@ -134,6 +137,7 @@ class Node:
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
         tasks += [t for t in (self._heartbeat, self._reconnector, self._trimming) if t is not None]
+        tasks += self._releases
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -492,7 +496,8 @@ class Node:
             obj.reduce_tag = reply.get("reduce_tag")
             try:
                 await self._fetch_from(obj, address)
-            except (TransportError, Timeout, ObjectNotFound, PeerLost) as exc:
+            except (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError) as exc:
+                # (a peer that sends what we cannot read is as good as lost)
                 log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
                 self._failed_at.setdefault(oid, time.time())
                 self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
@@ -663,7 +668,18 @@ class Node:
         if step is not None:
             step.task.cancel(str(reason))
         self.store.remove(oid, reason)
+        self._stop_serving(oid)
         self._cancel_pull(oid, reason)
+
+    def _stop_serving(self, oid: ObjectID) -> None:
+        """`oid` left the store: a pull of it being served stops at its next
+        frame, and one whose puller does not read (its send blocked) is cut
+        off after a second, so the freed buffer is not held or read on."""
+        if self.server.serving(oid) and self._closed is None:
+            task = asyncio.get_running_loop().create_task(
+                self.server.release(oid, min(1.0, self.config.stall_timeout_s)))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     @contextlib.asynccontextmanager
     async def _room(self, layout: Layout, what: str) -> AsyncIterator[None]:
@@ -771,6 +787,7 @@ class Node:
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
         self.store.remove(oid, reason)
+        self._stop_serving(oid)
         self._post({"op": "dropped", "oid": oid.binary})
 
     async def stats(self) -> dict[str, Any]:
@@ -848,7 +865,7 @@ class Node:
             out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
         except asyncio.CancelledError:
             raise
-        except (TransportError, PeerLost, Timeout, ObjectNotFound) as exc:
+        except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
             self._post({"op": "step_lost", "target": target,

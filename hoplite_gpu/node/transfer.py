@@ -164,14 +164,17 @@ class DataServer:
         if moded and req.get("map"):
             await self._offer_map(stream, oid)
             return
-        try:
+        obj = self.store.get(oid)
+        if obj is None:
             # A reduce parent may ask before our own step has created its output.
-            obj = await self.store.wait_for(oid, self.config.timeout_s)
-        except HopliteError as exc:
-            if moded:
+            if moded:  # (bytes, then: there is nothing to map yet)
                 await stream.send_mode(b"B", None, self.config.stall_timeout_s)
-            await send_error_frame(stream, type(exc).__name__, str(exc))
-            return
+                moded = False
+            try:
+                obj = await self._await_object(stream, oid)
+            except HopliteError as exc:
+                await send_error_frame(stream, type(exc).__name__, str(exc))
+                return
         log.debug("serve %s [%d, %d) to %s: %d bytes ready", oid.hex(), offset, end,
                   stream.peer, obj.ready)
         valid = 0 <= offset <= end <= obj.size
@@ -249,6 +252,10 @@ class DataServer:
         if msg.get("op") != op:
             raise ProtocolError(f"expected {op!r}, got {msg.get('op')!r}")
 
+    def serving(self, oid: ObjectID) -> bool:
+        """Whether a pull of `oid` is being served now."""
+        return bool(self._serving.get(oid))
+
     async def release(self, oid: ObjectID, timeout: float) -> None:
         """Return once no pull of `oid` is being served any more. Call it after
         `oid` left the store: each such pull stops before its next frame (with
@@ -325,6 +332,21 @@ class DataServer:
                 await asyncio.sleep(0)  # let other pulls of this node progress too
             await out.send(FRAME.pack(FRAME_DATA, end - start))
         return True
+
+    async def _await_object(self, stream: Stream, oid: ObjectID) -> StoredObject:
+        """Wait up to `timeout_s` for `oid` to be made here, with an empty frame
+        every third of the stall timeout, as `_wait_or_keepalive` does: the
+        puller would give up at its stall timeout long before."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        beat = self.config.stall_timeout_s / 3
+        while True:
+            try:
+                return await self.store.wait_for(oid, min(beat, max(0.001, deadline - loop.time())))
+            except ObjectNotFound:
+                if loop.time() >= deadline:
+                    raise
+                await stream.send(FRAME.pack(FRAME_DATA, 0))
 
     async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int) -> bool:
         """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
@@ -676,10 +698,11 @@ async def _copy_announced(stream: Stream, obj: StoredObject, source: memoryview,
             try:
                 async with asyncio.timeout(stall):
                     kind, n = await recv_frame_header(stream)
+                    body = await recv_error_body(stream, n) if kind != FRAME_DATA else None
             except TimeoutError:
                 raise Timeout(f"peer {address} sent nothing for {stall:g}s (stall timeout)") from None
-            if kind != FRAME_DATA:
-                _raise_peer_error(address, await recv_error_body(stream, n))
+            if body is not None:
+                _raise_peer_error(address, body)
             if n > end - pos:
                 raise ProtocolError(f"{address} announced {n} bytes at {pos}; wanted at most {end - pos}")
             upto = pos + n

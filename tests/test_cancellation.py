@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from in_process import run_nodes
 
 import hoplite_gpu as hg
 
@@ -16,26 +17,9 @@ MiB = 1 << 20
 
 
 def with_nodes(n: int, body, **settings) -> None:
-    """Run `body(directory, *nodes)`: an in-process directory and `n` nodes,
-    always closed afterwards."""
-    from hoplite_gpu.directory.server import DirectoryServer
-    from hoplite_gpu.node.node import Node
-
-    async def main():
-        directory = DirectoryServer("tok")
-        address = await directory.start()
-        config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, **settings)
-        nodes = [Node(config, "tok", address) for _ in range(n)]
-        try:
-            for node in nodes:
-                await node.start()
-            await asyncio.wait_for(body(directory, *nodes), 60)
-        finally:
-            for node in reversed(nodes):
-                await node.close()
-            await directory.close()
-
-    asyncio.run(main())
+    """Run `body(directory, *nodes)`: an in-process directory and `n` nodes."""
+    config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, **settings)
+    run_nodes([config] * n, body)
 
 
 async def eventually(check, timeout: float = 5.0) -> bool:

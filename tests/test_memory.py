@@ -10,6 +10,7 @@ import zlib
 import cluster_tasks as t
 import numpy as np
 import pytest
+from in_process import run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu.cluster import LocalCluster
@@ -90,25 +91,8 @@ def test_a_put_larger_than_the_limit_is_refused_before_it_registers(cluster):
 # can be interrupted exactly where a caller would give up.
 def with_nodes(limit: int, body) -> None:
     """Run `body(directory, origin, reader)`: the reader has the store limit."""
-    from hoplite_gpu.directory.server import DirectoryServer
-    from hoplite_gpu.node.node import Node
-
-    async def main():
-        directory = DirectoryServer("tok")
-        address = await directory.start()
-        config = hg.Config(shared_memory=False, chunk_size=MiB)
-        origin = Node(config, "tok", address)
-        reader = Node(config.replace(store_bytes=limit), "tok", address)
-        try:
-            await origin.start()
-            await reader.start()
-            await body(directory, origin, reader)
-        finally:
-            for node in (reader, origin):
-                await node.close()
-            await directory.close()
-
-    asyncio.run(main())
+    config = hg.Config(shared_memory=False, chunk_size=MiB)
+    run_nodes([config, config.replace(store_bytes=limit)], body)
 
 
 def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_forgot():

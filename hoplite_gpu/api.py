@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from .config import Config
+from .config import MAX_TIMEOUT_S, Config
 from .device import AS_CHOICES
 from .direct import MISS
 from .errors import InvalidArgument, NotInitialized
@@ -48,6 +48,9 @@ atexit.register(shutdown)
 
 def runtime() -> Runtime:
     rt = _runtime
+    if rt is not None and rt.forked:
+        raise NotInitialized("this process was forked from one that called hoplite_gpu.init(): "
+                             "the runtime stays with the parent; call hoplite_gpu.init() here")
     if rt is None or rt.closed:
         raise NotInitialized("hoplite_gpu is not initialised in this process: call hoplite_gpu.init() first")
     return rt
@@ -56,8 +59,10 @@ def runtime() -> Runtime:
 def _timeout(rt: Runtime, timeout: float | None) -> float:
     if timeout is None:
         return rt.config.timeout_s
-    if not timeout > 0:
-        raise InvalidArgument(f"timeout must be a positive number of seconds; got {timeout!r}")
+    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+            or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise InvalidArgument(f"timeout must be a positive number of seconds, at most "
+                              f"{MAX_TIMEOUT_S:g} (a year); got {timeout!r}")
     return float(timeout)
 
 

@@ -101,7 +101,7 @@ class WeightChannel:
             raise InvalidArgument(f"newer_than must be an int (-1: any version); got "
                                   f"{newer_than!r}")
         rt = api.runtime()
-        limit = rt.config.timeout_s if timeout is None else float(timeout)
+        limit = api._timeout(rt, timeout)
         deadline = time.monotonic() + limit
         while True:
             left = max(0.001, deadline - time.monotonic())

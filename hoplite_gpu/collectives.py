@@ -91,18 +91,34 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
         return _sliced_allreduce(np.ascontiguousarray(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
+    if _slicing(size, num_objects):
+        # Each rank decides alone whether to slice: one whose array is sliced
+        # reads this marker at its barrier, and fails at once (see there).
+        api.put(_marker(value, sliced=False), _slice_ids(name, size, op)[2][rank])
     return _reduce_and_get(args, value, ids[rank], True, timeout)
+
+
+def _slicing(size: int, num_objects: int | None) -> bool:
+    """Whether an allreduce of these ranks may be sliced at all."""
+    return (api.runtime().config.allreduce_slicing != "off" and num_objects in (None, size)
+            and size > 1)
+
+
+def _marker(value: Any, sliced: bool) -> bytes:
+    """What a rank of a sliced allreduce says it passed (its barrier marker)."""
+    kind = f"{value.dtype.str} {value.shape}" if isinstance(value, np.ndarray) \
+        else type(value).__name__
+    return (kind if sliced else f"{kind} (not sliced)").encode()
 
 
 def _slices(value: Any, size: int, num_objects: int | None) -> int:
     """How many slices an allreduce of `value` takes. Only an allreduce of every
     rank is sliced: with a subset (`num_objects` < size), the slices' reduces
     could each choose different inputs."""
-    config = api.runtime().config
-    if (config.allreduce_slicing == "off" or num_objects not in (None, size)
-            or not isinstance(value, np.ndarray) or value.size < size):
+    if (not _slicing(size, num_objects) or not isinstance(value, np.ndarray)
+            or value.size < size):
         return 1
-    return allreduce_slices(value.nbytes, size, config.chunk_size)
+    return allreduce_slices(value.nbytes, size, api.runtime().config.chunk_size)
 
 
 def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
@@ -144,7 +160,8 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     # The barrier's marker says what this rank passed: ranks whose arrays
     # differ fail at once, as a whole-object reduce does, instead of reducing
     # slices that do not line up.
-    shape = f"{value.dtype.str} {value.shape}".encode()
+    shape = _marker(value, sliced=True)
+    whole = _reduce_ids(name, size, op, None)[0]
     out: list[np.ndarray] = []  # filled on the loop thread, which owns the pool
     targets: list[np.ndarray] = []
 
@@ -166,6 +183,10 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
                 await node.put(shape, ready[rank])
                 shapes = await asyncio.gather(*[node.get(oid, limit) for oid in ready])
                 odd = {r: bytes(s).decode() for r, s in enumerate(shapes) if bytes(s) != shape}
+                if any(s.endswith("(not sliced)") for s in odd.values()):
+                    # Such a rank waits on the whole-object reduce: our whole
+                    # input, whose layout differs, fails it at once there.
+                    await node.put(value, whole[rank])
                 if odd:
                     raise InvalidArgument(
                         f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
@@ -301,8 +322,7 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     _check(0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
-    sliced = api.runtime().config.allreduce_slicing != "off"
-    if sliced and num_objects in (None, size) and size > 1:  # a sliced allreduce's
+    if _slicing(size, num_objects):  # a sliced allreduce's, or its markers
         inputs, results, ready = _slice_ids(name, size, op)
         doomed += [oid for row in inputs for oid in row] + results + ready
     _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)

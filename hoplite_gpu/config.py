@@ -15,6 +15,9 @@ _PREFIX = "HOPLITE_"
 DEVICE_TRANSPORTS = ("ucx",)
 KiB = 1024
 MiB = 1024 * KiB
+#: The longest deadline a call or setting may have (a year): "forever" is
+#: not a deadline, and longer ones overflow the waits they bound.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,10 @@ class Config:
             )
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
                      "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0; got {getattr(self, name)}")
+            bound = 1e30 if name == "link_bytes_per_s" else MAX_TIMEOUT_S  # (seconds: a year)
+            if not 0 < getattr(self, name) <= bound:
+                raise ConfigError(f"{name} must be > 0 and at most {bound:g}; "
+                                  f"got {getattr(self, name)}")
         if self.node_lease_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"node_lease_s ({self.node_lease_s}) must exceed heartbeat_interval_s "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -40,6 +41,9 @@ class Runtime:
             token = config.token
         self.config = config.replace(token=token)
         self.token = token
+        #: the process that made it: a forked child has a copy of this object
+        #: but neither the loop thread nor a node of its own
+        self.pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="hoplite-gpu-loop", daemon=True)
         # `submit` refuses work while the loop is not running: wait until it runs,
@@ -86,7 +90,12 @@ class Runtime:
 
     @property
     def closed(self) -> bool:
-        return not self._loop.is_running()
+        return self.forked or not self._loop.is_running()
+
+    @property
+    def forked(self) -> bool:
+        """This is a forked child's copy of its parent's runtime."""
+        return os.getpid() != self.pid
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the loop thread; its future is settled by the task's own
@@ -161,6 +170,8 @@ class Runtime:
 
     def close(self) -> None:
         self._closing = True
+        if self.forked:
+            return  # the loop, the node and their sockets are the parent's
         if self.direct is not None:
             self.direct.close()
         if self.closed and not self._thread.is_alive():

@@ -201,10 +201,14 @@ def split_address(address: str, default_scheme: str = "tcp") -> tuple[str, str, 
     """``"tcp://h:1"`` -> ("tcp", "h", 1); a bare ``"h:1"`` gets the default scheme."""
     from hoplite_gpu.errors import InvalidArgument
 
+    if not isinstance(address, str):
+        raise InvalidArgument(f"an address is a str like 'host:port' or 'tcp://host:port'; "
+                              f"got {address!r}")
     scheme, sep, rest = address.partition("://")
     if not sep:
         scheme, rest = default_scheme, address
     host, colon, port = rest.rpartition(":")
-    if not colon or not host or not port.isdigit():
-        raise InvalidArgument(f"expected an address like 'host:port' or 'tcp://host:port'; got {address!r}")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"expected an address like 'host:port' or 'tcp://host:port' "
+                              f"(port 0-65535); got {address!r}")
     return scheme, host.strip("[]"), int(port)

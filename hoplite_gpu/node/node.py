@@ -635,6 +635,8 @@ class Node:
         if obj is None or obj.error is not None:
             obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
             self._trim_soon()
+        elif not obj.complete:  # a caller's array to receive into (`receive_into`)
+            obj.buffer[:] = np.frombuffer(data, dtype=np.uint8)
         obj.advance(obj.size)
         return obj
 

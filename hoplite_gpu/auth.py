@@ -10,7 +10,7 @@ import os
 import secrets
 
 from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClosed
-from .protocol import recv_msg, send_msg
+from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
 PROTOCOL_VERSION = 7  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
@@ -37,7 +37,7 @@ async def server_handshake(stream: Stream, token: str, timeout: float) -> None:
         async with asyncio.timeout(timeout):
             s_nonce = os.urandom(_NONCE)
             await send_msg(stream, {"hello": "hoplite-gpu", "version": PROTOCOL_VERSION, "nonce": s_nonce})
-            msg = await recv_msg(stream)
+            msg = await recv_msg(stream, SMALL_MESSAGE)
             c_nonce, mac = msg.get("nonce"), msg.get("mac")
             if not isinstance(c_nonce, bytes) or not isinstance(mac, bytes):
                 raise ProtocolError(f"bad handshake from {stream.peer}")
@@ -53,11 +53,11 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
     """Run on the connecting side. Raises AuthenticationFailed on a token mismatch."""
     try:
         async with asyncio.timeout(timeout):
-            hello = await recv_msg(stream)
+            hello = await recv_msg(stream, SMALL_MESSAGE)
             s_nonce, c_nonce, answer = client_answer(hello, token, stream.peer)
             await send_msg(stream, answer)
             try:
-                verdict = await recv_msg(stream)
+                verdict = await recv_msg(stream, SMALL_MESSAGE)
             except TransportClosed as exc:
                 # A refusal comes as a verdict before the close; a bare close means the
                 # peer died or went away, which callers treat as a lost peer.

@@ -37,8 +37,16 @@ async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
     await stream.send(pack(msg))
 
 
-async def recv_msg(stream: Stream) -> dict[str, Any]:
+#: The most a handshake or a connection's first message may take: a peer that
+#: has proved nothing yet must not make us allocate MAX_MESSAGE.
+SMALL_MESSAGE = 4096
+
+
+async def recv_msg(stream: Stream, limit: int = MAX_MESSAGE) -> dict[str, Any]:
     n = message_length(await stream.recv_exactly(LENGTH.size), stream.peer)
+    if n > limit:
+        raise ProtocolError(f"message of {n} bytes from {stream.peer} where at most {limit} "
+                            "may come")
     return decode(stream.peer, await stream.recv_exactly(n))
 
 

@@ -50,7 +50,13 @@ import threading
 import weakref
 from typing import Any
 
-from hoplite_gpu.errors import ConnectionRefused, InvalidArgument, Timeout, TransportClosed
+from hoplite_gpu.errors import (
+    ConnectionRefused,
+    InvalidArgument,
+    Timeout,
+    TransportClosed,
+    TransportError,
+)
 
 from . import ucx_progress
 from .base import Backend, Handler, Listener, Stream, split_address
@@ -84,6 +90,9 @@ INLINE_MAX = 16 * 1024
 _INLINE_BUDGET = 64 * 1024
 _MAX_RECORDS = 256
 _HEAD_MAX = _HEAD.size + _MAX_RECORDS * _RECORD.size + _INLINE_BUDGET
+#: The largest message a receive stages on the host when it straddles the
+#: receive (a control message is at most MAX_MESSAGE; frames arrive whole).
+_MAX_STAGED = 64 << 20
 
 #: First bytes an accepted connection receives.
 _WELCOME = b"hoplite-ucx/1"
@@ -383,11 +392,18 @@ class UCXStream(Stream):
     async def _next_head(self) -> None:
         await self._guard("receive", self._recv(self._head, _LANE_HEAD))
         count, inline = _HEAD.unpack_from(self._head, 0)
+        # (checked: a peer, authenticated or not yet, must not make us read
+        # past the head or allocate what it pleases)
+        if count > _MAX_RECORDS or inline > _INLINE_BUDGET:
+            raise self._bad_head(f"{count} records, {inline} inline bytes")
         pos = _HEAD.size
         body = pos + count * _RECORD.size
         for _ in range(count):
             kind, size = _RECORD.unpack_from(self._head, pos)
             pos += _RECORD.size
+            if kind not in (_INLINE, _HOST, _DEVICE) or (
+                    kind == _INLINE and body + size > len(self._head)):
+                raise self._bad_head(f"a record of kind {kind} and {size} bytes")
             if kind == _INLINE:
                 self._pending.append([kind, size, bytes(self._head[body:body + size]), 0])
                 body += size
@@ -427,6 +443,8 @@ class UCXStream(Stream):
                     self._pending.pop(0)
                     continue
                 if data is None:  # straddles this call: stage it on the host
+                    if size > _MAX_STAGED:  # (our own messages that straddle are small)
+                        raise self._bad_head(f"a message of {size} bytes straddling a receive")
                     staged = bytearray(size)
                     await self._guard("receive", self._recv(staged, _LANE_DATA))
                     rec[2] = data = memoryview(staged)
@@ -439,6 +457,13 @@ class UCXStream(Stream):
         except TransportClosed as exc:
             exc.got = got
             raise
+
+    def _bad_head(self, what: str) -> TransportError:
+        """A head no peer of ours sends: this stream ends here."""
+        if not self._closed:
+            self._closed = True
+            _abort(self._ep)
+        return TransportError(f"malformed UCX message head from {self.peer}: {what}")
 
     # ------------------------------------------------------------ close ---
     async def _guard(self, what: str, aw: Any) -> Any:

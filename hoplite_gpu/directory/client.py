@@ -110,7 +110,11 @@ class DirectoryClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         else:
-            self._on_push(msg)
+            try:
+                self._on_push(msg)
+            except Exception:  # one bad push must not cost the node its directory
+                log.warning("ignored a push the node could not take: %.200r", msg,
+                            exc_info=True)
 
     def _fail(self, exc: BaseException) -> None:
         if self._lost is None:

@@ -11,8 +11,8 @@ import os
 import numpy as np
 
 from hoplite_gpu.auth import server_handshake
-from hoplite_gpu.errors import HopliteError, ProtocolError
-from hoplite_gpu.protocol import Outbox, field, read_messages, recv_msg, send_msg
+from hoplite_gpu.errors import HopliteError, ProtocolError, Timeout
+from hoplite_gpu.protocol import SMALL_MESSAGE, Outbox, field, read_messages, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend
 
 from . import state
@@ -159,7 +159,12 @@ class DirectoryServer:
     async def _serve(self, stream: Stream) -> None:
         try:
             await server_handshake(stream, self.token, self.handshake_timeout)
-            hello = await recv_msg(stream)
+            try:
+                async with asyncio.timeout(self.handshake_timeout):
+                    hello = await recv_msg(stream, SMALL_MESSAGE)
+            except TimeoutError:
+                raise Timeout(f"{stream.peer} sent no 'register' within "
+                              f"{self.handshake_timeout:g}s of its handshake") from None
             if hello.get("op") == "attach":
                 await self._serve_direct(stream, field(hello, "node", str))
                 return
@@ -215,7 +220,12 @@ class DirectoryServer:
         if node not in self.state.nodes or self.peers.get(node) is not direct.peer:
             return  # its node is gone (this connection is being closed): nothing is its
         if op == "cancel":
-            rid = direct.requests.pop(msg.get("request"), None)  # type: ignore[arg-type]
+            request = msg.get("request")
+            if not isinstance(request, int):
+                direct.outbox.post({"rid": 0, "error": "ProtocolError",
+                                    "message": f"cancel needs an int request id; got {request!r}"})
+                return
+            rid = direct.requests.pop(request, None)
             if rid is not None:
                 self._direct_requests.pop(rid, None)
                 self.apply(state.CancelLocate(direct.peer.node, rid))

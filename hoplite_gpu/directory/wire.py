@@ -11,41 +11,50 @@ from hoplite_gpu.protocol import field
 from . import state
 
 
+def _id(msg: dict[str, Any], name: str) -> bytes:
+    """An object id field: 20 bytes (a shorter one would reach other nodes in
+    pushes and fail there)."""
+    value = field(msg, name, bytes)
+    if len(value) != 20:
+        raise ProtocolError(f"{name} must be a 20-byte object id; got {len(value)} bytes")
+    return value
+
+
 def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     """Translate one message from `node`; None for ops the server answers itself."""
     op = field(msg, "op", str)
     if op == "put":
         inline = msg.get("inline")
-        return state.Put(node, field(msg, "rid", int), field(msg, "oid", bytes),
+        return state.Put(node, field(msg, "rid", int), _id(msg, "oid"),
                          field(msg, "size", int), field(msg, "layout", dict),
                          inline if isinstance(inline, bytes) else None)
     if op == "locate":
-        return state.Locate(node, field(msg, "rid", int), field(msg, "oid", bytes),
+        return state.Locate(node, field(msg, "rid", int), _id(msg, "oid"),
                             bool(msg.get("direct", False)))
     if op == "cancel":
         return state.CancelLocate(node, field(msg, "request", int))
     if op == "progress":
-        return state.Progress(node, field(msg, "oid", bytes), field(msg, "nbytes", int))
+        return state.Progress(node, _id(msg, "oid"), field(msg, "nbytes", int))
     if op == "complete":
         size, layout = msg.get("size", -1), msg.get("layout")
-        return state.Completed(node, field(msg, "oid", bytes),
+        return state.Completed(node, _id(msg, "oid"),
                                size if isinstance(size, int) else -1,
                                layout if isinstance(layout, dict) else None,
                                msg.get("own") is True)
     if op == "failed":
-        return state.TransferFailed(node, field(msg, "oid", bytes), field(msg, "sender", str),
+        return state.TransferFailed(node, _id(msg, "oid"), field(msg, "sender", str),
                                     field(msg, "have", int))
     if op == "dropped":
-        return state.Dropped(node, field(msg, "oid", bytes))
+        return state.Dropped(node, _id(msg, "oid"))
     if op == "evict":
         oids = field(msg, "oids", list)
         if not all(isinstance(i, bytes) and len(i) == 20 for i in oids):
             raise ProtocolError("evict oids must be 20-byte object ids")
         return state.Evict(node, field(msg, "rid", int), tuple(oids))
     if op == "delete":
-        return state.Delete(node, field(msg, "rid", int), field(msg, "oid", bytes))
+        return state.Delete(node, field(msg, "rid", int), _id(msg, "oid"))
     if op == "query":
-        return state.Query(node, field(msg, "rid", int), field(msg, "oid", bytes))
+        return state.Query(node, field(msg, "rid", int), _id(msg, "oid"))
     if op == "channel_publish":
         return state.ChannelPublish(node, field(msg, "rid", int), field(msg, "name", str),
                                     field(msg, "version", int))
@@ -62,17 +71,17 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         relay = msg.get("relay", False)
         if not isinstance(relay, bool):
             raise ProtocolError("reduce relay must be a bool")
-        return state.ReduceRequested(node, field(msg, "rid", int), field(msg, "target", bytes),
+        return state.ReduceRequested(node, field(msg, "rid", int), _id(msg, "target"),
                                      tuple(inputs), field(msg, "op_name", str),
                                      field(msg, "num_objects", int), root_input, relay)
     if op == "reduce_failed":
-        return state.ReduceFailed(node, field(msg, "target", bytes), field(msg, "message", str))
+        return state.ReduceFailed(node, _id(msg, "target"), field(msg, "message", str))
     if op == "step_lost":
-        return state.StepLost(node, field(msg, "target", bytes), field(msg, "message", str))
+        return state.StepLost(node, _id(msg, "target"), field(msg, "message", str))
     if op == "reduced_inputs":
-        return state.ReducedInputs(node, field(msg, "rid", int), field(msg, "target", bytes))
+        return state.ReducedInputs(node, field(msg, "rid", int), _id(msg, "target"))
     if op == "reduce_confirm":
-        return state.ReduceConfirm(node, field(msg, "rid", int), field(msg, "target", bytes),
+        return state.ReduceConfirm(node, field(msg, "rid", int), _id(msg, "target"),
                                    field(msg, "tag", bytes))
     return None
 

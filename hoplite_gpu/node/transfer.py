@@ -34,6 +34,7 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
     FRAME_DATA,
+    SMALL_MESSAGE,
     field,
     recv_error_body,
     recv_frame_header,
@@ -148,7 +149,7 @@ class DataServer:
         try:
             await server_handshake(stream, self.token, self.config.connect_timeout_s)
             while True:
-                req = await recv_msg(stream)
+                req = await recv_msg(stream, SMALL_MESSAGE)  # (a pull request is small)
                 if req.get("op") != "pull":
                     raise ProtocolError(f"expected 'pull', got {req.get('op')!r}")
                 await self._serve_pull(stream, req)
@@ -245,7 +246,7 @@ class DataServer:
         take far longer than a stall, so it gets the call deadline."""
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                msg = await recv_msg(stream)
+                msg = await recv_msg(stream, SMALL_MESSAGE)
         except TimeoutError:
             raise Timeout(f"{stream.peer} did not say {op!r} within "
                           f"{self.config.timeout_s:g}s") from None

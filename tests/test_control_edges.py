@@ -1,0 +1,204 @@
+"""Control-path edges: what a malformed, hostile or silent peer of the
+directory (or of a UCX stream) can do to the directory and to other nodes.
+Each test is bounded; all traffic stays on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # (in_process, as test_cancellation imports it)
+
+import tests.transport_checks as tc
+from hoplite_gpu.auth import client_handshake
+from hoplite_gpu.config import Config
+from hoplite_gpu.directory.server import DirectoryServer
+from hoplite_gpu.errors import ConfigError, HopliteError, TransportClosed
+from hoplite_gpu.protocol import recv_msg, send_msg
+from hoplite_gpu.transports import get_backend
+
+TOKEN = "tok"
+OID = b"o" * 20
+
+
+def run(coro_fn, bound: float = 30.0) -> None:
+    async def main():
+        async with asyncio.timeout(bound):
+            await coro_fn()
+    asyncio.run(main())
+
+
+async def authenticated(address: str):
+    """A raw TCP stream to the directory, past the handshake."""
+    stream = await get_backend("tcp").connect(address, 5)
+    await client_handshake(stream, TOKEN, 5)
+    return stream
+
+
+async def registered(address: str, node: str):
+    stream = await authenticated(address)
+    await send_msg(stream, {"op": "register", "node": node, "address": f"tcp://127.0.0.1:1{len(node)}"})
+    async with asyncio.timeout(5):
+        reply = await recv_msg(stream)
+    assert reply == {"ok": True, "node": node}
+    return stream
+
+
+async def closed_within(stream, seconds: float) -> bool:
+    """Whether the peer closes `stream` within `seconds` (messages are skipped)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while True:
+                await recv_msg(stream)
+    except TransportClosed:
+        return True
+    except TimeoutError:
+        return False
+
+
+# ------------------------------------------------ the directory's deadlines ---
+def test_a_peer_that_authenticates_but_never_registers_is_dropped():
+    """The handshake is bounded by handshake_timeout, but the register (or
+    attach) message after it is awaited with no deadline: an authenticated
+    peer that stays silent holds its connection and task forever."""
+    async def body():
+        server = DirectoryServer(TOKEN, handshake_timeout=0.5)
+        address = await server.start()
+        try:
+            stream = await authenticated(address)
+            try:
+                assert await closed_within(stream, 3.0), \
+                    "the directory still waits for 'register' long after handshake_timeout"
+            finally:
+                await stream.close()
+        finally:
+            await server.close()
+    run(body)
+
+
+# ------------------------------------------------- direct connections ---
+def test_a_direct_cancel_with_a_malformed_request_id_gets_a_protocol_error():
+    """On a node's own connection a cancel whose `request` is not an int is
+    answered ProtocolError; on a direct connection it is used as a dict key
+    (server.py `_received_direct`): a list raises TypeError out of the
+    handler, and the connection dies without an answer."""
+    async def body():
+        server = DirectoryServer(TOKEN)
+        address = await server.start()
+        control = direct = None
+        try:
+            control = await registered(address, "victim")
+            direct = await authenticated(address)
+            await send_msg(direct, {"op": "attach", "node": "victim"})
+            async with asyncio.timeout(5):
+                assert await recv_msg(direct) == {"ok": True, "node": "victim"}
+            # a locate that waits (nobody put OID): the connection's requests are not empty
+            await send_msg(direct, {"op": "locate", "rid": 1, "oid": OID})
+            await send_msg(direct, {"op": "cancel", "request": [1]})
+            await send_msg(direct, {"op": "put", "rid": 2, "oid": b"p" * 20, "size": 1,
+                                    "layout": {"kind": "bytes"}, "inline": b"x"})
+            async with asyncio.timeout(5):
+                replies = [await recv_msg(direct)]  # TransportClosed today
+                while replies[-1].get("rid") != 2:
+                    replies.append(await recv_msg(direct))
+            assert replies[-1] == {"rid": 2, "ok": True}
+        finally:
+            for s in (direct, control):
+                if s is not None:
+                    await s.close()
+            await server.close()
+    run(body)
+
+
+# -------------------------------------- one node's ids reach other nodes ---
+def test_a_short_object_id_from_one_node_does_not_cut_off_the_others():
+    """The directory takes object ids of any length (wire.py checks only
+    reduce inputs). A node announces a 3-byte id as a complete object (a
+    'recovered' entry, as after a restart) and deletes it: the directory
+    sends `drop` with that id to every node, and each node's push handler
+    raises InvalidArgument (ObjectID), which its client takes for a lost
+    directory connection."""
+    from in_process import run_nodes
+
+    async def body(directory, victim):
+        hostile = await registered(directory.address, "hostile")
+        try:
+            await send_msg(hostile, {"op": "complete", "oid": b"abc", "size": 1,
+                                     "layout": {"kind": "bytes", "dtype": "uint8", "shape": [1],
+                                                "nbytes": 1}})
+            await send_msg(hostile, {"op": "delete", "rid": 1, "oid": b"abc"})
+            async with asyncio.timeout(5):
+                reply = await recv_msg(hostile)
+            await asyncio.sleep(0.3)  # (the drop reaches the victim meanwhile)
+            assert victim.client._lost is None and victim._connected.is_set(), \
+                f"another node's message cut the victim off the directory (reply {reply})"
+        finally:
+            await hostile.close()
+
+    run_nodes([Config(shared_memory=False, timeout_s=10)], body, bound=20)
+
+
+# -------------------------------------------------------------- UCX heads ---
+def _ucx_or_skip():
+    try:
+        get_backend("ucx")
+    except ConfigError as exc:
+        pytest.skip(f"UCX not usable here: {exc}")
+
+
+@pytest.mark.parametrize("head", [
+    struct.pack("<HI", 1, 0) + struct.pack("<BQ", 1, 1 << 62),  # a data record of 4 EiB
+    struct.pack("<HI", 60000, 0),                                # more records than a head holds
+], ids=["huge-record", "too-many-records"])
+def test_a_malformed_ucx_head_is_a_transport_error(head):
+    """`UCXStream._next_head` trusts the peer's head: a record's size is
+    allocated for staging as it is (MemoryError, or a multi-GiB allocation
+    for a smaller lie) and the record count is not checked against the head
+    buffer (struct.error). Either escapes recv_into as a non-HopliteError,
+    before any handshake (the directory's first recv_msg)."""
+    _ucx_or_skip()
+
+    async def body():
+        async with tc.connected_pair("ucx") as (client, server):
+            await client._send(head, 0)  # (the head lane, as a peer would send it)
+            with pytest.raises(HopliteError):
+                async with asyncio.timeout(5):
+                    await server.recv_exactly(4)
+    run(body)
+
+
+# ------------------------------------------------- before authentication ---
+def test_an_unauthenticated_peer_cannot_make_the_directory_allocate_max_message():
+    """The handshake reads its one small message with recv_msg, whose bound
+    is MAX_MESSAGE (64 MiB): a peer that has proved nothing announces 64 MiB
+    and the directory allocates (and zero-fills) that much at once, per
+    connection, for up to handshake_timeout. A few hundred such connections
+    exhaust the directory's memory."""
+    import tracemalloc
+
+    async def body():
+        server = DirectoryServer(TOKEN, handshake_timeout=5)
+        address = await server.start()
+        streams = []
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(3):
+                stream = await get_backend("tcp").connect(address, 5)
+                streams.append(stream)
+                async with asyncio.timeout(5):
+                    await recv_msg(stream)  # the server's hello
+                await stream.send((60 << 20).to_bytes(4, "big"))  # ...and no body
+            await asyncio.sleep(0.5)
+            grown = tracemalloc.get_traced_memory()[0] - before
+            assert grown < 16 << 20, f"3 unauthenticated peers made the directory hold {grown >> 20} MiB"
+        finally:
+            tracemalloc.stop()
+            for s in streams:
+                await s.close()
+            await server.close()
+    run(body)

@@ -32,6 +32,14 @@ def _oid(name: str, version: int, part: str) -> ObjectID:
     return ObjectID.from_name(f"hoplite-channel/{name}/{version}/{part}")
 
 
+def _exists(oid: ObjectID) -> bool:
+    try:
+        api.object_info(oid)
+    except ObjectNotFound:
+        return False
+    return True
+
+
 class WeightChannel:
     """``WeightChannel("policy").publish(state_dict)`` on the learner;
     ``version, weights = WeightChannel("policy").fetch()`` on every actor."""
@@ -57,8 +65,14 @@ class WeightChannel:
                                     or version < 0):
             raise InvalidArgument(f"version must be an int >= 0; got {version!r}")
         rt = api.runtime()
+        latest = self.latest_version()
         if version is None:
-            version = max(self.latest_version(), self._tried) + 1
+            version = max(latest, self._tried) + 1
+        elif version <= latest:
+            # Its ids may exist with other bytes, and the head never moves back.
+            raise InvalidArgument(f"channel {self.name!r}: version {version} is not newer than "
+                                  f"its head, {latest}; publish a newer version (or none: "
+                                  "the next one is chosen)")
         self._tried = max(self._tried, version)
         keys = list(tensors)
         done: list[ObjectID] = []
@@ -135,5 +149,7 @@ class WeightChannel:
             except ObjectNotFound:
                 return None
             except Timeout:
-                if self.latest_version() >= version + self.keep:
-                    return None  # freed by the publisher; a newer version exists
+                # Freed by the publisher (whose `keep` may be smaller than
+                # ours): a newer version exists and this one is gone.
+                if self.latest_version() > version and not _exists(oid):
+                    return None

@@ -139,6 +139,37 @@ def _parse_size(text: str) -> int:
         raise SystemExit(str(exc)) from None
 
 
+def _positive_size(text: str) -> str:
+    """An argparse type: a size of at least one byte (kept as text)."""
+    try:
+        ok = parse_size(text) > 0
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {text!r}")
+    return text
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 1.25e9)") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hoplite-gpu", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,22 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="broadcast a large array across a local cluster and show the tree")
     m.add_argument("--workers", type=int, default=8, help="worker processes (1 sender + N-1 receivers)")
-    m.add_argument("--size", default="256MiB", help="array size (default 256MiB)")
-    m.add_argument("--repeats", type=int, default=1, help="broadcasts to time (median reported)")
-    m.add_argument("--chunk-size", default=None, help="pipeline chunk size (default from config)")
+    m.add_argument("--size", type=_positive_size, default="256MiB",
+                   help="array size (default 256MiB)")
+    m.add_argument("--repeats", type=_at_least_one, default=1,
+                   help="broadcasts to time (median reported)")
+    m.add_argument("--chunk-size", type=_positive_size, default=None,
+                   help="pipeline chunk size (default from config)")
     m.set_defaults(func=_demo)
 
     c = sub.add_parser("calibrate", help="measure latency and bandwidth for the reduce cost model")
-    c.add_argument("--size", default="64MiB", help="large transfer size (default 64MiB)")
-    c.add_argument("--repeats", type=int, default=5, help="timed gets of each size (default 5)")
+    c.add_argument("--size", type=_positive_size, default="64MiB",
+                   help="large transfer size (default 64MiB)")
+    c.add_argument("--repeats", type=_at_least_one, default=5,
+                   help="timed gets of each size (default 5)")
     c.set_defaults(func=_calibrate)
 
     s = sub.add_parser("simulate", help="simulate a broadcast at any scale with the real scheduler")
-    s.add_argument("--receivers", type=int, default=1000, help="default 1000")
-    s.add_argument("--size", default="256MiB", help="object size (default 256MiB)")
-    s.add_argument("--bandwidth", default="1.25e9", help="bytes/s per link direction")
+    s.add_argument("--receivers", type=_at_least_one, default=1000, help="default 1000")
+    s.add_argument("--size", type=_positive_size, default="256MiB",
+                   help="object size (default 256MiB)")
+    s.add_argument("--bandwidth", type=_positive_float, default=1.25e9,
+                   help="bytes/s per link direction (default 1.25e9)")
     s.add_argument("--latency", type=float, default=1e-4, help="seconds per message")
-    s.add_argument("--chunk", default="4MiB", help="pipeline chunk size (default 4MiB)")
+    s.add_argument("--chunk", type=_positive_size, default="4MiB",
+                   help="pipeline chunk size (default 4MiB)")
     s.set_defaults(func=_simulate)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")

@@ -4,6 +4,8 @@ to them, inside an initialised hoplite-gpu runtime."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import multiprocessing as mp
 import os
 import re
@@ -29,7 +31,7 @@ def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> No
     import hoplite_gpu as hg
 
     hg.init(address, token=token, **settings)
-    conn.send(("ready", hg.node_id()))
+    conn.send((0, "ok", hg.node_id()))  # (job 0: being ready)
     while True:
         try:
             job = conn.recv()
@@ -37,11 +39,11 @@ def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> No
             break
         if job is None:
             break
-        fn, args, kwargs = job
+        seq, fn, args, kwargs = job
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            conn.send((seq, "ok", fn(*args, **kwargs)))
         except BaseException as exc:  # report everything, the worker lives on
-            conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send((seq, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     hg.shutdown()
 
 
@@ -61,6 +63,11 @@ class LocalCluster(Closing):
         self._directory: subprocess.Popen | None = None
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
+        #: per worker, the jobs whose answers are awaited, oldest first (0:
+        #: its start); a job given up at its deadline leaves, and its late
+        #: answer is dropped when it comes
+        self._jobs: list[collections.deque[int]] = []
+        self._seq = itertools.count(1)
 
     # ------------------------------------------------------------ set-up ---
     def _open(self) -> None:
@@ -72,6 +79,7 @@ class LocalCluster(Closing):
             proc, conn = self._spawn()
             self._procs.append(proc)
             self._conns.append(conn)
+            self._jobs.append(collections.deque([0]))
         self.node_ids = [self._recv(i, self.start_timeout) for i in range(self.num_workers)]
 
     def _spawn(self) -> tuple[mp.Process, Any]:
@@ -89,6 +97,7 @@ class LocalCluster(Closing):
         self.kill(worker)
         self._conns[worker].close()
         self._procs[worker], self._conns[worker] = self._spawn()
+        self._jobs[worker] = collections.deque([0])
         self.node_ids[worker] = self._recv(worker, self.start_timeout)
         return self.node_ids[worker]
 
@@ -145,19 +154,41 @@ class LocalCluster(Closing):
     # ------------------------------------------------------------- work ---
     def submit(self, worker: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Start `fn(*args, **kwargs)` on a worker; collect it with `result`."""
-        self._conns[worker].send((fn, args, kwargs))
+        self._check_worker(worker)
+        seq = next(self._seq)
+        try:
+            self._conns[worker].send((seq, fn, args, kwargs))
+        except OSError:
+            raise WorkerError(f"worker {worker} died (exit code "
+                              f"{self._procs[worker].exitcode})") from None
+        self._jobs[worker].append(seq)
+
+    def _check_worker(self, worker: int) -> None:
+        if not (isinstance(worker, int) and 0 <= worker < len(self._conns)):
+            raise HopliteError(f"no worker {worker!r}: this cluster has workers "
+                               f"0 to {len(self._conns) - 1}")
 
     def result(self, worker: int, timeout: float = 300.0) -> Any:
         return self._recv(worker, timeout)
 
     def _recv(self, worker: int, timeout: float) -> Any:
-        conn = self._conns[worker]
-        if not conn.poll(timeout):
-            raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
-        try:
-            status, value = conn.recv()
-        except EOFError:
-            raise WorkerError(f"worker {worker} died (exit code {self._procs[worker].exitcode})") from None
+        self._check_worker(worker)
+        conn, jobs = self._conns[worker], self._jobs[worker]
+        if not jobs:
+            raise HopliteError(f"worker {worker} has no job whose result is awaited")
+        deadline = time.monotonic() + timeout
+        while True:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                jobs.popleft()  # given up: its answer, when it comes, is dropped
+                raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
+            try:
+                seq, status, value = conn.recv()
+            except (EOFError, OSError):
+                raise WorkerError(f"worker {worker} died (exit code "
+                                  f"{self._procs[worker].exitcode})") from None
+            if seq == jobs[0]:
+                jobs.popleft()
+                break  # (an older one's answer came after its caller gave up)
         if status == "err":
             raise WorkerError(f"worker {worker} raised {value}")
         return value

@@ -64,6 +64,7 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     try:
         actor = ray.get_actor(name, namespace=namespace)  # attach to a running one
     except ValueError:
+        Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
         options: dict[str, Any] = {**(actor_options or {}), "name": name, "namespace": namespace,
                                    "get_if_exists": True}
         if detached:
@@ -71,7 +72,14 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
         actor = DirectoryActor.options(**options).remote(token or new_token(), host, port, settings)
         # keep the creating handle: a non-detached actor dies with its owner's handles
         _handles.setdefault((name, namespace), actor)
-    return ray.get(actor.info.remote(), timeout=60)
+    try:
+        return ray.get(actor.info.remote(), timeout=60)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        # A directory that could not start: remove it, or its name stays taken
+        # by a dead actor and every later start or join meets that.
+        ray.kill(actor)
+        _handles.pop((name, namespace), None)
+        raise DirectoryUnavailable(f"the directory actor {name!r} did not start: {exc}") from exc
 
 
 def _find(name: str, namespace: str | None, timeout: float) -> Any:
@@ -105,8 +113,10 @@ async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     actor = await asyncio.to_thread(_find, name, namespace, timeout)
     info = await asyncio.wait_for(actor.info.remote(), timeout)
     current = api._runtime
-    if current is not None and not current.closed and current.address == info["address"]:
-        return current
+    if current is not None and not current.closed:
+        if current.address == info["address"]:
+            return current
+        await asyncio.to_thread(api.shutdown)  # another directory now: as `join` does
     return await asyncio.to_thread(api.init, info["address"], token=info["token"], **settings)
 
 
@@ -118,6 +128,8 @@ def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) ->
         return
     try:
         ray.get(actor.stop.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        pass  # (dead already: removed below all the same)
     finally:
         ray.kill(actor)
         _handles.pop((name, namespace), None)

@@ -282,7 +282,15 @@ class Node:
         gave up): it leaves this node, and the directory hears so."""
         obj = self.store.get(oid)
         if obj is not None and not obj.complete:
-            self._let_go(oid)
+            # The pull or the reduce step filling it must stop writing into
+            # the caller's memory, which is the caller's again.
+            reason = ObjectNotFound(f"the call receiving object {oid.hex()} into its own array "
+                                    "gave up")
+            self._cancel_pull(oid, reason)
+            step = self._steps.pop(oid, None)
+            if step is not None:
+                step.task.cancel(str(reason))
+            self._let_go(oid, reason)
 
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
@@ -536,6 +544,7 @@ class Node:
         return obj
 
     async def _locate(self, oid: ObjectID, deadline: float) -> dict:
+        since = self.forgets
         try:
             return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
         except Timeout as exc:
@@ -543,7 +552,11 @@ class Node:
             raise Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
                           "nobody has put it yet, or every copy is busy") from None
         except asyncio.CancelledError:
-            self._withdrawn(oid)
+            # Cancelled by a drop or delete (`_forget`), the directory forgot
+            # this node's part already, and may have made it a holder anew
+            # since (a restarted reduce's root): then nothing is withdrawn.
+            if self._forgotten.get(oid, 0) <= since:
+                self._withdrawn(oid)
             raise
 
     def _withdrawn(self, oid: ObjectID) -> None:

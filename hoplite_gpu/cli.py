@@ -150,24 +150,20 @@ def _positive_size(text: str) -> str:
     return text
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
-    return value
+def _positive(kind: type, what: str):
+    """An argparse type: a positive (finite) `kind`, `what` naming it."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be positive; got {text!r}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 1.25e9)") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number; got {text!r}")
-    return value
+_at_least_one = _positive(int, "a whole number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--receivers", type=_at_least_one, default=1000, help="default 1000")
     s.add_argument("--size", type=_positive_size, default="256MiB",
                    help="object size (default 256MiB)")
-    s.add_argument("--bandwidth", type=_positive_float, default=1.25e9,
+    s.add_argument("--bandwidth", type=_positive(float, "a number (e.g. 1.25e9)"), default=1.25e9,
                    help="bytes/s per link direction (default 1.25e9)")
     s.add_argument("--latency", type=float, default=1e-4, help="seconds per message")
     s.add_argument("--chunk", type=_positive_size, default="4MiB",

@@ -5,14 +5,13 @@ code it was written against; every wait is bounded."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import pytest
+from ray_local import local_ray
 
 import hoplite_gpu as hg
 from hoplite_gpu import cli
@@ -140,19 +139,15 @@ needs_ray = pytest.mark.skipif(ray is None, reason="ray is not installed")
 def ray_cluster():
     import hoplite_gpu.ray as hray
 
-    tmp = tempfile.mkdtemp(prefix="hgedge", dir="/tmp")
-    ray.init(num_cpus=16, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             namespace="hoplite-edges", configure_logging=False)
-    try:
-        yield hray
-    finally:
-        for name in ("edge-a", "edge-b", "edge-bad", "edge-bad2"):
-            try:
-                hray.stop_directory(name=name)
-            except Exception:  # noqa: BLE001
-                pass
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+    with local_ray("hoplite-edges", num_cpus=16):
+        try:
+            yield hray
+        finally:
+            for name in ("edge-a", "edge-b", "edge-bad", "edge-bad2"):
+                try:
+                    hray.stop_directory(name=name)
+                except Exception:  # noqa: BLE001
+                    pass
 
 
 if ray is not None:

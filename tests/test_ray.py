@@ -4,8 +4,6 @@ task arguments, the weight channel through actors, and an actor restart."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -15,24 +13,18 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
+from ray_local import local_ray  # noqa: E402
+
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # Ray writes sockets under its temp dir: keep the path short and our own.
-    tmp = tempfile.mkdtemp(prefix="hgray", dir="/tmp")
-    # oversubscribed: every actor here waits on I/O, and a pending actor would hang a test
-    ray.init(num_cpus=32, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             namespace="hoplite-tests", configure_logging=False)
-    try:
+    with local_ray("hoplite-tests", num_cpus=32):
         info = hray.start_directory()
         yield info
         hray.stop_directory()
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @ray.remote

@@ -1,0 +1,25 @@
+"""A Ray session of this machine for the tests, always shut down."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def local_ray(namespace: str, num_cpus: int) -> Iterator[None]:
+    """`ray.init` on this machine, in `namespace`, with `num_cpus` (tests
+    oversubscribe: their actors wait on I/O, and a pending actor would hang
+    a test); its temp dir, where Ray keeps its sockets, short and ours."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="hgray", dir="/tmp")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             namespace=namespace, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)

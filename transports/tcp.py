@@ -340,4 +340,7 @@ class TCPBackend(Backend):
         except OSError as exc:
             sock.close()
             raise ConnectionRefused(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+        except BaseException:  # cancelled (its caller gave up): the socket goes too
+            sock.close()
+            raise
         return TCPStream(sock, f"{host}:{port}")

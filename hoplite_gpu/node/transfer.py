@@ -447,6 +447,9 @@ async def _connect_local(address: str) -> Stream | None:
         mine = shm.same_user(sock)
     except OSError:
         mine = False
+    except BaseException:  # cancelled: the socket goes too
+        sock.close()
+        raise
     if not mine:
         sock.close()
         return None

@@ -284,13 +284,10 @@ class Node:
         if obj is not None and not obj.complete:
             # The pull or the reduce step filling it must stop writing into
             # the caller's memory, which is the caller's again.
-            reason = ObjectNotFound(f"the call receiving object {oid.hex()} into its own array "
-                                    "gave up")
-            self._cancel_pull(oid, reason)
-            step = self._steps.pop(oid, None)
-            if step is not None:
-                step.task.cancel(str(reason))
-            self._let_go(oid, reason)
+            # Everything a drop does (`_forget`), and the directory hears.
+            self._forget(oid, ObjectNotFound(
+                f"the call receiving object {oid.hex()} into its own array gave up"))
+            self._post({"op": "dropped", "oid": oid.binary})
 
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import HopliteError, ProtocolError, TransportClosed
+from .errors import HopliteError, ProtocolError, Timeout, TransportClosed, TransportError
 from .transports import SendWindow, Stream
 
 #: A message's head: its body's length in bytes.
@@ -141,19 +141,33 @@ class _Framer:
         self._start, self._end = 0, have
 
 
+#: The most an outbox holds for a peer that does not take its messages; past
+#: it the peer is cut off, so one stuck peer cannot grow its sender for ever.
+MAX_QUEUED = 4 * MAX_MESSAGE
+
+
 class Outbox:
     """Messages to one peer, in order, without making the poster wait: written
     at once while the stream takes them, else queued for a writer task. A
     control connection so costs no task switch per message. `on_lost` hears
-    of a failed write, once."""
+    of a failed write, once.
 
-    def __init__(self, stream: Stream, on_lost: Callable[[HopliteError], None]) -> None:
+    A peer that takes nothing for `stall_s` seconds while messages wait, or
+    lets more than `limit` bytes pile up, is cut off: the outbox fails and
+    closes the stream, which ends its reader too."""
+
+    def __init__(self, stream: Stream, on_lost: Callable[[HopliteError], None], *,
+                 stall_s: float | None = None, limit: int = MAX_QUEUED) -> None:
         self._stream = stream
         self._on_lost = on_lost
+        self._stall_s = stall_s
+        self._limit = limit
         self._queue: collections.deque[bytes | memoryview | None] = collections.deque()
+        self._queued = 0  # bytes in _queue
         self._wake = asyncio.Event()
         self._writing = False
         self._finished = False
+        self._closer: asyncio.Task | None = None
         self.failed: HopliteError | None = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop())
 
@@ -172,6 +186,12 @@ class Outbox:
             if n == len(data):
                 return
             data = memoryview(data)[n:]
+        self._queued += len(data)
+        if self._queued > self._limit:
+            self._cut(TransportError(
+                f"{self._stream.peer} took none of {self._queued} bytes of queued messages "
+                f"(more than {self._limit}); cut off"))
+            return
         self._queue.append(data)
         self._wake.set()
 
@@ -190,6 +210,8 @@ class Outbox:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        if self._closer is not None:
+            await asyncio.gather(self._closer, return_exceptions=True)
 
     async def _write_loop(self) -> None:
         while True:
@@ -199,9 +221,18 @@ class Outbox:
                 data = self._queue.popleft()
                 if data is None:
                     return
+                self._queued -= len(data)
                 self._writing = True
                 try:
-                    await self._stream.send(data)
+                    if self._stall_s is None:
+                        await self._stream.send(data)
+                    else:
+                        async with asyncio.timeout(self._stall_s):
+                            await self._stream.send(data)
+                except TimeoutError:
+                    self._cut(Timeout(f"{self._stream.peer} took no message for "
+                                      f"{self._stall_s:g}s; cut off"))
+                    return
                 except HopliteError as exc:
                     self._fail(exc)
                     return
@@ -212,7 +243,13 @@ class Outbox:
         if self.failed is None:
             self.failed = exc
             self._queue.clear()
+            self._queued = 0
             self._on_lost(exc)
+
+    def _cut(self, exc: HopliteError) -> None:
+        self._fail(exc)
+        if self._closer is None:
+            self._closer = asyncio.get_running_loop().create_task(self._stream.close())
 
 
 async def send_error_frame(stream: Stream | SendWindow, kind: str, message: str) -> None:

@@ -80,6 +80,68 @@ def test_a_peer_that_authenticates_but_never_registers_is_dropped():
     run(body)
 
 
+def test_a_node_that_stops_reading_is_cut_off_and_lost():
+    """A node that keeps its lease with pings but takes none of its replies
+    made the directory queue them for ever. Now the directory gives a write a
+    lease's time: the node is cut off and lost, and its queue freed."""
+    async def body():
+        server = DirectoryServer(TOKEN, lease_s=1.0, heartbeat_interval_s=0.25)
+        address = await server.start()
+        stream = await registered(address, "deaf")
+        pinging = None
+        try:
+            blob = b"b" * 60_000
+            await send_msg(stream, {"op": "put", "rid": 1, "oid": OID, "size": len(blob),
+                                    "layout": {"kind": "bytes"}, "inline": blob})
+
+            async def ping():
+                while True:
+                    await send_msg(stream, {"op": "ping"})
+                    await asyncio.sleep(0.2)
+            pinging = asyncio.get_running_loop().create_task(ping())
+            for rid in range(2, 600):  # ~36 MB of replies, never read
+                await send_msg(stream, {"op": "locate", "rid": rid, "oid": OID})
+            deadline = asyncio.get_running_loop().time() + 6.0
+            while "deaf" in server.peers and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            assert "deaf" not in server.peers, "a node that reads nothing is kept for ever"
+            assert "deaf" not in server.state.nodes
+        finally:
+            if pinging is not None:
+                pinging.cancel()
+                await asyncio.gather(pinging, return_exceptions=True)
+            await stream.close()
+            await server.close()
+    run(body)
+
+
+def test_connecting_to_a_directory_is_bounded_by_one_timeout():
+    """connect, handshake and register each had the whole timeout: a directory
+    that answered the handshake late and the register never took 2-3 x it."""
+    from hoplite_gpu.auth import server_handshake
+    from hoplite_gpu.directory.client import DirectoryClient
+    from hoplite_gpu.errors import Timeout
+
+    async def body():
+        async def slow(stream):
+            await asyncio.sleep(0.7)
+            await server_handshake(stream, TOKEN, 5)
+            await asyncio.sleep(10)  # and never answers the register
+
+        listener = await get_backend("tcp").listen("127.0.0.1", 0, slow)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(Timeout):
+                await DirectoryClient.connect(listener.address, token=TOKEN, node="n",
+                                              data_address="tcp://127.0.0.1:1", timeout=1.0,
+                                              on_push=lambda msg: None)
+            assert loop.time() - start < 1.5
+        finally:
+            await listener.close()
+    run(body)
+
+
 # ------------------------------------------------- direct connections ---
 def test_a_direct_cancel_with_a_malformed_request_id_gets_a_protocol_error():
     """On a node's own connection a cancel whose `request` is not an int is

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 import tests.transport_checks as tc
-from hoplite_gpu.errors import ProtocolError, TransportClosed
+from hoplite_gpu.errors import ProtocolError, Timeout, TransportClosed, TransportError
 from hoplite_gpu.protocol import MAX_MESSAGE, Outbox, pack, read_messages
 from hoplite_gpu.transports import Stream, get_backend
 
@@ -178,6 +178,44 @@ def test_outbox_failure_is_reported_once_and_later_posts_are_dropped():
     assert len(lost) == 1 and isinstance(lost[0], TransportClosed)
     assert out.failed is lost[0]
     assert stream.sent == b""
+
+
+class Stuck(Scripted):
+    """A peer that takes nothing: the first bytes fit, every later send waits."""
+
+    async def send(self, *buffers) -> None:
+        await asyncio.sleep(3600)
+
+
+def test_an_outbox_cuts_off_a_peer_that_takes_nothing_for_stall_s():
+    async def go():
+        stream = Stuck(takes=0)
+        lost = []
+        out = Outbox(stream, lost.append, stall_s=0.2)
+        out.post({"a": 1})
+        out.post({"a": 2})
+        await asyncio.sleep(0.5)
+        out.post({"a": 3})  # dropped
+        await out.close()
+        return stream, lost, out
+    stream, lost, out = asyncio.run(go())
+    assert len(lost) == 1 and isinstance(lost[0], Timeout)
+    assert stream.closed, "the stream of a peer cut off is closed, so its reader ends too"
+
+
+def test_an_outbox_cuts_off_a_peer_that_lets_too_much_pile_up():
+    async def go():
+        stream = Stuck(takes=0)
+        lost = []
+        out = Outbox(stream, lost.append, limit=1000)
+        for i in range(30):
+            out.post({"i": i, "blob": b"x" * 100})
+        await asyncio.sleep(0.01)
+        await out.close()
+        return stream, lost, out
+    stream, lost, out = asyncio.run(go())
+    assert len(lost) == 1 and isinstance(lost[0], TransportError)
+    assert "cut off" in str(lost[0]) and stream.closed
 
 
 @pytest.mark.parametrize("scheme", tc.scheme_params())

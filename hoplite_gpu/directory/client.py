@@ -23,20 +23,25 @@ log = logging.getLogger("hoplite_gpu.client")
 
 
 class DirectoryClient:
-    def __init__(self, stream: Stream, on_push: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, stream: Stream, on_push: Callable[[dict[str, Any]], None], *,
+                 stall_s: float | None = None) -> None:
         self._stream = stream
         self._on_push = on_push
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._lost: BaseException | None = None
         self._closing = False
-        self._outbox = Outbox(stream, self._fail)
+        self._outbox = Outbox(stream, self._fail, stall_s=stall_s)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
-                      timeout: float, on_push: Callable[[dict[str, Any]], None]) -> DirectoryClient:
+                      timeout: float, on_push: Callable[[dict[str, Any]], None],
+                      stall_s: float | None = None) -> DirectoryClient:
+        """Connect, authenticate and register within `timeout` seconds in all. A
+        directory that then takes no message for `stall_s` seconds is lost."""
         scheme, _, _ = split_address(address)
+        deadline = time.monotonic() + timeout  # one deadline for the whole: connect, handshake, register
         try:
             stream = await get_backend(scheme).connect(address, timeout)
         except (TransportError, Timeout) as exc:
@@ -46,11 +51,12 @@ class DirectoryClient:
                 f"cannot reach the directory at {address}: {exc}. "
                 "Is `hoplite-gpu directory` running there?") from exc
         try:
-            await client_handshake(stream, token, timeout)
-            await send_msg(stream, {"op": "register", "node": node, "address": data_address})
-            async with asyncio.timeout(timeout):
+            left = max(deadline - time.monotonic(), 0.0)
+            async with asyncio.timeout(left):
+                await client_handshake(stream, token, left)
+                await send_msg(stream, {"op": "register", "node": node, "address": data_address})
                 raise_for_error(await recv_msg(stream))
-        except TimeoutError as exc:
+        except (TimeoutError, Timeout) as exc:
             await stream.close()
             raise Timeout(
                 f"the directory at {address} did not accept us within {timeout:g}s (if it "
@@ -59,7 +65,7 @@ class DirectoryClient:
         except BaseException:
             await stream.close()
             raise
-        return cls(stream, on_push)
+        return cls(stream, on_push, stall_s=stall_s)
 
     async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a request and wait for its reply; errors in the reply are raised."""

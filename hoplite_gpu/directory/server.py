@@ -25,10 +25,11 @@ class _Peer:
     """One registered node: its stream and outbox, so the state machine never
     waits on a slow node."""
 
-    def __init__(self, node: str, stream: Stream) -> None:
+    def __init__(self, node: str, stream: Stream, stall_s: float) -> None:
         self.node = node
         self.stream = stream
-        self.outbox = Outbox(stream, self._lost)
+        # A node that takes no message for a lease is as good as lost.
+        self.outbox = Outbox(stream, self._lost, stall_s=stall_s)
         #: the node's direct connections (docs/protocol.md, "Direct calls")
         self.directs: set[_Direct] = set()
 
@@ -49,10 +50,10 @@ class _Direct:
     directory's own choosing (negative, so they never meet the node's), and
     their replies come back here."""
 
-    def __init__(self, peer: _Peer, stream: Stream) -> None:
+    def __init__(self, peer: _Peer, stream: Stream, stall_s: float) -> None:
         self.peer = peer
         self.stream = stream
-        self.outbox = Outbox(stream, self._lost)
+        self.outbox = Outbox(stream, self._lost, stall_s=stall_s)
         #: the thread's request id -> the id the state machine knows it by
         self.requests: dict[int, int] = {}
 
@@ -177,7 +178,7 @@ class DirectoryServer:
         if node in self.peers:
             await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})
             return
-        peer = self.peers[node] = _Peer(node, stream)
+        peer = self.peers[node] = _Peer(node, stream, self.state.lease_s)
         peer.outbox.post({"ok": True, "node": node})
         self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
@@ -198,7 +199,7 @@ class DirectoryServer:
             await send_msg(stream, {"error": "ProtocolError",
                                     "message": f"node id {node} is not registered here"})
             return
-        direct = _Direct(peer, stream)
+        direct = _Direct(peer, stream, self.state.lease_s)
         peer.directs.add(direct)
         direct.outbox.post({"ok": True, "node": node})
         try:

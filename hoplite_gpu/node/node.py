@@ -121,7 +121,8 @@ class Node:
         self.client = await DirectoryClient.connect(
             self.directory_address, token=self.token, node=self.node_id,
             data_address=address,
-            timeout=self.config.connect_timeout_s, on_push=self._on_push)
+            timeout=self.config.connect_timeout_s, on_push=self._on_push,
+            stall_s=self.config.stall_timeout_s)
         self._connected.set()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -931,7 +932,8 @@ class Node:
                 client = await DirectoryClient.connect(
                     self.directory_address, token=self.token, node=self.node_id,
                     data_address=self._data_address,
-                    timeout=self.config.connect_timeout_s, on_push=self._on_push)
+                    timeout=self.config.connect_timeout_s, on_push=self._on_push,
+                    stall_s=self.config.stall_timeout_s)
             except HopliteError as exc:
                 log.info("reconnect to %s failed: %s", self.directory_address, exc)
                 await asyncio.sleep(delay)

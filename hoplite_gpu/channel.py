@@ -47,7 +47,7 @@ class WeightChannel:
     def __init__(self, name: str, *, keep: int = 2) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"a channel needs a non-empty name; got {name!r}")
-        if not isinstance(keep, int) or keep < 1:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidArgument(f"keep must be an int >= 1; got {keep!r}")
         self.name, self.keep = name, keep
         self._published: dict[int, list[str]] = {}  # version -> keys, for freeing

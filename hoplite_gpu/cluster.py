@@ -74,13 +74,21 @@ class LocalCluster(Closing):
         self.start()
 
     def start(self) -> None:
-        self._start_directory()
-        for _ in range(self.num_workers):
-            proc, conn = self._spawn()
-            self._procs.append(proc)
-            self._conns.append(conn)
-            self._jobs.append(collections.deque([0]))
-        self.node_ids = [self._recv(i, self.start_timeout) for i in range(self.num_workers)]
+        """Start the directory and the workers, within `start_timeout` seconds in
+        all; if any of it fails, whatever had started is stopped again."""
+        deadline = time.monotonic() + self.start_timeout
+        try:
+            self._start_directory()
+            for _ in range(self.num_workers):
+                proc, conn = self._spawn()
+                self._procs.append(proc)
+                self._conns.append(conn)
+                self._jobs.append(collections.deque([0]))
+            self.node_ids = [self._recv(i, max(0.0, deadline - time.monotonic()))
+                             for i in range(self.num_workers)]
+        except BaseException:
+            self.close()
+            raise
 
     def _spawn(self) -> tuple[mp.Process, Any]:
         ctx = mp.get_context("spawn")

@@ -254,8 +254,14 @@ class DirectCalls:
         if put is None:
             return False
         since = self._node.forgets
-        reply = self._ask([put[0]], timeout,
-                          lambda: f"the directory did not answer 'put' within {timeout:g}s")
+        try:
+            reply = self._ask([put[0]], timeout,
+                              lambda: f"the directory did not answer 'put' within {timeout:g}s")
+        except Timeout:
+            # Sent, so perhaps registered, with nothing kept here: withdrawn,
+            # as the loop's put given up is (the caller was told it failed).
+            self._on_loop(self._node.withdraw, oid)
+            raise
         if reply is MISS:
             return False  # re-putting the same bytes is harmless if this one got through
         raise_for_error(reply[0])

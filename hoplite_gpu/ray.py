@@ -95,10 +95,22 @@ def _find(name: str, namespace: str | None, timeout: float) -> Any:
             time.sleep(0.1)
 
 
+def _unavailable(name: str, exc: BaseException) -> DirectoryUnavailable:
+    return DirectoryUnavailable(f"the directory actor {name!r} did not answer: "
+                                f"{type(exc).__name__}: {exc}")
+
+
 def join(*, name: str = DEFAULT_NAME, namespace: str | None = None, timeout: float = 60.0,
          **settings: Any) -> api.Runtime:
-    """Join the cluster of the directory actor `name` as a node (idempotent)."""
-    info = ray.get(_find(name, namespace, timeout).info.remote(), timeout=timeout)
+    """Join the cluster of the directory actor `name` as a node (idempotent);
+    finding the actor and asking it where the directory listens take at most
+    `timeout` seconds together."""
+    deadline = time.monotonic() + timeout
+    actor = _find(name, namespace, timeout)
+    try:
+        info = ray.get(actor.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        raise _unavailable(name, exc) from exc
     current = api._runtime
     if current is not None and not current.closed:
         if current.address == info["address"]:
@@ -110,8 +122,12 @@ def join(*, name: str = DEFAULT_NAME, namespace: str | None = None, timeout: flo
 async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
                      timeout: float = 60.0, **settings: Any) -> api.Runtime:
     """`join` for async actors: never blocks their event loop."""
+    deadline = time.monotonic() + timeout
     actor = await asyncio.to_thread(_find, name, namespace, timeout)
-    info = await asyncio.wait_for(actor.info.remote(), timeout)
+    try:
+        info = await asyncio.wait_for(actor.info.remote(), max(0.0, deadline - time.monotonic()))
+    except (ray.exceptions.RayActorError, TimeoutError) as exc:
+        raise _unavailable(name, exc) from exc
     current = api._runtime
     if current is not None and not current.closed:
         if current.address == info["address"]:

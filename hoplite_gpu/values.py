@@ -212,13 +212,15 @@ def _numpy_dtype_code(dtype: np.dtype) -> str:
             f"got a NumPy array of dtype {dtype}; it holds pointers to Python objects, not "
             "data. Convert it first, e.g. arr.astype(float) or arr.astype('U')"
         )
-    if dtype.names is not None:
-        code = repr(dtype.descr)
-    elif dtype.type.__module__ == "ml_dtypes":
-        code = dtype.name  # their dtype.str is an anonymous void like '<V2'
-    else:
-        code = dtype.str
+    code = ""
     try:
+        if dtype.names is not None:
+            # (fields out of offset order or overlapping have no descr: refused)
+            code = repr(dtype.descr)
+        elif dtype.type.__module__ == "ml_dtypes":
+            code = dtype.name  # their dtype.str is an anonymous void like '<V2'
+        else:
+            code = dtype.str
         same = _parse_numpy_dtype(code) == dtype
     except (TypeError, ValueError, SyntaxError):
         same = False
@@ -282,7 +284,11 @@ def _from_dlpack(value: Any) -> np.ndarray:
 
 
 def _is_torch_tensor(value: Any) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "numel")
+    if not type(value).__module__.startswith("torch"):
+        return False  # (so torch is imported only once a torch value shows up)
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def _torch_to_buffer(tensor: Any) -> tuple[memoryview, Layout]:
@@ -293,19 +299,27 @@ def _torch_to_buffer(tensor: Any) -> tuple[memoryview, Layout]:
             f"got a torch tensor on device {tensor.device}; device tensors need the GPU path, "
             "which is not built yet. Move it to host memory first: tensor.cpu()"
         )
-    if tensor.layout != torch.strided or tensor.is_quantized:
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+        kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested
+                else tensor.layout)
         raise UnsupportedValue(
-            f"got a {'quantized' if tensor.is_quantized else tensor.layout} torch tensor; only "
-            "dense tensors are supported. Convert it first: tensor.to_dense() or .dequantize()"
+            f"got a {kind} torch tensor; only dense tensors are supported. Convert it first: "
+            "tensor.to_dense(), .dequantize() or, for a nested one, .to_padded_tensor(0)"
         )
-    # conj/neg bits are lazy flags; resolve them so the bytes hold the values the user sees
-    tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    # torch calls a one-element tensor contiguous whatever its stride, but view(uint8) needs 1
-    flat = tensor.reshape(-1).as_strided((tensor.numel(),), (1,))
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        # (e.g. a MaskedTensor: its bytes alone would drop the mask)
+        raise UnsupportedValue(
+            f"got a {_type_name(tensor)}, a torch tensor subclass whose bytes may not be all of "
+            "its value; convert it to a plain tensor first"
+        )
     try:
+        # conj/neg bits are lazy flags; resolve them so the bytes hold the values the user sees
+        tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        # torch calls a one-element tensor contiguous whatever its stride, but view(uint8) needs 1
+        flat = tensor.reshape(-1).as_strided((tensor.numel(),), (1,))
         # reinterpret, since dtypes like bfloat16 have no numpy equivalent
         flat = flat.view(torch.uint8).numpy()
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError) as exc:
         raise UnsupportedValue(f"cannot take the bytes of a {tensor.dtype} tensor: {exc}") from exc
     return memoryview(flat), Layout("torch", str(tensor.dtype), tuple(tensor.shape), flat.nbytes)
 
@@ -332,6 +346,8 @@ def _torch_from_buffer(view: memoryview, layout: Layout) -> Any:
 
 # --- wire checks ---
 
+_MAX_INDEX = int(np.iinfo(np.intp).max)
+
 
 def _wire_int(value: Any) -> int:
     # bool is an int subclass, but True is never a valid size
@@ -345,7 +361,12 @@ def _wire_shape(value: Any) -> tuple[int, ...]:
         raise ProtocolError(
             f"layout shape must be a list of at most {_MAX_NDIM} ints; got {value!r:.200}"
         )
-    return tuple(_wire_int(dim) for dim in value)
+    shape = tuple(_wire_int(dim) for dim in value)
+    # No array can have more elements than an index can count, even with a zero
+    # dimension beside them (NumPy refuses the shape; it would fail only there).
+    if math.prod(d for d in shape if d) > _MAX_INDEX:
+        raise ProtocolError(f"layout shape {value!r:.200} has more elements than an array can")
+    return shape
 
 
 def _check_layout(layout: Layout) -> None:

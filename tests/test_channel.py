@@ -55,3 +55,5 @@ def test_bad_arguments():
         WeightChannel("")
     with pytest.raises(hg.InvalidArgument):
         WeightChannel("x", keep=0)
+    with pytest.raises(hg.InvalidArgument):
+        WeightChannel("x", keep=True)  # (a bool is an int to Python; not a count here)

@@ -142,6 +142,46 @@ def test_connecting_to_a_directory_is_bounded_by_one_timeout():
     run(body)
 
 
+def test_a_reduce_with_an_unknown_op_is_refused_at_once():
+    """A raw reduce request naming an unknown op was accepted and failed only
+    later, inside a step on some node; now the directory refuses it."""
+    async def body():
+        server = DirectoryServer(TOKEN)
+        address = await server.start()
+        stream = await registered(address, "r")
+        try:
+            await send_msg(stream, {"op": "reduce", "rid": 7, "target": OID,
+                                    "inputs": [b"i" * 20, b"j" * 20], "op_name": "median",
+                                    "num_objects": 2})
+            async with asyncio.timeout(5):
+                reply = await recv_msg(stream)
+            assert reply["rid"] == 7 and reply["error"] == "ProtocolError"
+            assert "median" in reply["message"]
+        finally:
+            await stream.close()
+            await server.close()
+    run(body)
+
+
+def test_a_node_registering_a_bad_data_address_is_refused():
+    """Any string was taken as a node's data address, and other nodes failed
+    on it only when they dialled it for a pull."""
+    async def body():
+        server = DirectoryServer(TOKEN)
+        address = await server.start()
+        stream = await authenticated(address)
+        try:
+            await send_msg(stream, {"op": "register", "node": "bad", "address": "nowhere"})
+            async with asyncio.timeout(5):
+                reply = await recv_msg(stream)
+            assert reply["error"] == "ProtocolError" and "nowhere" in reply["message"]
+            assert "bad" not in server.state.nodes
+        finally:
+            await stream.close()
+            await server.close()
+    run(body)
+
+
 # ------------------------------------------------- direct connections ---
 def test_a_direct_cancel_with_a_malformed_request_id_gets_a_protocol_error():
     """On a node's own connection a cancel whose `request` is not an int is

@@ -4,6 +4,7 @@ directory's side of them (attach, direct locates, the located push)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -278,6 +279,38 @@ def test_a_drop_that_overtakes_a_direct_put_leaves_no_stale_copy(local):
     assert local.call(race(), 5) is None
     hg.put(b"new", oid)  # registered again, and kept
     assert hg.get(oid) == b"new" and hg.object_info(oid)["holders"]
+
+
+def test_a_direct_put_given_up_at_its_deadline_is_withdrawn():
+    """A direct put whose answer never came raised Timeout but left the
+    object registered with this node as its holder, a node that holds
+    nothing: the put must be undone, as the loop's put given up is."""
+    hg.init(timeout_s=0.5)
+    try:
+        rt = hg.runtime()
+        server = rt.directory
+        swallowed = []
+        real = server._reply_direct
+
+        def swallow(cmd):
+            if cmd.body.get("ok") and not swallowed:
+                swallowed.append(cmd)  # the put's ok, never delivered
+                return
+            real(cmd)
+        server._reply_direct = swallow
+        oid = hg.ObjectID.from_name("never-answered")
+        with pytest.raises(hg.Timeout):
+            hg.put(b"lost", oid)
+        assert swallowed, "the put did not go direct"
+        hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
+
+        async def holders():
+            await asyncio.sleep(0.2)
+            entry = server.state.objects.get(oid.binary)
+            return [] if entry is None else list(entry.holders)
+        assert rt.call(holders(), 5) == []
+    finally:
+        hg.shutdown()
 
 
 def test_a_forked_child_does_not_use_its_parents_connections(local):

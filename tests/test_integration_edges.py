@@ -4,6 +4,7 @@ code it was written against; every wait is bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -97,6 +98,26 @@ def test_cluster_run_on_a_killed_worker_raises_a_hoplite_error():
             c.run(0, str, "x", timeout=10)
 
 
+def test_a_cluster_start_that_fails_halfway_stops_what_it_started():
+    """start() called on its own (not through `with`) left the directory
+    process running when a worker could not be started."""
+    c = LocalCluster(2)
+    started = []
+    real = c._start_directory
+
+    def directory(*args, **kwargs):
+        real(*args, **kwargs)
+        started.append(c._directory)
+
+    def no_worker():
+        raise OSError("cannot start a worker")
+    c._start_directory, c._spawn = directory, no_worker
+    with pytest.raises(OSError):
+        c.start()
+    [proc] = started
+    assert proc.poll() is not None, "the directory process outlived the failed start"
+
+
 # -------------------------------------------------------------- CLI ---
 @pytest.mark.parametrize("argv", [
     ["simulate", "--bandwidth", "1GB"],
@@ -151,6 +172,14 @@ def ray_cluster():
 
 
 if ray is not None:
+    @ray.remote(num_cpus=0)
+    class Unanswering:
+        """Takes a directory actor's name and never answers where it listens."""
+
+        def info(self) -> dict:
+            time.sleep(3600)
+            return {}
+
     @ray.remote
     class AsyncJoiner:
         async def join(self, name: str) -> str:
@@ -196,3 +225,17 @@ def test_start_directory_works_again_after_a_failed_start(ray_cluster):
         hray.start_directory(name="edge-bad2", no_such_setting=1)
     info = hray.start_directory(name="edge-bad2")
     assert info["address"].startswith("tcp://")
+
+
+@needs_ray
+@pytest.mark.slow
+def test_join_of_a_directory_actor_that_never_answers_is_a_hoplite_error(ray_cluster):
+    """join() let Ray's GetTimeoutError through, and join_async a bare TimeoutError."""
+    actor = Unanswering.options(name="edge-mute").remote()
+    try:
+        with pytest.raises(hg.DirectoryUnavailable, match="edge-mute"):
+            ray_cluster.join(name="edge-mute", timeout=2)
+        with pytest.raises(hg.DirectoryUnavailable, match="edge-mute"):
+            asyncio.run(ray_cluster.join_async(name="edge-mute", timeout=2))
+    finally:
+        ray.kill(actor)

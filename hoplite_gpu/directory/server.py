@@ -11,9 +11,9 @@ import os
 import numpy as np
 
 from hoplite_gpu.auth import server_handshake
-from hoplite_gpu.errors import HopliteError, ProtocolError, Timeout
+from hoplite_gpu.errors import HopliteError, InvalidArgument, ProtocolError, Timeout
 from hoplite_gpu.protocol import SMALL_MESSAGE, Outbox, field, read_messages, recv_msg, send_msg
-from hoplite_gpu.transports import Stream, get_backend
+from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from . import state
 from .wire import to_event
@@ -154,8 +154,10 @@ class DirectoryServer:
             elif isinstance(cmd, state.PushLocated):
                 peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
             else:
-                peer.outbox.post({"op": "drop", "oid": cmd.oid, "reason": cmd.reason,
-                                  "retry": cmd.retry})
+                drop = {"op": "drop", "oid": cmd.oid, "reason": cmd.reason, "retry": cmd.retry}
+                if cmd.kind != "ObjectNotFound":
+                    drop["kind"] = cmd.kind
+                peer.outbox.post(drop)
 
     async def _serve(self, stream: Stream) -> None:
         try:
@@ -172,6 +174,12 @@ class DirectoryServer:
             if hello.get("op") != "register":
                 raise ProtocolError(f"expected 'register' from {stream.peer}, got {hello.get('op')!r}")
             node, address = field(hello, "node", str), field(hello, "address", str)
+            try:
+                split_address(address)  # (other nodes will dial it)
+            except InvalidArgument as exc:
+                await send_msg(stream, {"error": "ProtocolError",
+                                        "message": f"bad data address: {exc}"})
+                raise ProtocolError(f"{stream.peer} registered a bad data address: {exc}") from None
         except HopliteError as exc:
             log.warning("refused connection from %s: %s", stream.peer, exc)
             return

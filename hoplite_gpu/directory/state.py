@@ -264,6 +264,22 @@ class Reply:
     body: dict[str, Any]
 
 
+def _unreducible_dtype(layout: dict) -> str:
+    """Why the element type of arrays of `layout` cannot be reduced ("" if it can),
+    so a reduce fails when its first input arrives, not inside a step."""
+    from hoplite_gpu.errors import HopliteError
+    from hoplite_gpu.kernels import DTYPES
+    from hoplite_gpu.values import Layout, numpy_dtype
+
+    try:
+        name = numpy_dtype(Layout.from_wire(layout)).name
+    except HopliteError as exc:
+        return str(exc)
+    if name not in DTYPES:
+        return f"cannot reduce dtype {name}; supported dtypes are {', '.join(DTYPES)}"
+    return ""
+
+
 @dataclass(frozen=True)
 class Drop:
     """Tell `node` to forget `oid`; `reason` goes into the error its waiters see.
@@ -273,6 +289,8 @@ class Drop:
     oid: Key
     reason: str
     retry: bool = False
+    #: the error its waiters get (a failed reduce's result: "ReduceFailed")
+    kind: str = "ObjectNotFound"
 
 
 @dataclass(frozen=True)
@@ -905,6 +923,9 @@ class Directory:
             if entry.layout.get("kind") not in REDUCIBLE_KINDS:
                 return (f"input {oid.hex()} is a {entry.layout.get('kind')!r} object; reduce "
                         "works on NumPy and device arrays")
+            refused = _unreducible_dtype(entry.layout)
+            if refused:
+                return f"input {oid.hex()}: {refused}"
             task.size, task.layout, task.inline = entry.size, entry.layout, entry.inline is not None
             task.degree = choose_degree(task.size, task.k, self.latency_s, self.bytes_per_s,
                                         self.chunk_size)
@@ -988,8 +1009,7 @@ class Directory:
         for node, request in task.waiters:
             out.append(Reply(node, request, error_body("ObjectNotFound", message)))
         self._answer_confirms(task, True, out)  # the announced copy is final
-        for pos in task.started:
-            out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
+        self._end_all_steps(task, message, out)
 
     def _fail_reduce(self, task: ReduceTask, message: str, out: list[Command],
                      kind: str = "ReduceFailed") -> None:
@@ -1006,9 +1026,14 @@ class Directory:
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
-                out.append(Drop(node, task.target, message))
+                out.append(Drop(node, task.target, message, kind=kind))
             for node, request in entry.waiting:
                 out.append(Reply(node, request, error_body(kind, message)))
+        self._end_all_steps(task, message, out)
+
+    @staticmethod
+    def _end_all_steps(task: ReduceTask, message: str, out: list[Command]) -> None:
+        """Every started step of `task` ends, its partial result dropped."""
         for pos in task.started:
             out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
 

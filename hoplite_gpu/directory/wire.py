@@ -6,6 +6,7 @@ from typing import Any
 
 from hoplite_gpu import errors
 from hoplite_gpu.errors import ProtocolError
+from hoplite_gpu.kernels.numpy_ops import OPS
 from hoplite_gpu.protocol import field
 
 from . import state
@@ -71,8 +72,11 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         relay = msg.get("relay", False)
         if not isinstance(relay, bool):
             raise ProtocolError("reduce relay must be a bool")
+        op_name = field(msg, "op_name", str)
+        if op_name not in OPS:  # (else it would fail only later, inside a step)
+            raise ProtocolError(f"unknown reduce op {op_name!r}; expected one of {', '.join(OPS)}")
         return state.ReduceRequested(node, field(msg, "rid", int), _id(msg, "target"),
-                                     tuple(inputs), field(msg, "op_name", str),
+                                     tuple(inputs), op_name,
                                      field(msg, "num_objects", int), root_input, relay)
     if op == "reduce_failed":
         return state.ReduceFailed(node, _id(msg, "target"), field(msg, "message", str))

@@ -26,6 +26,7 @@ from hoplite_gpu.errors import (
     ObjectNotFound,
     PeerLost,
     ProtocolError,
+    ReduceFailed,
     RuntimeClosed,
     StoreFull,
     Timeout,
@@ -557,6 +558,10 @@ class Node:
                 self._withdrawn(oid)
             raise
 
+    def withdraw(self, oid: ObjectID) -> None:
+        """A direct call's put given up after it was sent (`hoplite_gpu.direct`)."""
+        self._withdrawn(oid)
+
     def _withdrawn(self, oid: ObjectID) -> None:
         """A locate given up. The directory may have named a sender just
         before (made this node a holder pulling from it, in one of that
@@ -970,7 +975,10 @@ class Node:
         if op == "drop":
             oid = ObjectID(msg["oid"])
             text = msg.get("reason", f"object {oid.hex()} was dropped")
-            self._forget(oid, _Retry(text) if msg.get("retry") else ObjectNotFound(text))
+            error = (_Retry(text) if msg.get("retry")
+                     else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
+                     else ObjectNotFound(text))
+            self._forget(oid, error)
         elif op == "reduce_step":
             out = ObjectID(msg["output"])
             old = self._steps.pop(out, None)

@@ -22,8 +22,8 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from hoplite_gpu import device
 from hoplite_gpu.auth import client_handshake, server_handshake
@@ -48,6 +48,7 @@ from . import shm
 from .store import ChunkStore, StoredObject
 
 log = logging.getLogger("hoplite_gpu.transfer")
+T = TypeVar("T")
 
 #: Pipelining granularity. A frame carries up to `chunk_size` bytes, but a relay
 #: makes received bytes servable every STEP bytes and serves as soon as STEP
@@ -335,43 +336,41 @@ class DataServer:
         return True
 
     async def _await_object(self, stream: Stream, oid: ObjectID) -> StoredObject:
-        """Wait up to `timeout_s` for `oid` to be made here, with an empty frame
-        every third of the stall timeout, as `_wait_or_keepalive` does: the
+        """Wait up to `timeout_s` for `oid` to be made here, with keepalives: the
         puller would give up at its stall timeout long before."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_s
-        beat = self.config.stall_timeout_s / 3
-        while True:
-            try:
-                return await self.store.wait_for(oid, min(beat, max(0.001, deadline - loop.time())))
-            except ObjectNotFound:
-                if loop.time() >= deadline:
-                    raise
-                await stream.send(FRAME.pack(FRAME_DATA, 0))
+        return await self._keepalive(stream.send, lambda t: self.store.wait_for(oid, t),
+                                     ObjectNotFound)
 
     async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int) -> bool:
         """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
 
         A partial copy can be slow for good reasons (its own upstream, or a reduce
-        waiting for inputs). Empty frames every third of the stall timeout tell the
-        receiver we are alive, so only a sender that is itself stuck trips its
-        stall timeout. False (after an error frame) if the bytes never came.
+        waiting for inputs); keepalives tell the receiver we are alive, so only a
+        sender that is itself stuck trips its stall timeout. False (after an
+        error frame) if the bytes never came.
         """
+        try:
+            await self._keepalive(out.send, lambda t: obj.wait_ready(need, t), Timeout)
+        except HopliteError as exc:
+            await send_error_frame(out, type(exc).__name__, str(exc))
+            return False
+        return True
+
+    async def _keepalive(self, send: Callable[[bytes], Awaitable[None]],
+                         wait: Callable[[float], Awaitable[T]], expired: type[Exception]) -> T:
+        """`wait(seconds)` again and again until it returns, for up to
+        `timeout_s` in all, with an empty frame every third of the stall
+        timeout while it raises `expired`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
         beat = self.config.stall_timeout_s / 3
-        while obj.ready < need:
+        while True:
             try:
-                await obj.wait_ready(need, min(beat, max(0.001, deadline - loop.time())))
-            except Timeout as exc:
+                return await wait(min(beat, max(0.001, deadline - loop.time())))
+            except expired:
                 if loop.time() >= deadline:
-                    await send_error_frame(out, "Timeout", str(exc))
-                    return False
-                await out.send(FRAME.pack(FRAME_DATA, 0))
-            except HopliteError as exc:
-                await send_error_frame(out, type(exc).__name__, str(exc))
-                return False
-        return True
+                    raise
+                await send(FRAME.pack(FRAME_DATA, 0))
 
 
 class PeerPool:

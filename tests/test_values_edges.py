@@ -1,0 +1,150 @@
+"""Edges of value conversion (hoplite_gpu/values.py) and of how reduce kernels'
+refusals reach callers (kernels/, hoplite_gpu/node/reducer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import warnings
+
+import numpy as np
+import pytest
+from in_process import run_nodes
+
+import hoplite_gpu as hg
+from hoplite_gpu.errors import ProtocolError, ReduceFailed, UnsupportedValue
+from hoplite_gpu.values import Layout, empty_buffer, from_buffer, to_buffer
+
+
+def _round_trips_or_is_unsupported(value: np.ndarray) -> None:
+    """put() must either carry `value` exactly or refuse it with UnsupportedValue."""
+    try:
+        buf, layout = to_buffer(value)
+    except UnsupportedValue:
+        return
+    recv = empty_buffer(layout.nbytes)
+    recv[:] = np.frombuffer(buf, dtype=np.uint8)
+    out = from_buffer(recv, Layout.from_wire(layout.to_wire()))
+    assert out.dtype == value.dtype and out.shape == value.shape
+    assert out.tobytes() == np.ascontiguousarray(value).tobytes()
+
+
+# --- values: things put() is handed ---
+
+
+def test_torch_size_is_an_unsupported_value():
+    """torch.Size (a tuple with a numel() method) passes the torch-tensor test
+    and then fails on `.device` with a raw AttributeError."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(UnsupportedValue):
+        to_buffer(torch.Size([2, 3]))
+
+
+def _nested(torch):
+    return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])  # layout torch.strided
+
+
+def _masked(torch):
+    return torch.masked.masked_tensor(torch.tensor([1.0, 2.0]), torch.tensor([True, False]))
+
+
+@pytest.mark.parametrize("make", [_nested, _masked], ids=["nested", "masked"])
+def test_torch_tensors_that_are_not_plain_dense_are_unsupported(make):
+    """A nested tensor (RuntimeError from reshape) and a MaskedTensor (TypeError
+    from as_strided) escape as raw torch errors instead of UnsupportedValue."""
+    torch = pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = make(torch)
+        with pytest.raises(UnsupportedValue):
+            to_buffer(value)
+
+
+class _Union(ctypes.Union):
+    _fields_ = [("i", ctypes.c_int32), ("f", ctypes.c_float)]
+
+
+def _fields_reordered():
+    a = np.zeros(3, [("x", "<i4"), ("y", "<f8")])
+    a["x"], a["y"] = [1, 2, 3], [0.5, 1.5, 2.5]
+    return a[["y", "x"]]  # a view whose fields are out of offset order
+
+
+def test_structured_dtype_with_out_of_order_fields_is_carried_or_refused():
+    """`dtype.descr` raises ValueError for out-of-order or overlapping fields;
+    `_numpy_dtype_code` calls it outside its try, so put() of a multi-field
+    view raises a raw ValueError instead of carrying the array or raising
+    UnsupportedValue."""
+    _round_trips_or_is_unsupported(_fields_reordered())
+
+
+def test_ctypes_union_buffer_is_carried_or_refused():
+    """The same through the buffer-protocol path: NumPy reads a ctypes Union
+    as a structured dtype with overlapping fields, whose descr raises."""
+    arr = (_Union * 2)()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            buf, layout = to_buffer(arr)
+    except UnsupportedValue:
+        return
+    assert bytes(buf) == bytes(arr)
+
+
+# --- values: layouts a peer sends ---
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"kind": "numpy", "dtype": "<f4", "shape": [0, 2**63], "nbytes": 0},
+        {"kind": "numpy", "dtype": "|V0", "shape": [2**63], "nbytes": 0},
+        {"kind": "torch", "dtype": "torch.float32", "shape": [0, 2**63], "nbytes": 0},
+    ],
+    ids=["numpy-zero-size", "numpy-void0", "torch-zero-size"],
+)
+def test_layout_with_a_dimension_no_array_can_have_is_a_protocol_error(wire):
+    """A dimension past what an array index can hold (here 2**63, which msgpack
+    carries) passes `Layout.from_wire` because the item count is 0, and then
+    `from_buffer` fails with NumPy's ValueError or torch's TypeError."""
+    if wire["kind"] == "torch":
+        pytest.importorskip("torch")
+    with pytest.raises(ProtocolError):
+        layout = Layout.from_wire(wire)
+        from_buffer(b"", layout)
+    with pytest.raises(ProtocolError):
+        layout = Layout.from_wire(wire)
+        from_buffer(empty_buffer(0), layout)
+
+
+# --- reduce: a kernel's refusal, as the callers see it ---
+
+
+def test_reduce_of_an_unsupported_dtype_fails_waiting_gets_with_reduce_failed():
+    """Objects over the inline threshold are reduced by tree steps; a step whose
+    kernel refuses the dtype (uint16 here) makes the gets already waiting raise
+    ObjectNotFound, while the same reduce of small (inline) objects, and any
+    later get, raise ReduceFailed, which docs/fault-tolerance.md promises to
+    every waiter ("a step failing for any other reason")."""
+    config = hg.Config(shared_memory=False, timeout_s=10)
+    seen: dict[str, BaseException | None] = {}
+
+    async def body(directory, a, b):
+        ids = [hg.ObjectID.from_name(f"values-edges-u16-{i}") for i in range(2)]
+        target = hg.ObjectID.from_name("values-edges-u16-t")
+        await a.reduce(ids, "sum", 2, target)
+        gets = {"root": asyncio.ensure_future(a.get(target, 5, "numpy")),
+                "other": asyncio.ensure_future(b.get(target, 5, "numpy"))}
+        await asyncio.sleep(0.1)  # both gets are waiting before any input exists
+        for oid in ids:
+            await a.put(np.ones(100_000, np.uint16), oid)
+        for name, get in gets.items():
+            try:
+                await asyncio.wait_for(get, 8)
+                seen[name] = None
+            except Exception as exc:  # noqa: BLE001 - the kind is what is checked
+                seen[name] = exc
+
+    run_nodes([config, config], body, bound=20)
+    for name, exc in seen.items():
+        assert isinstance(exc, ReduceFailed), f"{name} get raised {exc!r}"

@@ -14,6 +14,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from hoplite_gpu.config import format_size
+
 from .netbench import DEFAULT_SYSTEMS, SYSTEMS, lower_bound
 
 QUICK_SIZES = ["1K", "64M", "256M"]
@@ -38,10 +40,7 @@ def parse_size(text: str) -> int:
 
 
 def human(size: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if size >= 1 << shift and size % (1 << shift) == 0:
-            return f"{size >> shift} {unit}"
-    return f"{size} B"
+    return format_size(size)
 
 
 def fmt_s(seconds: float) -> str:

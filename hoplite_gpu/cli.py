@@ -10,7 +10,7 @@ import platform
 import signal
 import sys
 
-from .config import Config, parse_size
+from .config import Config, format_size, parse_size
 from .errors import ConfigError, HopliteError
 
 
@@ -62,15 +62,19 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulator import simulate_broadcast
+    from .simulator import MAX_SIM_CHUNKS, simulate_broadcast
 
-    size, bw = _parse_size(args.size), float(args.bandwidth)
-    print(f"simulated broadcast of {size / 2**20:.0f} MiB to {args.receivers} receivers, "
-          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.0f} us latency, "
-          f"{_parse_size(args.chunk) >> 20} MiB chunks (the real directory state machine decides)")
+    size, bw, chunk = _parse_size(args.size), float(args.bandwidth), _parse_size(args.chunk)
+    if -(-size // chunk) > MAX_SIM_CHUNKS:
+        raise SystemExit(f"hoplite-gpu simulate: {format_size(size)} in {format_size(chunk)} chunks "
+                         f"is {-(-size // chunk)} chunks; at most {MAX_SIM_CHUNKS} are simulated. "
+                         "Use a larger --chunk")
+    print(f"simulated broadcast of {format_size(size)} to {args.receivers} receivers, "
+          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
+          f"{format_size(chunk)} chunks (the real directory state machine decides)")
     for fanout in [0, *sorted({1, 2, 4, args.receivers})]:
         r = simulate_broadcast(args.receivers, size, bandwidth=bw, latency=args.latency,
-                               chunk=_parse_size(args.chunk), max_receivers_per_sender=fanout)
+                               chunk=chunk, max_receivers_per_sender=fanout)
         label = "auto" if fanout == 0 else str(fanout)
         print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
               f"{r.makespan / (size / bw):7.3f} x S/B, tree depth {r.depth()}")
@@ -150,15 +154,17 @@ def _positive_size(text: str) -> str:
     return text
 
 
-def _positive(kind: type, what: str):
-    """An argparse type: a positive (finite) `kind`, `what` naming it."""
+def _positive(kind: type, what: str, *, zero: bool = False):
+    """An argparse type: a positive (finite) `kind`, `what` naming it; with
+    `zero`, 0 too."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"must be positive; got {text!r}")
+        if not (0 <= value if zero else 0 < value) or not value < float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"must be {'zero or more' if zero else 'positive'} and finite; got {text!r}")
         return value
     return parse
 
@@ -201,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="object size (default 256MiB)")
     s.add_argument("--bandwidth", type=_positive(float, "a number (e.g. 1.25e9)"), default=1.25e9,
                    help="bytes/s per link direction (default 1.25e9)")
-    s.add_argument("--latency", type=float, default=1e-4, help="seconds per message")
+    s.add_argument("--latency", type=_positive(float, "a number of seconds", zero=True),
+                   default=1e-4, help="seconds per message and hop (default 1e-4)")
     s.add_argument("--chunk", type=_positive_size, default="4MiB",
                    help="pipeline chunk size (default 4MiB)")
     s.set_defaults(func=_simulate)
@@ -220,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `hoplite-gpu simulate | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

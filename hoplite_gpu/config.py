@@ -218,6 +218,15 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def format_size(size: int) -> str:
+    """'64 KiB', '1.5 MiB', '4096 B': a size as `parse_size` reads it back."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            value = size / (1 << shift)
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.4g} {unit}"
+    return f"{size} B"
+
+
 def _parse(f: dataclasses.Field, raw: str, key: str) -> object:
     kind = _kind(f)
     try:

@@ -17,8 +17,11 @@ import itertools
 from dataclasses import dataclass, field
 
 from .directory import state as s
+from .errors import InvalidArgument
 
 _KEY = b"\x01" * 20
+#: The most chunks an object may have here (each is a few events per receiver).
+MAX_SIM_CHUNKS = 1 << 20
 
 
 @dataclass
@@ -63,13 +66,18 @@ class BroadcastSim:
                  max_receivers_per_sender: int = 1, arrivals: list[float] | None = None) -> None:
         self.n, self.size, self.bw, self.lat, self.chunk = receivers, size, bandwidth, latency, chunk
         self.chunks = max(1, -(-size // chunk))
-        self.arrivals = arrivals or [0.0] * receivers
+        if self.chunks > MAX_SIM_CHUNKS:
+            raise InvalidArgument(f"{size} bytes in chunks of {chunk} is {self.chunks} chunks; "
+                                  f"at most {MAX_SIM_CHUNKS} are simulated")
+        if arrivals is not None and len(arrivals) != receivers:
+            raise InvalidArgument(f"arrivals needs one time per receiver ({receivers}); "
+                                  f"got {len(arrivals)}")
+        self.arrivals = [0.0] * receivers if arrivals is None else list(arrivals)
         self.dir = s.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
         self.have: dict[str, int] = {"n0": self.chunks}    # chunks held
-        self.chunk_at: dict[str, list[float]] = {"n0": [0.0] * self.chunks}
         self.uplink_free: dict[str, float] = {}
         self.waiting_on: dict[tuple[str, int], list[_Transfer]] = {}
         self.result = SimResult(size, receivers)
@@ -95,13 +103,18 @@ class BroadcastSim:
 
     def _apply(self, t: float, commands: list) -> None:
         for cmd in commands:
-            if isinstance(cmd, s.Reply) and "sender" in cmd.body:
+            if not isinstance(cmd, s.Reply):
+                continue
+            if "sender" in cmd.body:
                 self.result.edges.append((cmd.node, cmd.body["sender"]))
                 self.have.setdefault(cmd.node, 0)
-                self.chunk_at.setdefault(cmd.node, [])
                 self._at(t + self.lat, "send", _Transfer(cmd.node, cmd.body["sender"]))
+            elif "local" in cmd.body or "inline" in cmd.body:  # (nothing to move: 0 bytes)
+                self.result.done_at[cmd.node] = t + self.lat
 
     def _send(self, t: float, tr: _Transfer) -> None:
+        """Put the transfer's next chunk on the sender's uplink once the sender
+        has it and the uplink is free."""
         i = tr.next_chunk
         if i >= self.chunks:
             return
@@ -112,17 +125,22 @@ class BroadcastSim:
         nbytes = min(self.chunk, self.size - i * self.chunk) or 1
         end = start + nbytes / self.bw
         self.uplink_free[tr.sender] = end
-        self._at(end, "arrive", tr)
+        self._at(end, "sent", tr)
+        self._at(end + self.lat, "arrive", tr.receiver)  # every hop pays the latency
 
-    def _arrive(self, t: float, tr: _Transfer) -> None:
-        r = tr.receiver
+    def _sent(self, t: float, tr: _Transfer) -> None:
+        """A chunk left the sender: the stream goes on with the next (no acks)."""
+        tr.next_chunk += 1
+        self._send(t, tr)
+
+    def _arrive(self, t: float, r: str) -> None:
         self.have[r] += 1
-        self.chunk_at[r].append(t)
         for waiter in self.waiting_on.pop((r, self.have[r] - 1), []):
             self._at(t, "send", waiter)
-        tr.next_chunk += 1
-        if tr.next_chunk < self.chunks:
-            self._send(t, tr)
+        if self.have[r] < self.chunks:
+            # (a real node reports its progress now and then; the directory
+            # serves a late receiver from the copy furthest ahead)
+            self._apply(t, self.dir.handle(s.Progress(r, _KEY, self.have[r] * self.chunk)))
             return
         self.result.done_at[r] = t
         self._apply(t, self.dir.handle(s.Completed(r, _KEY)))

@@ -1,0 +1,97 @@
+"""Edge cases of the broadcast simulator (hoplite_gpu/simulator.py) and of the
+CLI's `simulate` subcommand: times the cost model and a real node would give,
+decisions the real directory would take, and inputs that must be refused."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from hoplite_gpu import cli
+from hoplite_gpu.simulator import simulate_broadcast
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------- latency ---
+def test_every_hop_of_a_chain_pays_the_link_latency():
+    # The simulator's own docstring: `latency` seconds per message; the cost
+    # model (docs/cost-model.md): T_chain ~ S/B + (N - 1)(C/B + L), "L is paid
+    # once per hop". The last receiver of a chain of n gets its bytes after
+    # they crossed n links, so it cannot finish before n latencies have passed.
+    n, S, C, B, L = 10, 4 * MiB, 1 * MiB, 1.25e9, 5e-3
+    r = simulate_broadcast(n, S, bandwidth=B, latency=L, chunk=C)
+    assert r.depth() == n
+    bound = S / B + (n - 1) * (C / B + L)
+    assert r.makespan >= bound, (
+        f"a chain of {n} hops finished in {r.makespan * 1e3:.1f} ms, under the model's "
+        f"{bound * 1e3:.1f} ms: chunks cross a hop with no latency")
+
+
+# ------------------------------------------- decisions as a real node's ---
+def test_a_late_receiver_pulls_from_the_partial_copy_furthest_ahead():
+    # Fan-out 2. n1 pulls alone from n0 until t=2; then n2 joins n0 (each at
+    # B/2) and n3 pipelines from n1 at full rate. At t=4, n3 holds about 5
+    # chunks and n2 about 3. A real node posts `progress` while it pulls
+    # (node.py, `_fetch_from`) and the directory serves the partial copy
+    # furthest ahead (tests/test_directory_state.py::
+    # test_the_most_advanced_partial_copy_is_preferred), so n5 must get n3.
+    S, C, B = 64 * MiB, 4 * MiB, 1.25e7
+    r = simulate_broadcast(5, S, bandwidth=B, latency=1e-4, chunk=C,
+                           max_receivers_per_sender=2, arrivals=[0.0, 2.0, 2.0, 4.0, 4.0])
+    up = dict(r.edges)
+    assert up["n3"] == "n1" and up["n2"] == "n0"
+    assert up["n5"] == "n3", f"n5 pulls from {up['n5']}, which is behind n3"
+
+
+# ------------------------------------------------------ odd arguments ---
+def test_a_zero_byte_broadcast_reaches_every_receiver():
+    r = simulate_broadcast(3, 0, bandwidth=1.25e9, latency=1e-4, chunk=4 * MiB)
+    assert sorted(r.done_at) == ["n1", "n2", "n3"], r.done_at
+
+
+@pytest.mark.parametrize("arrivals", [[0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+def test_arrivals_of_the_wrong_length_are_refused(arrivals):
+    # Too few: receivers that never ask, left out of the makespan; too many:
+    # locates from nodes that never joined, silently ignored.
+    with pytest.raises(ValueError):
+        simulate_broadcast(3, 8 * MiB, bandwidth=1.25e9, latency=1e-4, chunk=4 * MiB,
+                           arrivals=arrivals)
+
+
+# ------------------------------------------------------------------ CLI ---
+def _cli(argv):
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse: a message and status 2, no traceback
+        return exc.code
+
+
+@pytest.mark.parametrize("latency", ["-1", "nan", "inf", "-1e-4"])
+def test_cli_simulate_refuses_a_latency_that_is_negative_or_not_finite(latency, capsys):
+    rc = _cli(["simulate", "--receivers", "2", "--size", "1MiB", f"--latency={latency}"])
+    out = capsys.readouterr().out
+    assert rc not in (0, None), f"--latency {latency} was accepted:\n{out}"
+
+
+def test_cli_simulate_header_does_not_round_sub_mebibyte_sizes_to_zero(capsys):
+    assert _cli(["simulate", "--receivers", "1", "--size", "64KiB", "--chunk", "16KiB"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert " 0 MiB" not in header, header
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+def test_cli_simulate_with_a_one_byte_chunk_is_refused_not_a_traceback():
+    # 256 MiB in 1-byte chunks: 2**28 chunks. The simulator allocates a list of
+    # that many floats for the origin (2 GiB) and would then run for days.
+    r = subprocess.run([sys.executable, "-m", "hoplite_gpu", "simulate", "--receivers", "2",
+                        "--chunk", "1"], capture_output=True, text=True, timeout=30,
+                       preexec_fn=_limit_memory)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr[-600:]

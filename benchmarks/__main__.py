@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     console = Console()
     result = args.func(args, console)
-    result.update(command=" ".join(["python -m benchmarks", *sys.argv[1:]]),
+    result.update(command=" ".join(["python -m benchmarks",
+                                    *(sys.argv[1:] if argv is None else argv)]),
                   date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                   machine=_machine())
     if not args.no_save:

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     from .emulated import EmulatedCluster
 
     _stop_on_signals()
-    sizes = [parse_size(s) for s in (FULL_SIZES if args.full else args.sizes)]
+    sizes = [parse_size(s) for s in FULL_SIZES] if args.full else list(args.sizes)
     systems = list(dict.fromkeys(args.systems))
     mpi_version = None
     if any(s.startswith("openmpi") for s in systems):
@@ -164,7 +164,7 @@ def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.
     if size <= args.latency_max:
         bound = lower_bound(op, size, args.hosts, args.gbit * 1e9)
         period = max(args.period, 12 * bound)
-        iters = max(5, min(args.iters, int(args.latency_budget / period)))
+        iters = min(args.iters, max(5, int(args.latency_budget / period)))
         return run_launch(cluster, system, op, size, tag=tag, iters=iters, warmup=args.warmup,
                           period=period)
     if args.steady:  # one launch: a warm-up call, then the timed calls, each after a barrier
@@ -198,7 +198,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (op, size, system), rs in groups.items():
         samples = [s for r in rs for s in r["samples_s"]]
-        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        # ("inclusive": quartiles within the calls, also for 2 or 3 of them)
+        q = (statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1
+             else [samples[0]] * 3)
         med = statistics.median(samples)
         out.append({"system": system, "op": op, "hosts": rs[0]["hosts"], "size_bytes": size,
                     "bandwidth_bps": rs[0]["bandwidth_bps"], "launches": len(rs), "n": len(samples),
@@ -241,7 +243,8 @@ def table(summary: list[dict], hosts: int, gbit: float) -> Table:
 def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--hosts", type=int, default=8)
     e.add_argument("--gbit", type=float, default=1.0)
-    e.add_argument("--sizes", nargs="+", default=QUICK_SIZES,
+    e.add_argument("--sizes", nargs="+", type=parse_size,
+                   default=[parse_size(s) for s in QUICK_SIZES],
                    help="per-rank sizes with binary units: 1K 64M 256M 1G (a bare number is MiB); "
                         f"default {' '.join(QUICK_SIZES)}")
     e.add_argument("--full", action="store_true", help=f"sizes {' '.join(FULL_SIZES)}")

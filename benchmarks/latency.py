@@ -56,11 +56,17 @@ def run(args: argparse.Namespace, console) -> dict:
                  "--period", str(args.period), "--t0", str(t0)],
                 stdout=subprocess.PIPE, text=True, env=env) for r in range(args.ranks)]
             reports = []
-            for p in procs:
-                out, _ = p.communicate(timeout=60 + (args.calls + args.warmup) * args.period)
-                if p.returncode:
-                    raise RuntimeError(f"a {op} rank failed (exit {p.returncode})")
-                reports.append(json.loads(out.strip().splitlines()[-1]))
+            try:
+                for p in procs:
+                    out, _ = p.communicate(timeout=60 + (args.calls + args.warmup) * args.period)
+                    if p.returncode:
+                        raise RuntimeError(f"a {op} rank failed (exit {p.returncode})")
+                    reports.append(json.loads(out.strip().splitlines()[-1]))
+            finally:  # (a rank that failed or timed out: the others go too)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
             cpu1 = _proc_cpu_s(directory.pid)
             calls = args.calls + args.warmup
             times = [max(r["ends"][k] for r in reports) - min(r["starts"][k] for r in reports)
@@ -151,12 +157,24 @@ def _rank(argv: list[str]) -> int:
     return 0
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {value}")
+        return value
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--size", type=int, default=1024, help="bytes per rank")
+    p.add_argument("--ranks", type=_at_least(1), default=8)
+    p.add_argument("--size", type=_at_least(1), default=1024, help="bytes per rank")
     p.add_argument("--ops", nargs="+", default=["broadcast"], choices=OPS)
-    p.add_argument("--calls", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--calls", type=_at_least(1), default=60)
+    p.add_argument("--warmup", type=_at_least(0), default=5)
     p.add_argument("--period", type=float, default=0.05, help="seconds between call slots")
     p.add_argument("--floor", action="store_true",
                    help="also time the broadcast's message pattern in minimal Python "

@@ -71,14 +71,33 @@ def expected(op: str, world: int, lo: int, hi: int) -> np.ndarray:
     return total
 
 
+@functools.lru_cache(maxsize=16)
+def _period(op: str, world: int, rank: int) -> np.ndarray:
+    """One period of the expected result (of rank `rank`'s piece for gathers)."""
+    if op in ("gather", "allgather"):
+        return _base(rank)
+    return expected(op, world, 0, _PERIOD)
+
+
+def _expected_crc(op: str, world: int, n: int, rank: int, crc: int = 0) -> int:
+    """CRC32 of the whole expected result (of rank `rank`'s piece for gathers),
+    chained on `crc`: the result repeats with the inputs' period."""
+    period = _period(op, world, rank)
+    for lo in range(0, n, _PERIOD):
+        crc = zlib.crc32(period[:min(_PERIOD, n - lo)], crc)
+    return crc
+
+
 def holds_result(op: str, rank: int) -> bool:
     return rank == 0 or op in ("broadcast", "allreduce", "allgather")
 
 
 def check(op: str, world: int, result: np.ndarray | Sequence[np.ndarray] | None, nbytes: int,
           rank: int) -> tuple[bool, int | None]:
-    """(exact match on three windows of every piece, CRC32 of the whole result);
-    ranks that hold no result return (True, None)."""
+    """(exact match of the whole result, CRC32 of it); ranks that hold no
+    result return (True, None). Three windows of every piece are compared
+    element by element (what differs is then easy to see), and the whole by
+    its CRC32 against that of the expected result."""
     if not holds_result(op, rank):
         return True, None
     if result is None:
@@ -88,31 +107,34 @@ def check(op: str, world: int, result: np.ndarray | Sequence[np.ndarray] | None,
         pieces = [np.asarray(p) for p in result]  # a list of arrays or an N x n array
         if len(pieces) != world:
             return False, None
-        crc, ok = 0, True
+        crc, want, ok = 0, 0, True
         for r, piece in enumerate(pieces):
-            piece = np.asarray(piece).reshape(-1)
+            piece = np.asarray(piece, dtype=np.float32).reshape(-1)
             ok = ok and piece.size == n and all(
                 np.array_equal(piece[a:b], values(r, a, b)) for a, b in _windows(n))
             crc = zlib.crc32(piece, crc)
-        return ok, crc
-    arr = np.asarray(result).reshape(-1)
+            want = _expected_crc(op, world, n, r, want)
+        return ok and crc == want, crc
+    arr = np.asarray(result, dtype=np.float32).reshape(-1)
     ok = arr.size == n and all(np.array_equal(arr[a:b], expected(op, world, a, b))
                                for a, b in _windows(n))
-    return ok, zlib.crc32(arr)
+    crc = zlib.crc32(arr)
+    return ok and crc == _expected_crc(op, world, n, 0), crc
 
 
 def link_volume(op: str, world: int, nbytes: int) -> int:
     """A floor on the bytes that one call must carry over the hosts' downlinks
     (summed over hosts; headers excluded), whatever the algorithm: a broadcast's
-    receivers need S each; in a reduce every non-root's data must leave it (a
-    reduce-scatter sends at least (N-1)/N S of it); an allreduce sends at least
-    2(N-1)/N S per rank; a gather brings (N-1) S to the root and an allgather
-    (N-1) S to every rank. If fewer bytes crossed the links, some went another
-    way (shared memory, loopback)."""
+    receivers need S each; in a reduce every non-root host must send S (its
+    S bytes of input, or of partial sums, cannot be compressed: a
+    reduce-scatter's (N-1)/N S plus its reduced shard to the root is S too);
+    an allreduce sends at least 2(N-1)/N S per rank, 2(N-1) S in all; a gather
+    brings (N-1) S to the root and an allgather (N-1) S to every rank. If fewer
+    bytes crossed the links, some went another way (shared memory, loopback)."""
     s, n = nbytes, world
     return {"broadcast": (n - 1) * s,           # every receiver's downlink carries S
-            "reduce": (n - 1) * s * (n - 1) // n,  # every non-root's data must leave it
-            "allreduce": 2 * (n - 1) * s * (n - 1) // n,
+            "reduce": (n - 1) * s,              # every non-root's S must leave it
+            "allreduce": 2 * (n - 1) * s,
             "gather": (n - 1) * s,              # the root's downlink
             "allgather": n * (n - 1) * s}[op]
 

@@ -26,21 +26,39 @@ def input_id(name: str, rank: int) -> ObjectID:
     return ObjectID.from_name(f"{name}/in/{rank}")
 
 
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # (True is no rank)
+
+
 def _check(rank: int, size: int, root: int = 0) -> None:
-    if not (isinstance(size, int) and size >= 1):
+    if not (_int(size) and size >= 1):
         raise InvalidArgument(f"size must be a positive int; got {size!r}")
     for what, r in (("rank", rank), ("root", root)):
-        if not (isinstance(r, int) and 0 <= r < size):
+        if not (_int(r) and 0 <= r < size):
             raise InvalidArgument(f"{what} must be an int in [0, {size}); got {r!r}")
+
+
+def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
+    """Put a rank's `value` as `oid` within the call's `timeout`; returns the
+    call's deadline (time.monotonic()) for what follows. A put given up at
+    the deadline runs to its end all the same (see `_finish`)."""
+    rt = api.runtime()
+    limit = api._timeout(rt, timeout)
+    deadline = time.monotonic() + limit
+    direct = rt.direct_here()
+    if direct is None or not direct.put(value, oid, limit):
+        _together(lambda node, _limit: [_finish(node.put(value, oid))], limit)
+    return deadline
 
 
 def broadcast(value: Any, *, name: str, rank: int, size: int, root: int = 0,
               timeout: float | None = None) -> Any:
-    """Root's value on every rank (receiver-driven, pipelined)."""
+    """Root's value on every rank (receiver-driven, pipelined); `timeout`
+    bounds the call on every rank, the root's put included."""
     _check(rank, size, root)
     oid = ObjectID.from_name(f"{name}/bcast")
     if rank == root:
-        api.put(value, oid)
+        _put(value, oid, timeout)
         return value
     return api.get(oid, timeout=timeout)
 
@@ -76,7 +94,9 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     The input is not copied: the reduce reads `value`'s own memory (a host
     array's), so leave it unchanged until the call returns. Every rank returns
     only once the reduce is done, so its input is no longer needed then and
-    leaves the cluster (it cannot be fetched by its id afterwards).
+    leaves the cluster (it cannot be fetched by its id afterwards); an input
+    small enough to travel inline (`inline_threshold`) is copied instead, and
+    stays until `delete`.
 
     With the setting ``allreduce_slicing="auto"``, a large NumPy array (each
     rank's 1/size of it at least one chunk) of an allreduce of every rank is
@@ -94,7 +114,8 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     if _slicing(size, num_objects):
         # Each rank decides alone whether to slice: one whose array is sliced
         # reads this marker at its barrier, and fails at once (see there).
-        api.put(_marker(value, sliced=False), _slice_ids(name, size, op)[2][rank])
+        deadline = _put(_marker(value, sliced=False), _slice_ids(name, size, op)[2][rank], timeout)
+        timeout = api.time_left(deadline)
     return _reduce_and_get(args, value, ids[rank], True, timeout)
 
 
@@ -249,10 +270,10 @@ def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
     """Every rank's value, in rank order, on `root` (None elsewhere). The root
     pulls all of them at once; `timeout` bounds the whole call."""
     _check(rank, size, root)
-    api.put(value, input_id(name, rank))
+    deadline = _put(value, input_id(name, rank), timeout)
     if rank != root:
         return None
-    return _get_all([input_id(name, r) for r in range(size)], timeout)
+    return _get_all([input_id(name, r) for r in range(size)], api.time_left(deadline))
 
 
 def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
@@ -299,7 +320,15 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
     async def run() -> list[Any]:
         tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
         try:
-            return await asyncio.gather(*tasks)
+            # A step may wait on its own, longer deadline (a put's directory
+            # request is bounded by timeout_s); steps bounded by `limit` end
+            # first, with their own errors (the margin).
+            async with asyncio.timeout(limit + 0.1):
+                return await asyncio.gather(*tasks)
+        except TimeoutError as exc:
+            if isinstance(exc, Timeout):
+                raise
+            raise Timeout(f"the call did not finish within {limit:g}s") from None
         finally:
             for task in tasks:
                 task.cancel()  # the rest, once one failed; finished ones ignore it
@@ -321,6 +350,7 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     ``allreduce_slicing`` on, as the ranks that made them do."""
     _check(0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
+    api._reduce_args(ids, op, num_objects, target)  # (an op or count no call could have used)
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
     if _slicing(size, num_objects):  # a sliced allreduce's, or its markers
         inputs, results, ready = _slice_ids(name, size, op)
@@ -333,5 +363,5 @@ def allgather(value: Any, *, name: str, rank: int, size: int,
     """Every rank's value, in rank order, on every rank (pulled at once;
     `timeout` bounds the whole call)."""
     _check(rank, size)
-    api.put(value, input_id(name, rank))
-    return _get_all([input_id(name, r) for r in range(size)], timeout)
+    deadline = _put(value, input_id(name, rank), timeout)
+    return _get_all([input_id(name, r) for r in range(size)], api.time_left(deadline))

@@ -48,6 +48,7 @@ import socket
 import struct
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from hoplite_gpu.errors import (
@@ -93,6 +94,8 @@ _HEAD_MAX = _HEAD.size + _MAX_RECORDS * _RECORD.size + _INLINE_BUDGET
 #: The largest message a receive stages on the host when it straddles the
 #: receive (a control message is at most MAX_MESSAGE; frames arrive whole).
 _MAX_STAGED = 64 << 20
+#: The message of close()'s cancels (for whoever reads them).
+_CLOSED = "hoplite: stream closed"
 
 #: First bytes an accepted connection receives.
 _WELCOME = b"hoplite-ucx/1"
@@ -265,6 +268,8 @@ class UCXStream(Stream):
         #: Records received but not yet consumed: [kind, size, inline bytes or None, offset].
         self._pending: list[list] = []
         self._busy: set[asyncio.Task] = set()
+        #: tasks that close() woke (cancelled) while they waited on UCX
+        self._woken: set[asyncio.Task] = set()
         #: Event-driven request waits (None: ucxx's own, which spin; see ucx_progress).
         self._driver = ucx_progress.installed(asyncio.get_running_loop())
         self._tags = None
@@ -410,6 +415,13 @@ class UCXStream(Stream):
             else:
                 self._pending.append([kind, size, None, 0])
 
+    async def recv_steps(self, buffer: memoryview, step: int,
+                         on_step: Callable[[int], None]) -> None:
+        """Whole messages arrive whole: receiving `buffer` step by step would
+        only split (and stage) messages, so it is received at once."""
+        await self.recv_into(buffer)
+        on_step(_nbytes(buffer))
+
     async def recv_into(self, buffer: Any) -> None:
         if self._closed:
             raise _closed_error(self.peer, "receive", None)
@@ -467,23 +479,31 @@ class UCXStream(Stream):
 
     # ------------------------------------------------------------ close ---
     async def _guard(self, what: str, aw: Any) -> Any:
-        """Await a UCX operation, converting its errors at this boundary."""
+        """Await a UCX operation, converting its errors at this boundary. A
+        close() from elsewhere wakes it with TransportClosed; a cancel of its
+        own caller stays a cancel, even when a close() follows it (ucxx may
+        then end the operation with an error of its own)."""
         task = asyncio.current_task()
         self._busy.add(task)
         try:
             return await aw
-        except asyncio.CancelledError:
-            if self._closed and task is not None and task.cancelling():
-                task.uncancel()
-                raise _closed_error(self.peer, what, None) from None
+        except (asyncio.CancelledError, Exception) as exc:
+            woken = task is not None and task in self._woken
+            cancelled = task is not None and task.cancelling() > (1 if woken else 0)
+            if woken:
+                self._woken.discard(task)
+                task.uncancel()  # (close()'s cancel, not our caller's)
             # A message cut short leaves the stream out of step (a receive stays
             # posted and would take the peer's next message; a send may have
             # sent its head only): end the stream, which cancels its requests.
             await self.close()
-            raise
-        except Exception as exc:  # ucxx raises UCXError subclasses, and ValueError
-            await self.close()
-            raise _closed_error(self.peer, what, exc) from exc
+            if cancelled:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise asyncio.CancelledError() from exc
+            if isinstance(exc, asyncio.CancelledError):
+                raise _closed_error(self.peer, what, None) from None
+            raise _closed_error(self.peer, what, exc) from exc  # ucxx's UCXError, ValueError
         finally:
             self._busy.discard(task)
 
@@ -495,7 +515,8 @@ class UCXStream(Stream):
         me = asyncio.current_task()
         for task in list(self._busy):
             if task is not me:
-                task.cancel()
+                self._woken.add(task)
+                task.cancel(_CLOSED)
 
 
 def _copy_into(dest: Any, at: int, src: memoryview, offset: int, n: int) -> None:

@@ -97,6 +97,17 @@ class Stream(abc.ABC):
             await self.recv_into(memoryview(buf))
         return bytes(buf)
 
+    def watch_idle(self, on_end: Callable[[], None]) -> None:
+        """While the stream lies unused, call `on_end()` once the peer closes it
+        (or sends anything unasked: it is then of no more use), so a pool of
+        idle connections lets go of dead peers. Transports that cannot tell
+        do nothing. Stop with `unwatch_idle` before using the stream again."""
+        return None
+
+    def unwatch_idle(self) -> None:
+        """The stream is in use again (see `watch_idle`)."""
+        return None
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Close the stream; idempotent. Pending sends/receives raise TransportClosed."""

@@ -230,6 +230,17 @@ class TCPStream(Stream):
             return self._lost(None, what)
         return exc
 
+    def watch_idle(self, on_end: Callable[[], None]) -> None:
+        # (an unused data connection is never readable unless its peer left)
+        try:
+            asyncio.get_running_loop().add_reader(self._sock.fileno(), on_end)
+        except (OSError, ValueError):  # closed meanwhile
+            on_end()
+
+    def unwatch_idle(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+
     async def close(self) -> None:
         if not self._closed:
             self._closed = True

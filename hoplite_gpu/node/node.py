@@ -144,6 +144,7 @@ class Node:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.store.close(self._closed)
+        self.store.pool.clear()  # (its buffers, and the descriptors of shared ones, go now)
         if self.client is not None:
             await self.client.close()
         await self.pool.close()
@@ -242,8 +243,19 @@ class Node:
                "inline": bytes(buf) if inline else None}
         try:
             await self._request(msg, self.config.timeout_s)
+        except (Timeout, DirectoryUnavailable, asyncio.CancelledError):
+            self._let_go(oid)  # unanswered: in case the put did register
+            raise
+        except HopliteError as exc:
+            # Refused (e.g. ObjectExists): the directory registered nothing of
+            # this put, so there is nothing to withdraw; a `dropped` now could
+            # instead cancel what a get of the id here has since been given.
+            if self.store.get(oid) is obj:
+                self.store.remove(oid, exc)
+                self._stop_serving(oid)
+            raise
         except BaseException:
-            self._let_go(oid)  # in case the put did register
+            self._let_go(oid)
             raise
         log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
         if lent and self.store.get(oid) is not obj:

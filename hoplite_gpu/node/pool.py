@@ -106,6 +106,8 @@ class BufferPool:
         if n < MIN_POOLED or n > self.budget or not _owns_its_memory(buffer):
             return
         self._make_room(n)
+        if self.pooled + self.lent + n > self.budget:
+            return  # (the free buffers fill the budget: they are the surer reuse)
         self._lent.append(buffer)
         self.lent += n
 

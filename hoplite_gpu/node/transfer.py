@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -189,9 +190,13 @@ class DataServer:
         serving.add(task)
         try:
             if moded:
-                await stream.send_mode(b"B" if mapped is None else b"F",
-                                       None if mapped is None else mapped.fd,
-                                       self.config.stall_timeout_s)
+                try:
+                    await stream.send_mode(b"B" if mapped is None else b"F",
+                                           None if mapped is None else mapped.fd,
+                                           self.config.stall_timeout_s)
+                except BaseException:
+                    done = True  # the descriptor never went: nobody reads through it
+                    raise
             if not valid:
                 await send_error_frame(stream, "ProtocolError",
                                        f"range [{offset}, {end}) outside object of {obj.size} bytes")
@@ -235,7 +240,11 @@ class DataServer:
         mapped.kept_elsewhere = True
         done = False
         try:
-            await stream.send_mode(b"M", mapped.fd, self.config.stall_timeout_s)
+            try:
+                await stream.send_mode(b"M", mapped.fd, self.config.stall_timeout_s)
+            except BaseException:
+                done = True  # the descriptor never went: nobody holds the pages through it
+                raise
             await self._await_ack(stream, "kept")
             done = True
         finally:
@@ -388,6 +397,8 @@ class PeerPool:
         self.local_bytes = 0
         #: objects kept as mappings of a same-host sender's copy (`map_object`)
         self.local_maps = 0
+        #: closes of idle connections whose peer left
+        self._closing: set[asyncio.Task] = set()
 
     async def acquire(self, address: str, local: bool = True) -> Stream:
         """A connection to the peer at `address`: through this host's Unix
@@ -399,6 +410,7 @@ class PeerPool:
             idle = self._idle.get(key)
             while idle:
                 stream = idle.pop()
+                stream.unwatch_idle()
                 if not stream.closed:
                     return stream
         scheme, _, _ = split_address(address)
@@ -425,12 +437,29 @@ class PeerPool:
         if not stream.closed:
             key = (address, bool(getattr(stream, "local", False)))
             self._idle.setdefault(key, []).append(stream)
+            # A peer that dies or leaves while this lies idle: close it then,
+            # not never (nothing asks for a dead peer's address again).
+            stream.watch_idle(functools.partial(self._ended, key, stream))
+
+    def _ended(self, key: tuple[str, bool], stream: Stream) -> None:
+        stream.unwatch_idle()
+        idle = self._idle.get(key)
+        if idle and stream in idle:
+            idle.remove(stream)
+            if not idle:
+                del self._idle[key]
+        task = asyncio.get_running_loop().create_task(stream.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         for streams in self._idle.values():
             for stream in streams:
+                stream.unwatch_idle()
                 await stream.close()
         self._idle.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 async def _connect_local(address: str) -> Stream | None:

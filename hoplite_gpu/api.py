@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -17,6 +18,16 @@ from .runtime import Runtime
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
+# A child forked while another thread held the lock (inside init) would wait on
+# it for ever: the child starts with it free.
+
+
+def _fresh_lock() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 
 def init(address: str | None = None, *, token: str | None = None, **settings: Any) -> Runtime:

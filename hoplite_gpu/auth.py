@@ -28,7 +28,7 @@ def new_token() -> str:
 
 
 def _mac(token: str, role: bytes, a: bytes, b: bytes) -> bytes:
-    return hmac.new(token.encode(), role + a + b, hashlib.sha256).digest()
+    return hmac.new(token.encode("utf-8", "surrogateescape"), role + a + b, hashlib.sha256).digest()
 
 
 async def server_handshake(stream: Stream, token: str, timeout: float) -> None:

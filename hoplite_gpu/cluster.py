@@ -5,12 +5,15 @@ to them, inside an initialised hoplite-gpu runtime."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -61,6 +64,7 @@ class LocalCluster(Closing):
         self.address = ""
         self.node_ids: list[str] = []
         self._directory: subprocess.Popen | None = None
+        self._output: threading.Thread | None = None
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
         #: per worker, the jobs whose answers are awaited, oldest first (0:
@@ -120,6 +124,8 @@ class LocalCluster(Closing):
         if self._directory is None:
             return
         stop_process(self._directory, kill=kill)
+        if self._output is not None:
+            self._output.join(5)  # (it reads to the end of the exited process's output)
         if self._directory.stdout:
             self._directory.stdout.close()
         self._directory = None
@@ -130,18 +136,28 @@ class LocalCluster(Closing):
                **{f"HOPLITE_{k.upper()}": str(v) for k, v in self.settings.items()}}
         cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", str(port),
                *self.directory_args]
-        self._directory = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + self.start_timeout
-        assert self._directory.stdout is not None
-        while time.monotonic() < deadline:
-            line = self._directory.stdout.readline()
-            if not line:
-                raise HopliteError(f"the directory exited with code {self._directory.wait()} before listening")
-            match = _ADDRESS.search(line)
-            if match:
-                self.address = match.group(1)
-                return
-        raise Timeout(f"the directory did not start within {self.start_timeout:g}s")
+        self._directory = proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        found: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            # The address, then whatever else it prints, so its pipe never fills.
+            assert proc.stdout is not None
+            with contextlib.suppress(OSError, ValueError):  # (closed under us)
+                for line in proc.stdout:
+                    match = _ADDRESS.search(line)
+                    if match:
+                        found.put(match.group(1))
+            found.put(None)  # it exited
+
+        self._output = threading.Thread(target=read, name="hoplite-directory-output", daemon=True)
+        self._output.start()
+        try:
+            address = found.get(timeout=self.start_timeout)
+        except queue.Empty:
+            raise Timeout(f"the directory did not start within {self.start_timeout:g}s") from None
+        if address is None:
+            raise HopliteError(f"the directory exited with code {proc.wait()} before listening")
+        self.address = address
 
     def close(self) -> None:
         for conn in self._conns:

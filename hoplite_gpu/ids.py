@@ -33,7 +33,7 @@ class ObjectID:
     def from_name(cls, name: str) -> ObjectID:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"ObjectID.from_name needs a non-empty str; got {name!r}")
-        return cls(hashlib.blake2b(name.encode(), digest_size=_ID_LEN, person=b"hoplite-oid").digest())
+        return cls(hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=_ID_LEN, person=b"hoplite-oid").digest())
 
     @classmethod
     def from_hex(cls, text: str) -> ObjectID:

@@ -149,6 +149,9 @@ class Runtime:
                 return fut.result()
             fut.cancel()
             raise Timeout(f"the runtime did not answer within {timeout + _GRACE_S:g}s") from None
+        except BaseException:  # e.g. KeyboardInterrupt: the call is given up, not left running
+            fut.cancel()
+            raise
 
     async def call_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` from another event loop (e.g. a Ray async actor's)."""

@@ -310,14 +310,27 @@ class TCPListener(Listener):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+async def _resolve(host: str, port: int, flags: int = 0) -> list:
+    """getaddrinfo, without a thread for an address given as numbers (nearly
+    always): the loop's thread pool is shut down once the main thread ends,
+    while other threads of the program may still be connecting."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                  flags=flags | socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a name: ask the resolver, off the loop
+    return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                        flags=flags)
+
+
 class TCPBackend(Backend):
     scheme = "tcp"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        loop = asyncio.get_running_loop()
+        if not (isinstance(port, int) and 0 <= port <= 65535):
+            raise ConnectionRefused(f"cannot listen on {host}:{port}: ports are 0 to 65535")
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                           flags=socket.AI_PASSIVE)
+            infos = await _resolve(host, port, socket.AI_PASSIVE)
         except OSError as exc:
             raise ConnectionRefused(f"cannot listen on {host}:{port}: {exc}") from exc
         family, _, _, _, addr = infos[0]
@@ -336,7 +349,10 @@ class TCPBackend(Backend):
         _, host, port = split_address(address)
         loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            async with asyncio.timeout(timeout):
+                infos = await _resolve(host, port)
+        except TimeoutError as exc:
+            raise Timeout(f"resolving {host!r} took longer than {timeout:g}s") from exc
         except OSError as exc:
             raise ConnectionRefused(f"cannot resolve {host!r}: {exc}") from exc
         family, _, _, _, addr = infos[0]

@@ -15,10 +15,15 @@ import statistics
 from . import demo
 from .cluster import LocalCluster
 from .config import Config
+from .errors import HopliteError, InvalidArgument
 
 
 def calibrate(large: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
     small = Config.from_env().inline_threshold + 1
+    least = max(1 << 20, 16 * small)
+    if large < least:
+        raise InvalidArgument(f"the large transfer must be at least {least} bytes (16 x the "
+                              f"small one, and 1 MiB) to tell bandwidth from latency; got {large}")
     times: dict[int, list[float]] = {small: [], large: []}
     with LocalCluster(2, shared_memory=False) as cluster:
         for r in range(-1, repeats):  # round -1 warms up, untimed
@@ -30,7 +35,11 @@ def calibrate(large: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
                 if r >= 0:
                     times[size].append(t1 - t0)
     t_small, t_large = statistics.median(times[small]), statistics.median(times[large])
-    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    if t_large <= t_small:
+        raise HopliteError(f"the {large}-byte get took no longer than the {small}-byte one "
+                           f"({t_large:.3g} s against {t_small:.3g} s): the machine was too busy "
+                           "to measure; use a larger --size or more --repeats")
+    bandwidth = (large - small) / (t_large - t_small)
     latency = max(t_small - small / bandwidth, 1e-6)
     return {"link_latency_s": latency, "link_bytes_per_s": bandwidth,
             "small_get_s": t_small, "large_get_s": t_large}

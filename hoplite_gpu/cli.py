@@ -9,6 +9,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 
 from .config import Config, format_size, parse_size
 from .errors import ConfigError, HopliteError
@@ -34,6 +35,11 @@ def _directory(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if args.until_stdin_closes:
+            # (the parent that started us holds our stdin: its end, however it
+            # came, is ours too, so no directory outlives a killed parent)
+            loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 4096)
+                            or stop.set())
         await stop.wait()
         await server.close()
 
@@ -182,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--token", default=None, help="cluster token (default: $HOPLITE_TOKEN, else generated)")
     d.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default WARNING")
+    d.add_argument("--until-stdin-closes", action="store_true",
+                   help="also stop when standard input ends (for a parent that starts it)")
     d.set_defaults(func=_directory)
 
     m = sub.add_parser("demo", help="broadcast a large array across a local cluster and show the tree")
@@ -218,8 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # (so a `kill` cleans up as Ctrl-C does: clusters closed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread() and args.command != "directory":
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except HopliteError as exc:

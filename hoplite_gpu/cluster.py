@@ -27,12 +27,22 @@ _ADDRESS = re.compile(r"listening on (\S+)")
 
 
 class WorkerError(HopliteError):
-    """A function sent to a worker raised; the message carries its traceback."""
+    """A function sent to a worker raised. The message says what; it carries the
+    worker's traceback too unless the error was one of ours (a HopliteError,
+    whose message says it all); `worker_traceback` always has it."""
+
+    worker_traceback = ""
 
 
 def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> None:
+    import signal
+
     import hoplite_gpu as hg
 
+    # Ctrl-C reaches the whole process group: the driver stops the workers
+    # (and reports the interrupt); a traceback from each would only bury it,
+    # and one still in a job is killed after a moment.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hg.init(address, token=token, **settings)
     conn.send((0, "ok", hg.node_id()))  # (job 0: being ready)
     while True:
@@ -46,7 +56,8 @@ def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> No
         try:
             conn.send((seq, "ok", fn(*args, **kwargs)))
         except BaseException as exc:  # report everything, the worker lives on
-            conn.send((seq, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn.send((seq, "err", (f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                    isinstance(exc, HopliteError))))
     hg.shutdown()
 
 
@@ -126,8 +137,9 @@ class LocalCluster(Closing):
         stop_process(self._directory, kill=kill)
         if self._output is not None:
             self._output.join(5)  # (it reads to the end of the exited process's output)
-        if self._directory.stdout:
-            self._directory.stdout.close()
+        for pipe in (self._directory.stdin, self._directory.stdout):
+            if pipe:
+                pipe.close()
         self._directory = None
 
     def _start_directory(self, port: int = 0) -> None:
@@ -135,8 +147,10 @@ class LocalCluster(Closing):
                # the directory schedules with the same settings as the workers
                **{f"HOPLITE_{k.upper()}": str(v) for k, v in self.settings.items()}}
         cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", str(port),
-               *self.directory_args]
-        self._directory = proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+               "--until-stdin-closes", *self.directory_args]
+        # Its stdin is a pipe only we hold: if this process dies, however, so does it.
+        self._directory = proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, text=True)
         found: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:
@@ -159,14 +173,23 @@ class LocalCluster(Closing):
             raise HopliteError(f"the directory exited with code {proc.wait()} before listening")
         self.address = address
 
-    def close(self) -> None:
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        # Interrupted (Ctrl-C, or a `kill` turned into one): workers still in a
+        # job get a moment, not the usual grace.
+        self.close(grace=1.0 if exc_type is KeyboardInterrupt else 10.0)
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop the workers (each ends once its job is done, or is killed after
+        `grace` seconds in all) and the directory."""
         for conn in self._conns:
             try:
                 conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
+        deadline = time.monotonic() + grace
         for proc in self._procs:
-            proc.join(10)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
@@ -214,7 +237,10 @@ class LocalCluster(Closing):
                 jobs.popleft()
                 break  # (an older one's answer came after its caller gave up)
         if status == "err":
-            raise WorkerError(f"worker {worker} raised {value}")
+            what, trace, ours = value
+            err = WorkerError(f"worker {worker} raised {what}" + ("" if ours else f"\n{trace}"))
+            err.worker_traceback = trace
+            raise err
         return value
 
     def run(self, worker: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,

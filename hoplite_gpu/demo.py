@@ -3,6 +3,7 @@ worker of a local cluster, with live progress and the tree the directory built."
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -15,6 +16,7 @@ from rich.table import Table
 
 from . import api
 from .cluster import LocalCluster
+from .config import format_size
 from .ids import ObjectID
 
 
@@ -56,16 +58,15 @@ def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, co
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                   console=console, transient=False) as progress:
         bars = {n: progress.add_task(f"receiver {i + 1}", total=size) for i, n in enumerate(receivers)}
-        while True:
-            try:
-                info = api.object_info(oid)
+        rt = api.runtime()
+        while not stop.is_set():
+            try:  # (briefly: the directory may be gone, e.g. after Ctrl-C)
+                info = rt.call(rt.node.query(oid), 1.0)
             except Exception:
                 info = {"holders": []}
             for h in info.get("holders", []):
                 if h["node"] in bars:
                     progress.update(bars[h["node"]], completed=h["nbytes"])
-            if stop.is_set():
-                break
             stop.wait(0.1)
 
 
@@ -74,6 +75,11 @@ def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
     console = Console()
     if num_workers < 2:
         console.print("[red]the demo needs at least 2 workers (1 sender, 1 receiver)")
+        return 2
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if size * 2 > free:  # (at least the sender's array and its store copy)
+        console.print(f"[red]a {format_size(size)} demo needs at least {format_size(2 * size)} "
+                      f"of memory; {format_size(free)} is free. Use a smaller --size")
         return 2
     settings = {"chunk_size": chunk_size} if chunk_size else {}
     console.print(f"starting a local cluster: directory + {num_workers} worker processes ...")
@@ -125,8 +131,9 @@ def _broadcast_round(cluster: LocalCluster, size: int, name: str, console: Conso
     crc, _ = cluster.run(0, make_and_put, size, name)
     stop, watcher = threading.Event(), None
     if console is not None:
-        console.print(f"broadcast {label}: {size / 2**20:.0f} MiB from worker 0 to {n - 1} receivers")
-        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console))
+        console.print(f"broadcast {label}: {format_size(size)} from worker 0 to {n - 1} receivers")
+        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console),
+                                   daemon=True)
         watcher.start()
     start_at = time.time() + 0.2
     try:
@@ -134,7 +141,7 @@ def _broadcast_round(cluster: LocalCluster, size: int, name: str, console: Conso
     finally:
         stop.set()
         if watcher is not None:
-            watcher.join()
+            watcher.join(5)
     sums = cluster.map(checksum, [(name,)] * (n - 1), workers=range(1, n))
     info = api.object_info(ObjectID.from_name(name))
     cluster.run(0, delete, name)
@@ -148,7 +155,7 @@ def _run(cluster: LocalCluster, console: Console, n: int, size: int, repeats: in
     m = measure_broadcast(cluster, size, repeats, console=console)
     _print_table(console, m["receivers"], m["begin"], size, names, label, m["info"])
     t_p2p, t_b = statistics.median(m["p2p_s"]), statistics.median(m["broadcast_s"])
-    console.print(f"point-to-point {size / 2**20:.0f} MiB: {t_p2p * 1e3:.1f} ms "
+    console.print(f"point-to-point {format_size(size)}: {t_p2p * 1e3:.1f} ms "
                   f"({size / t_p2p / 1e9:.2f} GB/s)")
     console.print(f"broadcast to {n - 1} receivers: {t_b * 1e3:.1f} ms  ->  "
                   f"[bold]{t_b / t_p2p:.2f} x[/bold] point-to-point")

@@ -1,0 +1,174 @@
+"""The command line as a newcomer uses it: `hoplite-gpu demo` and `calibrate`
+with small or odd arguments, and interrupted from a terminal. Each test fails
+on a confirmed bug."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hoplite_gpu.config import Config
+
+CLI = [sys.executable, "-m", "hoplite_gpu"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """A newcomer's environment: no HOPLITE_* settings but the ones given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOPLITE_")}
+    env.update(extra)
+    return env
+
+
+def _run(*args: str, timeout: float = 30, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=_env(**extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _session_pids(sid: int) -> list[str]:
+    out = subprocess.run(["ps", "-o", "pid=,cmd=", "-s", str(sid)], capture_output=True,
+                         text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+class _Demo:
+    """A long demo in a session of its own (as a terminal's foreground job),
+    its output in a file (its children may keep a pipe open after it exits)."""
+
+    def __init__(self, tmp_path, **extra: str) -> None:
+        self.log = tmp_path / "demo.out"
+        self.file = open(self.log, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*CLI, "demo", "--workers", "3", "--size", "1MiB", "--repeats", "100000"],
+            env=_env(**extra), stdout=self.file, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+
+    def wait_running(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while "broadcast 1/" not in self.log.read_text():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the demo did not start broadcasting"
+            time.sleep(0.05)
+        time.sleep(0.3)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def cleanup(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+        self.file.close()
+
+
+def test_ctrl_c_during_the_demo_exits_promptly(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group, so the
+    directory stops too. The demo's main thread then joins its progress
+    watcher (demo.py, `_broadcast_round`), which is inside `api.object_info`
+    waiting for the gone directory for HOPLITE_TIMEOUT_S: the demo sits there
+    for 300 s before it exits."""
+    demo = _Demo(tmp_path)
+    try:
+        demo.wait_running()
+        os.killpg(demo.proc.pid, signal.SIGINT)
+        try:
+            rc = demo.proc.wait(6)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the demo was still running 6 s after Ctrl-C")
+        assert rc == 130
+    finally:
+        demo.cleanup()
+
+
+def test_ctrl_c_during_the_demo_prints_no_worker_tracebacks(tmp_path):
+    """On Ctrl-C every idle worker process of the demo dies of KeyboardInterrupt
+    inside `conn.recv()` (cluster.py, `_worker_main`) and prints a full
+    traceback ("Process SpawnProcess-2: Traceback ...") over the screen."""
+    demo = _Demo(tmp_path)
+    try:
+        demo.wait_running()
+        os.killpg(demo.proc.pid, signal.SIGINT)
+        time.sleep(2)  # (the workers' last words)
+        out = demo.output()
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    finally:
+        demo.cleanup()
+
+
+def test_sigterm_to_the_demo_leaves_no_process_running(tmp_path):
+    """`kill <pid>` (or `timeout`, a CI job being cancelled) ends the demo's
+    process at once, without closing its LocalCluster: the directory
+    subprocess runs on for ever, reparented to init, and the workers linger
+    until their `get(timeout=600)` gives up."""
+    demo = _Demo(tmp_path)
+    try:
+        demo.wait_running()
+        demo.proc.send_signal(signal.SIGTERM)
+        demo.proc.wait(15)
+        deadline = time.monotonic() + 5
+        while (left := _session_pids(demo.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"still running after the demo exited: {left}"
+    finally:
+        demo.cleanup()
+
+
+def test_demo_error_in_a_worker_is_one_line_not_a_traceback():
+    """A documented, user-caused error (a store limit below the demo's size:
+    StoreFull) comes out of `hoplite-gpu demo` as the worker's full traceback,
+    some 30 lines of runtime internals after the one line that matters."""
+    res = _run("demo", "--workers", "2", "--size", "4MiB", HOPLITE_STORE_BYTES="1MiB")
+    assert res.returncode == 1
+    assert "StoreFull" in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_demo_size_beyond_memory_is_a_clear_error():
+    """`--size 1TiB` is accepted, and the sender's data generation dies of a raw
+    NumPy MemoryError (`_ArrayMemoryError: Unable to allocate 1.00 TiB`),
+    shown with its traceback; the README promises memory the machine cannot
+    give is StoreFull, not an error from deep inside NumPy."""
+    res = _run("demo", "--workers", "2", "--size", "1TiB")
+    assert res.returncode != 0
+    assert "MemoryError" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_demo_reports_small_sizes_as_they_are():
+    """With `--size 100KiB` the demo prints "broadcast 1/1: 0 MiB from worker 0"
+    and "point-to-point 0 MiB": sizes are formatted as whole MiB."""
+    res = _run("demo", "--workers", "2", "--size", "100KiB")
+    assert res.returncode == 0, res.stderr
+    assert "0 MiB" not in res.stdout, res.stdout
+
+
+def _printed_settings(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"^(HOPLITE_LINK_\w+)=(\S+)$", stdout, re.M))
+
+
+@pytest.mark.parametrize("size", ["1KiB", "64KiB"])
+def test_calibrate_never_prints_settings_the_config_refuses(size):
+    """`calibrate --size` at or below the small probe (the inline threshold + 1)
+    divides a negative byte difference: it prints e.g.
+    HOPLITE_LINK_BYTES_PER_S=-6.45e+13 with exit 0, which the config then
+    refuses ("link_bytes_per_s must be > 0")."""
+    res = _run("calibrate", "--size", size, "--repeats", "1")
+    if res.returncode != 0:  # refusing the size is fine, if said plainly
+        assert "Traceback" not in res.stderr, res.stderr
+        return
+    settings = _printed_settings(res.stdout)
+    assert settings, res.stdout
+    Config.from_env(settings)
+
+
+def test_calibrate_size_equal_to_the_small_probe_is_no_zero_division():
+    """`calibrate --size 65537` (the inline threshold + 1, so both probes are one
+    size) dies of ZeroDivisionError in calibrate.py with a traceback."""
+    res = _run("calibrate", "--size", "65537", "--repeats", "1")
+    assert "ZeroDivisionError" not in res.stderr and "Traceback" not in res.stderr, res.stderr

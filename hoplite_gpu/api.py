@@ -155,7 +155,7 @@ def reduce(object_ids: list[ObjectID], op: str = "sum", *, num_objects: int | No
 
 
 def reduced_inputs(object_id: ObjectID, *, timeout: float | None = None) -> list[ObjectID]:
-    """Exactly which inputs went into a reduce's result (waits until they are chosen)."""
+    """Exactly which inputs went into a reduce's result (waits until the reduce is done)."""
     rt = runtime()
     limit = _timeout(rt, timeout)
     return rt.call(rt.node.reduced_inputs(as_object_id(object_id), limit), limit)

@@ -20,7 +20,7 @@ from .errors import HopliteError, InvalidArgument
 
 def calibrate(large: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
     small = Config.from_env().inline_threshold + 1
-    least = max(1 << 20, 16 * small)
+    least = max(1 << 20, 16 * (small - 1))  # (1 MiB with the default inline threshold)
     if large < least:
         raise InvalidArgument(f"the large transfer must be at least {least} bytes (16 x the "
                               f"small one, and 1 MiB) to tell bandwidth from latency; got {large}")

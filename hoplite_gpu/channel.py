@@ -3,25 +3,40 @@ arrays (a state dict); readers fetch the newest version, or wait for a newer
 one, and always get one complete version, never a mix.
 
 Each version's arrays are ordinary immutable objects, named from the channel,
-the version and the key, and put in order (so a reader pipelines the first
-arrays while later ones are still being put); a small manifest is put after the
-arrays and only then does the directory's head for the channel move. A late
+the version and the key; a small manifest is put after the arrays and only
+then does the directory's head for the channel move, so a reader never sees a
+version before all of it is in (it then pulls the arrays, each pipelined). A
+version is first claimed: a publisher puts the version's claim, an empty
+object whose shape only it uses, and since objects are immutable a second
+publisher of that version gets `ObjectExists` (and, choosing versions itself,
+takes the next one) instead of mixing its arrays into the first one's. A late
 joiner gets the current version without the learner doing anything. The
-publisher frees versions older than its last `keep`; a reader caught fetching a
-freed version starts over from the newest.
+publisher frees versions older than its last `keep` published ones; a reader
+caught fetching a freed version starts over from the newest.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import api
-from .errors import HopliteError, InvalidArgument, ObjectNotFound, Timeout
+from .errors import (
+    DirectoryUnavailable,
+    HopliteError,
+    InvalidArgument,
+    ObjectExists,
+    ObjectNotFound,
+    RuntimeClosed,
+    Timeout,
+)
 from .ids import ObjectID
 
 #: How long a reader waits for one array before checking whether its version was freed.
@@ -53,6 +68,7 @@ class WeightChannel:
         self._published: dict[int, list[str]] = {}  # version -> keys, for freeing
         #: the highest version this publisher tried: a failed one is not reused
         self._tried = -1
+        self._adopted = False
 
     # ------------------------------------------------------------ publisher ---
     def publish(self, tensors: Mapping[str, Any], *, version: int | None = None) -> int:
@@ -66,14 +82,14 @@ class WeightChannel:
             raise InvalidArgument(f"version must be an int >= 0; got {version!r}")
         rt = api.runtime()
         latest = self.latest_version()
-        if version is None:
-            version = max(latest, self._tried) + 1
-        elif version <= latest:
+        if version is not None and version <= latest:
             # Its ids may exist with other bytes, and the head never moves back.
             raise InvalidArgument(f"channel {self.name!r}: version {version} is not newer than "
                                   f"its head, {latest}; publish a newer version (or none: "
                                   "the next one is chosen)")
-        self._tried = max(self._tried, version)
+        if not self._adopted:
+            self._adopt(latest)
+        version = self._claim(version, latest)
         keys = list(tensors)
         done: list[ObjectID] = []
         try:
@@ -84,7 +100,7 @@ class WeightChannel:
         except BaseException:
             # None of this version may stay: a later publish of it would find
             # these ids taken and keep their bytes, mixing two versions.
-            for oid in done:
+            for oid in [*done, _oid(self.name, version, "claim")]:
                 with contextlib.suppress(HopliteError):
                     api.delete(oid)
             raise
@@ -95,11 +111,47 @@ class WeightChannel:
         self._free_old(version)
         return version
 
+    def _adopt(self, latest: int) -> None:
+        """Take over the newest versions an earlier publisher left (a learner
+        restarted): they are freed as this publisher's own are, instead of
+        staying with every reader that fetched them."""
+        self._adopted = True
+        for old in range(max(0, latest - self.keep + 1), latest + 1):
+            oid = _oid(self.name, old, "manifest")
+            try:
+                if old not in self._published and _exists(oid):
+                    manifest = api.get(oid, timeout=api.runtime().config.connect_timeout_s)
+                    self._published[old] = msgpack.unpackb(manifest, raw=False)["keys"]
+            except (HopliteError, ValueError, KeyError, TypeError):
+                continue  # (freed meanwhile, or not a manifest of ours: left as it is)
+
+    def _claim(self, version: int | None, latest: int) -> int:
+        """Claim `version` (None: the next free one) for this publisher alone.
+        The claim is an empty array of shape (0, n), n drawn at random: a put
+        of the id with another layout is refused (objects are immutable), so
+        of two publishers of one version exactly one gets it."""
+        shape = (0, int.from_bytes(os.urandom(7), "big") + 1)
+        for _ in range(64):  # (versions taken by others: the next one)
+            chosen = max(latest, self._tried) + 1 if version is None else version
+            self._tried = max(self._tried, chosen)
+            try:
+                api.put(np.empty(shape, dtype=np.uint8), _oid(self.name, chosen, "claim"))
+                return chosen
+            except ObjectExists:
+                if version is not None:
+                    raise ObjectExists(f"channel {self.name!r}: version {version} was published "
+                                       "(or claimed) by another publisher") from None
+        raise ObjectExists(f"channel {self.name!r}: 64 versions in a row were claimed by other "
+                           "publishers")
+
     def _free_old(self, head: int) -> None:
-        for old in [v for v in self._published if v <= head - self.keep]:
+        # Versions this publisher published, not version numbers: skipped
+        # numbers (failed publishes, explicit versions) free nothing early.
+        for old in sorted(v for v in self._published if v <= head)[:-self.keep]:
             for key in self._published.pop(old):
                 api.delete(_oid(self.name, old, "t/" + key))
             api.delete(_oid(self.name, old, "manifest"))
+            api.delete(_oid(self.name, old, "claim"))
 
     # --------------------------------------------------------------- reader ---
     def latest_version(self) -> int:
@@ -139,17 +191,40 @@ class WeightChannel:
         return out
 
     def _get(self, oid: ObjectID, version: int, deadline: float) -> Any | None:
-        """The object, or None if its version has been freed meanwhile."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Timeout(f"channel {self.name!r}: version {version} did not arrive in time")
-            try:
-                return api.get(oid, timeout=min(_PROBE_S, left))
-            except ObjectNotFound:
-                return None
-            except Timeout:
-                # Freed by the publisher (whose `keep` may be smaller than
-                # ours): a newer version exists and this one is gone.
-                if self.latest_version() > version and not _exists(oid):
+        """The object, or None if its version has been freed meanwhile. One get
+        runs to the fetch's deadline (a large array may take long to arrive);
+        every `_PROBE_S` without it, a check of whether the version was freed."""
+        late = Timeout(f"channel {self.name!r}: version {version} did not arrive in time")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise late
+        rt = api.runtime()
+        pending = rt.submit(rt.node.get(oid, left))
+        try:
+            while True:
+                try:
+                    return pending.result(min(_PROBE_S, max(0.001, deadline - time.monotonic())))
+                except concurrent.futures.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise late from None
+                    if self._freed(oid, version, deadline):
+                        return None
+                except ObjectNotFound:
                     return None
+                except concurrent.futures.CancelledError:
+                    raise RuntimeClosed("the hoplite-gpu runtime was shut down during the "
+                                        "fetch") from None
+        finally:
+            pending.cancel()  # (a get given up: its pull stops)
+
+    def _freed(self, oid: ObjectID, version: int, deadline: float) -> bool:
+        """Whether the publisher (whose `keep` may be smaller than ours) freed
+        `version`: a newer one exists and this one's object is gone. Not known
+        while the directory is away (a restart): then not, as far as we know."""
+        rt = api.runtime()
+        left = max(0.001, min(deadline - time.monotonic(), rt.config.timeout_s))
+        try:
+            head = rt.call(rt.node.channel_head(self.name, -1, left, wait=False), left)
+            return head > version and not _exists(oid)
+        except (DirectoryUnavailable, Timeout):
+            return False

@@ -28,7 +28,7 @@ from .errors import DirectoryUnavailable
 
 DEFAULT_NAME = "hoplite-directory"
 #: A non-detached actor dies with its last handle: the driver keeps one.
-_handles: dict[tuple[str, str | None], Any] = {}
+_handles: dict[tuple[str, str], Any] = {}
 
 
 @ray.remote(num_cpus=0)
@@ -61,9 +61,19 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     returns its address and token. `actor_options` go to the actor's
     ``.options()``, e.g. ``resources`` or ``scheduling_strategy`` to place the
     directory on a chosen node of a multi-node cluster."""
+    key = _key(name, namespace)
     try:
         actor = ray.get_actor(name, namespace=namespace)  # attach to a running one
+        ray.get(actor.info.remote(), timeout=60)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        # A dead (or silent) directory under the name, e.g. its process died:
+        # removed, and a new one started in its place.
+        ray.kill(actor)
+        _handles.pop(key, None)
+        actor = None
     except ValueError:
+        actor = None
+    if actor is None:
         Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
         options: dict[str, Any] = {**(actor_options or {}), "name": name, "namespace": namespace,
                                    "get_if_exists": True}
@@ -71,15 +81,21 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
             options["lifetime"] = "detached"
         actor = DirectoryActor.options(**options).remote(token or new_token(), host, port, settings)
         # keep the creating handle: a non-detached actor dies with its owner's handles
-        _handles.setdefault((name, namespace), actor)
+        _handles[key] = actor
     try:
         return ray.get(actor.info.remote(), timeout=60)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
         # A directory that could not start: remove it, or its name stays taken
         # by a dead actor and every later start or join meets that.
         ray.kill(actor)
-        _handles.pop((name, namespace), None)
+        _handles.pop(key, None)
         raise DirectoryUnavailable(f"the directory actor {name!r} did not start: {exc}") from exc
+
+
+def _key(name: str, namespace: str | None) -> tuple[str, str]:
+    """The driver's handle of a directory actor, by name and namespace (None:
+    this job's own namespace, as Ray reads it)."""
+    return name, namespace or ray.get_runtime_context().namespace
 
 
 def _find(name: str, namespace: str | None, timeout: float) -> Any:
@@ -148,4 +164,4 @@ def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) ->
         pass  # (dead already: removed below all the same)
     finally:
         ray.kill(actor)
-        _handles.pop((name, namespace), None)
+        _handles.pop(_key(name, namespace), None)

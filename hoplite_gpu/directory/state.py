@@ -85,6 +85,8 @@ class Completed:
     size: int = -1
     layout: dict[str, Any] | None = None
     own: bool = False
+    #: a reduce result's tree (its root step's `tag`), if it is one
+    tag: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,8 @@ class ReduceFailed:
     node: NodeId
     target: Key
     message: str
+    #: the failed step's tree, if known
+    tag: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,8 @@ class StepLost:
     node: NodeId
     target: Key
     message: str
+    #: the step's tree, if known
+    tag: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -527,7 +533,9 @@ class Directory:
             task.waiters = [w for w in task.waiters if w[0] != ev.node]
             task.confirms = [w for w in task.confirms if w[0] != ev.node]
         for key in list(self.objects):
-            entry = self.objects[key]
+            entry = self.objects.get(key)
+            if entry is None:
+                continue  # (removed meanwhile, by what an earlier key set off)
             _remove_node(entry.waiting, ev.node)
             if ev.node in entry.holders:
                 self._forget_holder(key, entry, ev.node)
@@ -604,6 +612,9 @@ class Directory:
             holder = entry.holders[ev.node] = Holder(origin=ev.own)
         if entry is None or holder is None:
             return
+        task = self.reduces.get(ev.oid)
+        if task is not None and not task.done and self._stale(task, ev.tag):
+            return  # the root of a tree since rebuilt, on this node too: not this tree's result
         holder.complete, holder.nbytes = True, entry.size
         self._detach(entry, ev.node)
         self._serve_waiting(ev.oid, entry, out)
@@ -679,6 +690,16 @@ class Directory:
             self._forget_holder(ev.oid, entry, ev.node)
             self._after_loss(ev.oid, entry, out)
             self._clean_pending()
+            self._slot_lost(ev.oid, ev.node, f"node {ev.node} dropped input {ev.oid.hex()}", out)
+
+    def _slot_lost(self, oid: Key, node: NodeId, why: str, out: list[Command]) -> None:
+        """`node` no longer holds `oid`: an unfinished tree that took it from
+        there is rebuilt (its step would wait for the input to come back, a
+        leaf's parent up to `timeout_s`), with a backup input if there is one."""
+        for task in list(self.reduces.values()):
+            if (not (task.done or task.failed or task.inline) and (oid, node) in task.slots
+                    and self.reduces.get(task.target) is task):
+                self._restart_reduce(task, why, out)
 
     def _on_Evict(self, ev: Evict, out: list[Command]) -> None:
         freed = []
@@ -722,6 +743,8 @@ class Directory:
         if entry is None:
             return
         reason = f"object {ev.oid.hex()} was deleted"
+        for node in list(entry.holders):  # (an input of a reduce under way: rebuilt without it)
+            self._slot_lost(ev.oid, node, reason, out)
         # A recovered object may have copies that were never announced (their
         # nodes' announcements are still on the way): every node hears.
         for node in (self.nodes if entry.recovered else entry.holders):
@@ -780,7 +803,7 @@ class Directory:
 
     def _on_ReduceFailed(self, ev: ReduceFailed, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
-        if task is not None:
+        if task is not None and not self._stale(task, ev.tag):
             self._fail_reduce(task, ev.message, out)
 
     def _on_InlineReduced(self, ev: InlineReduced, out: list[Command]) -> None:
@@ -825,8 +848,16 @@ class Directory:
 
     def _on_StepLost(self, ev: StepLost, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
-        if task is not None and not task.done and not task.failed:
+        if task is not None and not task.done and not task.failed and not self._stale(task, ev.tag):
             self._restart_reduce(task, f"a step lost a child stream: {ev.message}", out)
+
+    def _stale(self, task: ReduceTask, tag: bytes | None) -> bool:
+        """Whether a message about `task` came from a tree this directory has
+        since rebuilt (its steps were dropped, but the message crossed the
+        drop). Tags of another directory (before a restart) are not stale
+        here: what they report is all there is to go on."""
+        return (tag is not None and tag != task.tag
+                and tag[:len(self.instance)] == self.instance and len(tag) == len(task.tag))
 
     def _next_tag(self) -> bytes:
         self._trees += 1

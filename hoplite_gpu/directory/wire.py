@@ -21,6 +21,12 @@ def _id(msg: dict[str, Any], name: str) -> bytes:
     return value
 
 
+def _tag(msg: dict[str, Any]) -> bytes | None:
+    """A reduce tree's tag, where a message carries one."""
+    tag = msg.get("tag")
+    return tag if isinstance(tag, bytes) else None
+
+
 def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     """Translate one message from `node`; None for ops the server answers itself."""
     op = field(msg, "op", str)
@@ -41,7 +47,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         return state.Completed(node, _id(msg, "oid"),
                                size if isinstance(size, int) else -1,
                                layout if isinstance(layout, dict) else None,
-                               msg.get("own") is True)
+                               msg.get("own") is True, _tag(msg))
     if op == "failed":
         return state.TransferFailed(node, _id(msg, "oid"), field(msg, "sender", str),
                                     field(msg, "have", int))
@@ -79,9 +85,9 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                                      tuple(inputs), op_name,
                                      field(msg, "num_objects", int), root_input, relay)
     if op == "reduce_failed":
-        return state.ReduceFailed(node, _id(msg, "target"), field(msg, "message", str))
+        return state.ReduceFailed(node, _id(msg, "target"), field(msg, "message", str), _tag(msg))
     if op == "step_lost":
-        return state.StepLost(node, _id(msg, "target"), field(msg, "message", str))
+        return state.StepLost(node, _id(msg, "target"), field(msg, "message", str), _tag(msg))
     if op == "reduced_inputs":
         return state.ReducedInputs(node, field(msg, "rid", int), _id(msg, "target"))
     if op == "reduce_confirm":

@@ -631,6 +631,8 @@ class Node:
                "layout": obj.layout.to_wire()}
         if obj.own:  # put or made here: a restarted directory counts it as an origin
             msg["own"] = True
+        if obj.reduce_tag is not None:  # a reduce result: from which tree
+            msg["tag"] = obj.reduce_tag
         return msg
 
     async def _fetch_from(self, obj: StoredObject, address: str) -> None:
@@ -898,12 +900,12 @@ class Node:
         except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
-            self._post({"op": "step_lost", "target": target,
+            self._post({"op": "step_lost", "target": target, "tag": step.get("tag"),
                         "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
             return
         except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
-            self._post({"op": "reduce_failed", "target": target,
+            self._post({"op": "reduce_failed", "target": target, "tag": step.get("tag"),
                         "message": f"a reduce step on node {self.node_id} failed: "
                                    f"{type(exc).__name__}: {exc}"})
             return

@@ -13,6 +13,7 @@ import numpy as np
 from hoplite_gpu import kernels
 from hoplite_gpu.config import Config
 from hoplite_gpu.device import element_view, is_device_buffer
+from hoplite_gpu.errors import ObjectNotFound
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, numpy_dtype
 
@@ -95,6 +96,9 @@ async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObje
         end = min(pos + chunk, out.size)
         for src in (own, *kids):
             await _ready_or_failed(src, end, timeout, pulls)
+            if src.removed is not None:  # deleted or reclaimed here: its buffer is gone
+                raise ObjectNotFound(f"reduce input {src.oid.hex()} left this node during its "
+                                     f"step: {src.removed}")
         # On a GPU node these are CuPy views and the kernels run on the device,
         # queued on the current stream before the watermark moves.
         acc, kind = element_view(out.buffer[pos:end], dtype)

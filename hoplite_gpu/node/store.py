@@ -193,9 +193,9 @@ class ChunkStore:
         if obj is not None:
             if obj.counted:
                 self.held -= obj.layout.nbytes
-            obj.removed = reason
+            obj.removed = reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node")
             if not obj.complete:
-                obj.fail(reason or ObjectNotFound(f"object {oid.hex()} was dropped from this node"))
+                obj.fail(obj.removed)
             self.recycle(obj)
         return obj
 

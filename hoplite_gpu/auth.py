@@ -10,6 +10,7 @@ import os
 import secrets
 
 from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClosed
+from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
@@ -28,7 +29,7 @@ def new_token() -> str:
 
 
 def _mac(token: str, role: bytes, a: bytes, b: bytes) -> bytes:
-    return hmac.new(token.encode("utf-8", "surrogateescape"), role + a + b, hashlib.sha256).digest()
+    return hmac.new(encode_text(token), role + a + b, hashlib.sha256).digest()
 
 
 async def server_handshake(stream: Stream, token: str, timeout: float) -> None:

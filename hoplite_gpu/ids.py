@@ -10,6 +10,16 @@ from .errors import InvalidArgument
 _ID_LEN = 20
 
 
+def encode_text(text: str) -> bytes:
+    """UTF-8 bytes of any str: bytes that came from the OS as surrogate escapes
+    (an environment variable, a file name) are restored, and a lone surrogate
+    is encoded as itself, so every name and token has bytes."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
 class ObjectID:
     """A 20-byte object name.
 
@@ -33,7 +43,7 @@ class ObjectID:
     def from_name(cls, name: str) -> ObjectID:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"ObjectID.from_name needs a non-empty str; got {name!r}")
-        return cls(hashlib.blake2b(name.encode("utf-8", "surrogateescape"), digest_size=_ID_LEN, person=b"hoplite-oid").digest())
+        return cls(hashlib.blake2b(encode_text(name), digest_size=_ID_LEN, person=b"hoplite-oid").digest())
 
     @classmethod
     def from_hex(cls, text: str) -> ObjectID:

@@ -153,8 +153,9 @@ class Outbox:
     of a failed write, once.
 
     A peer that takes nothing for `stall_s` seconds while messages wait, or
-    lets more than `limit` bytes pile up, is cut off: the outbox fails and
-    closes the stream, which ends its reader too."""
+    lets more than `limit` bytes pile up while it takes nothing for a second
+    (a burst to a peer that reads is not cut), is cut off: the outbox fails
+    and closes the stream, which ends its reader too."""
 
     def __init__(self, stream: Stream, on_lost: Callable[[HopliteError], None], *,
                  stall_s: float | None = None, limit: int = MAX_QUEUED) -> None:
@@ -164,6 +165,7 @@ class Outbox:
         self._limit = limit
         self._queue: collections.deque[bytes | memoryview | None] = collections.deque()
         self._queued = 0  # bytes in _queue
+        self._progress_at = 0.0  # (loop time) the queue was last empty, or a write ended
         self._wake = asyncio.Event()
         self._writing = False
         self._finished = False
@@ -186,11 +188,13 @@ class Outbox:
             if n == len(data):
                 return
             data = memoryview(data)[n:]
+            self._progress_at = asyncio.get_running_loop().time()
         self._queued += len(data)
-        if self._queued > self._limit:
+        if (self._queued > self._limit and self._stall_s is not None
+                and asyncio.get_running_loop().time() - self._progress_at > min(self._stall_s, 1.0)):
             self._cut(TransportError(
-                f"{self._stream.peer} took none of {self._queued} bytes of queued messages "
-                f"(more than {self._limit}); cut off"))
+                f"{self._stream.peer} took no message while {self._queued} bytes of them "
+                f"piled up (more than {self._limit}); cut off"))
             return
         self._queue.append(data)
         self._wake.set()
@@ -229,6 +233,7 @@ class Outbox:
                     else:
                         async with asyncio.timeout(self._stall_s):
                             await self._stream.send(data)
+                    self._progress_at = asyncio.get_running_loop().time()
                 except TimeoutError:
                     self._cut(Timeout(f"{self._stream.peer} took no message for "
                                       f"{self._stall_s:g}s; cut off"))

@@ -207,10 +207,12 @@ def test_an_outbox_cuts_off_a_peer_that_lets_too_much_pile_up():
     async def go():
         stream = Stuck(takes=0)
         lost = []
-        out = Outbox(stream, lost.append, limit=1000)
-        for i in range(30):
+        out = Outbox(stream, lost.append, limit=1000, stall_s=5.0)
+        for i in range(30):  # a burst over the limit: not cut (the peer may be reading)
             out.post({"i": i, "blob": b"x" * 100})
-        await asyncio.sleep(0.01)
+        assert not lost
+        await asyncio.sleep(1.1)  # nothing taken for a second: over the limit, cut at the next post
+        out.post({"i": 30})
         await out.close()
         return stream, lost, out
     stream, lost, out = asyncio.run(go())

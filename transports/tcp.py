@@ -319,8 +319,13 @@ async def _resolve(host: str, port: int, flags: int = 0) -> list:
                                   flags=flags | socket.AI_NUMERICHOST)
     except socket.gaierror:
         pass  # a name: ask the resolver, off the loop
-    return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                        flags=flags)
+    except (UnicodeError, ValueError) as exc:  # e.g. an empty label: no name at all
+        raise OSError(f"not a host name: {exc}") from exc
+    try:
+        return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                            flags=flags)
+    except (UnicodeError, ValueError) as exc:
+        raise OSError(f"not a host name: {exc}") from exc
 
 
 class TCPBackend(Backend):

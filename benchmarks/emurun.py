@@ -14,7 +14,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hoplite_gpu.config import format_size
+from hoplite_gpu.config import available_memory, format_size
 
 from .netbench import DEFAULT_SYSTEMS, SYSTEMS, lower_bound
 
@@ -49,14 +49,6 @@ def fmt_s(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.3f} s"
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def footprint(op: str, size: int, hosts: int) -> int:
@@ -103,8 +95,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
             for size in sizes:
                 small = size <= args.latency_max and op != "allreduce-dynamic"
                 need = footprint(op, size, args.hosts)
-                if need > 0.85 * _mem_available():
-                    why = (f"needs about {need / 2**30:.1f} GiB, {_mem_available() / 2**30:.1f} GiB "
+                if need > 0.85 * available_memory():
+                    why = (f"needs about {need / 2**30:.1f} GiB, {available_memory() / 2**30:.1f} GiB "
                            f"available")
                     console.print(f"[yellow]skipped {op} {human(size)}: {why}[/]")
                     skipped.append({"op": op, "size_bytes": size, "reason": why})

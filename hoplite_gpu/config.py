@@ -218,6 +218,19 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def available_memory() -> int:
+    """Bytes the kernel could give this process now (page cache included), as
+    /proc/meminfo's MemAvailable says; elsewhere, the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def format_size(size: int) -> str:
     """'64 KiB', '1.5 MiB', '4096 B': a size as `parse_size` reads it back."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

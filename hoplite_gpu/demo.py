@@ -3,7 +3,6 @@ worker of a local cluster, with live progress and the tree the directory built."
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -16,7 +15,7 @@ from rich.table import Table
 
 from . import api
 from .cluster import LocalCluster
-from .config import format_size
+from .config import available_memory, format_size
 from .ids import ObjectID
 
 
@@ -70,26 +69,13 @@ def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, co
             stop.wait(0.1)
 
 
-def _available_memory() -> int:
-    """Bytes the kernel could give us now (page cache included), as /proc/meminfo
-    reports; else the free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
              chunk_size: int | None = None) -> int:
     console = Console()
     if num_workers < 2:
         console.print("[red]the demo needs at least 2 workers (1 sender, 1 receiver)")
         return 2
-    free = _available_memory()
+    free = available_memory()
     if size * 2 > free:  # (at least the sender's array and its store copy)
         console.print(f"[red]a {format_size(size)} demo needs at least {format_size(2 * size)} "
                       f"of memory; {format_size(free)} is free. Use a smaller --size")

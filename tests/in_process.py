@@ -4,10 +4,51 @@ step in exactly where a caller would give up, or hold an answer back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from hoplite_gpu.config import Config
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether `check()` holds within `timeout` seconds (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+def wait_child(pid: int, timeout: float, hung: str) -> int:
+    """The exit status of forked child `pid`; past `timeout` seconds it is
+    killed and AssertionError(`hung`) raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(hung)
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def local_mode(**settings: Any) -> Iterator[None]:
+    """`hoplite_gpu.init()` in local mode for the block, always shut down."""
+    import hoplite_gpu as hg
+
+    hg.init(**settings)
+    try:
+        yield
+    finally:
+        hg.shutdown()
 
 
 def run_nodes(configs: list[Config], body: Callable[..., Awaitable[Any]],

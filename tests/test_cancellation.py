@@ -5,11 +5,10 @@ holder or serving slot, no lent caller memory, no half-published version."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
 
@@ -20,15 +19,6 @@ def with_nodes(n: int, body, **settings) -> None:
     """Run `body(directory, *nodes)`: an in-process directory and `n` nodes."""
     config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, **settings)
     run_nodes([config] * n, body)
-
-
-async def eventually(check, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await asyncio.sleep(0.01)
-    return check()
 
 
 def slow_answers(node, op: str, delay: float = 0.5):

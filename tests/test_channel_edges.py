@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from in_process import local_mode
 from ray_local import local_ray
 
 import hoplite_gpu as hg
@@ -80,11 +81,8 @@ def held_bytes() -> int:
 # ----------------------------------------------------------- in-process ---
 @pytest.fixture
 def local():
-    hg.init()
-    try:
+    with local_mode():
         yield
-    finally:
-        hg.shutdown()
 
 
 def test_keep_counts_published_versions_not_version_numbers(local):

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from in_process import local_mode
 from ray_local import local_ray
 
 import hoplite_gpu as hg
@@ -22,11 +23,8 @@ from hoplite_gpu.cluster import LocalCluster
 
 @pytest.fixture
 def local():
-    hg.init()
-    try:
+    with local_mode():
         yield
-    finally:
-        hg.shutdown()
 
 
 # ------------------------------------------------------------ channel ---

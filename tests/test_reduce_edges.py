@@ -7,26 +7,16 @@ against NumPy over the inputs `reduced_inputs` names."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
 import hoplite_gpu.node.reducer as reducer
 
 MiB = 1 << 20
 CONFIG = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10)
-
-
-async def eventually(check, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await asyncio.sleep(0.01)
-    return check()
 
 
 def hold_child_pulls(monkeypatch, only_from=None):

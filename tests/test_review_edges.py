@@ -13,7 +13,7 @@ import pytest
 from in_process import run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu.config import Config
+from hoplite_gpu.config import Config, available_memory
 from hoplite_gpu.ids import ObjectID
 
 MiB = 1 << 20
@@ -122,14 +122,6 @@ def test_a_directory_host_name_that_cannot_be_encoded_is_a_hoplite_error():
             pytest.fail("init connected to a directory that does not exist")
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_the_demo_counts_reclaimable_page_cache_as_available_memory(monkeypatch):
     """`run_demo` refuses a size beyond "free memory", measured as
     SC_AVPHYS_PAGES, which is MemFree: memory the page cache holds, which
@@ -138,7 +130,7 @@ def test_the_demo_counts_reclaimable_page_cache_as_available_memory(monkeypatch)
     the default 256 MiB demo is refused although there is room for it."""
     from hoplite_gpu import demo
 
-    if _mem_available() < 4 << 30:
+    if available_memory() < 4 << 30:
         pytest.skip("needs 4 GiB available to tell the two measures apart")
     real = os.sysconf
 
@@ -153,7 +145,7 @@ def test_the_demo_counts_reclaimable_page_cache_as_available_memory(monkeypatch)
     def no_cluster(*args, **kwargs):
         raise Started  # (the check was passed; no cluster is needed to show it)
 
-    monkeypatch.setattr(demo.os, "sysconf", sysconf)
+    monkeypatch.setattr(os, "sysconf", sysconf)
     monkeypatch.setattr(demo, "LocalCluster", no_cluster)
     with pytest.raises(Started):
         demo.run_demo(num_workers=2, size=256 * MiB)

@@ -14,6 +14,7 @@ import time
 import warnings
 
 import numpy as np
+from in_process import wait_child
 
 import hoplite_gpu as hg
 
@@ -116,17 +117,8 @@ def test_a_child_forked_while_another_thread_is_in_init_can_init():
             except BaseException:
                 code = 2
             os._exit(code)
-        deadline = time.monotonic() + 6
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("the forked child's init() hung (the lock it inherited "
-                                     "is held by a thread it does not have)")
-            time.sleep(0.05)
+        status = wait_child(pid, 6, "the forked child's init() hung (the lock it inherited "
+                                    "is held by a thread it does not have)")
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         th.join(10)

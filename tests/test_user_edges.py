@@ -10,6 +10,7 @@ import warnings
 import cluster_tasks as t
 import numpy as np
 import pytest
+from in_process import wait_child
 
 import hoplite_gpu as hg
 from hoplite_gpu.cluster import LocalCluster
@@ -97,16 +98,7 @@ def test_a_forked_child_gets_a_prompt_clear_answer_and_can_init(local):
                 code = 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child did not finish within 60 s")
-        time.sleep(0.05)
+    status = wait_child(pid, 60, "the forked child did not finish within 60 s")
     code = os.waitstatus_to_exitcode(status)
     assert code == 0, {1: "a call in the child hung past its deadline",
                        2: "init() in the child failed",

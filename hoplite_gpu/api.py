@@ -87,10 +87,12 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     rt = runtime()
     oid = _new_id(object_id)
     # A small host value goes straight from this thread (hoplite_gpu.direct).
+    deadline = time.monotonic() + rt.config.timeout_s
     direct = rt.direct_here()
     if direct is not None and direct.put(value, oid, rt.config.timeout_s):
         return oid
-    return rt.call(rt.node.put(value, oid), rt.config.timeout_s)
+    left = time_left(deadline)  # (what the direct try left)
+    return rt.call(rt.node.put(value, oid, timeout=left), left)
 
 
 def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = "cupy") -> Any:

@@ -47,7 +47,7 @@ def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
     deadline = time.monotonic() + limit
     direct = rt.direct_here()
     if direct is None or not direct.put(value, oid, limit):
-        _together(lambda node, _limit: [_finish(node.put(value, oid))], limit)
+        _together(lambda node, _limit: [_finish(node.put(value, oid))], api.time_left(deadline))
     return deadline
 
 
@@ -244,11 +244,11 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     may still need it, so it copies."""
     target = args[3]
     rt = api.runtime()
+    limit = api._timeout(rt, timeout)
+    deadline = time.monotonic() + limit
     direct = rt.direct_here()
     if direct is not None:
         # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
-        limit = api._timeout(rt, timeout)
-        deadline = time.monotonic() + limit
         out = direct.reduce(rt.node.reduce_msg(*args), value, mine,
                             "get" if fetch else "wait" if wait else None, limit)
         if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
@@ -261,7 +261,7 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
         node.reduce(*args), _finish(node.put(value, mine, lend=lend)),
         *([node.get(target, limit)] if fetch else
           [node.reduced_inputs(target, limit)] if wait else [])],
-        timeout, lent=mine if lend else None)
+        api.time_left(deadline), lent=mine if lend else None)  # (what the direct try left)
     return out[2] if fetch else None
 
 
@@ -280,10 +280,10 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     """Every object of `ids`, pulled at once (not one after another: a gather
     of small objects then costs one round trip, not N)."""
     rt = api.runtime()
+    limit = api._timeout(rt, timeout)
+    deadline = time.monotonic() + limit
     direct = rt.direct_here()
     if direct is not None:
-        limit = api._timeout(rt, timeout)
-        deadline = time.monotonic() + limit
         values = direct.get_all(ids, limit)
         if values is not MISS:
             # what came inline is here; the loop pulls the rest from the
@@ -295,7 +295,8 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
                 for i, value in zip(pulls, got, strict=True):
                     values[i] = value
             return values
-    return _together(lambda node, limit: [node.get(oid, limit) for oid in ids], timeout)
+    return _together(lambda node, left: [node.get(oid, left) for oid in ids],
+                     api.time_left(deadline))
 
 
 def _finish(put: Coroutine) -> asyncio.Future:

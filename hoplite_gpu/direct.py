@@ -257,7 +257,7 @@ class DirectCalls:
         try:
             reply = self._ask([put[0]], timeout,
                               lambda: f"the directory did not answer 'put' within {timeout:g}s")
-        except Timeout:
+        except BaseException:  # past its deadline, or interrupted (Ctrl-C)
             # Sent, so perhaps registered, with nothing kept here: withdrawn,
             # as the loop's put given up is (the caller was told it failed).
             self._on_loop(self._node.withdraw, oid)
@@ -324,7 +324,7 @@ class DirectCalls:
         try:
             replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} "
                                                        f"did not finish within {timeout:g}s")
-        except Timeout:
+        except BaseException:  # past its deadline, or interrupted (Ctrl-C)
             # Sent, so perhaps started: a restarted directory must hear of it
             # (as of a reduce the loop's path gave up waiting for).
             self._on_loop(self._node.remember_reduce, target, request, since)

@@ -186,8 +186,10 @@ class Node:
         self._check_open()
 
     # ---------------------------------------------------------------- put ---
-    async def put(self, value: Any, oid: ObjectID, *, lend: bool = False) -> ObjectID:
-        """Store `value` as `oid` and register it. With `lend`, a host array's own
+    async def put(self, value: Any, oid: ObjectID, *, lend: bool = False,
+                  timeout: float | None = None) -> ObjectID:
+        """Store `value` as `oid` and register it, the directory's answer awaited
+        for `timeout` seconds (default `timeout_s`). With `lend`, a host array's own
         memory backs the object instead of a copy: the caller must leave the
         array unchanged until it calls `reclaim(oid)`, which ends the object here.
         A blocking collective lends its input for the length of the call."""
@@ -202,7 +204,7 @@ class Node:
             except Expired:
                 raise Timeout(f"put of object {oid.hex()}: another put of it here did not "
                               f"end within {self.config.timeout_s:g}s") from None
-            return await self.put(value, oid, lend=lend)
+            return await self.put(value, oid, lend=lend, timeout=timeout)
         existing = self.store.get(oid)
         if existing is not None:
             if existing.layout != layout:
@@ -219,7 +221,7 @@ class Node:
         if data is None:
             async with self._room(layout, f"put of object {oid.hex()}"):
                 if self.store.get(oid) is not None:  # put here meanwhile, by another call
-                    return await self.put(value, oid, lend=lend)
+                    return await self.put(value, oid, lend=lend, timeout=timeout)
                 obj = self.store.create(oid, layout)
         else:
             obj = self.store.create(oid, layout, data, borrowed=lent)
@@ -230,19 +232,19 @@ class Node:
             obj.advance(obj.size)
         ended = self._puts[oid] = asyncio.get_running_loop().create_future()
         try:
-            return await self._register(obj, buf, inline, lent)
+            return await self._register(obj, buf, inline, lent, timeout)
         finally:
             del self._puts[oid]
             ended.set_result(None)
 
     async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
-                        lent: bool) -> ObjectID:
+                        lent: bool, timeout: float | None = None) -> ObjectID:
         """The rest of a put: register `obj` and copy its value in."""
         oid, layout = obj.oid, obj.layout
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
         try:
-            await self._request(msg, self.config.timeout_s)
+            await self._request(msg, self.config.timeout_s if timeout is None else timeout)
         except (Timeout, DirectoryUnavailable, asyncio.CancelledError):
             self._let_go(oid)  # unanswered: in case the put did register
             raise

@@ -1,0 +1,119 @@
+"""Edge cases of direct calls (hoplite_gpu.direct): what a direct call that
+fails over to the loop's path, or is interrupted, leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import collectives
+from hoplite_gpu.directory import state
+
+
+def _stall_then_cut_direct(rt, swallow: type, after: float) -> threading.Timer:
+    """The embedded directory never answers events of type `swallow` (on any
+    connection), and closes the node's direct connections `after` seconds
+    from now: a direct call then waits, and falls back to the loop's path."""
+    server = rt.directory
+    real_apply = server.apply
+
+    def apply(ev):
+        if isinstance(ev, swallow):
+            return
+        real_apply(ev)
+    server.apply = apply
+
+    async def cut():
+        for peer in list(server.peers.values()):
+            for direct in list(peer.directs):
+                await direct.stream.close()
+
+    def later():
+        rt._loop.call_soon_threadsafe(lambda: rt._loop.create_task(cut()))
+    timer = threading.Timer(after, later)
+    timer.start()
+    return timer
+
+
+def test_a_put_that_falls_back_to_the_loop_keeps_to_its_deadline():
+    """docs/architecture.md "Direct calls": a call whose connection breaks is
+    asked again through the loop "with the time left". api.put hands the
+    loop the whole timeout again, so it can block for almost twice it."""
+    hg.init(timeout_s=1.0)
+    try:
+        timer = _stall_then_cut_direct(hg.runtime(), state.Put, 0.6)
+        started = time.monotonic()
+        with pytest.raises(hg.Timeout):
+            hg.put(b"abc", hg.ObjectID.from_name("slow-put"))
+        elapsed = time.monotonic() - started
+        timer.join(5)
+        assert elapsed < 1.35, f"put with timeout_s=1 blocked {elapsed:.2f}s"
+    finally:
+        hg.shutdown()
+
+
+def test_a_collective_reduce_that_falls_back_keeps_to_its_deadline():
+    """The same for a small collective: after the direct reduce's link broke
+    at 0.6 s, the loop's path got the whole `timeout` again."""
+    hg.init(timeout_s=20)
+    try:
+        timer = _stall_then_cut_direct(hg.runtime(), state.ReduceRequested, 0.6)
+        started = time.monotonic()
+        with pytest.raises(hg.Timeout):
+            collectives.allreduce(np.ones(4, dtype=np.float32), name="slow-ar", rank=0, size=2,
+                                  timeout=1.0)
+        elapsed = time.monotonic() - started
+        timer.join(5)
+        assert elapsed < 1.35, f"allreduce with timeout=1 blocked {elapsed:.2f}s"
+    finally:
+        hg.shutdown()
+
+
+def test_an_interrupted_direct_put_is_withdrawn():
+    """A direct put interrupted (KeyboardInterrupt) while it waits for the
+    directory's ok raises, but leaves the object registered with this node
+    as its complete origin holder, a node that holds nothing (the put is
+    never kept). A put given up at its deadline is withdrawn
+    (DirectCalls.put), and so is the loop's put when its call is cancelled;
+    an interrupted one must be too."""
+    hg.init(timeout_s=5)
+    old = signal.getsignal(signal.SIGALRM)
+    try:
+        rt = hg.runtime()
+        server = rt.directory
+        swallowed = []
+        real = server._reply_direct
+
+        def swallow(cmd):
+            if cmd.body.get("ok") and not swallowed:
+                swallowed.append(cmd)  # the put's ok, never delivered
+                return
+            real(cmd)
+        server._reply_direct = swallow
+
+        def interrupt(*_):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        oid = hg.ObjectID.from_name("interrupted")
+        with pytest.raises(KeyboardInterrupt):
+            hg.put(b"lost", oid)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert swallowed, "the put did not go direct"
+        hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
+
+        async def holders():
+            await asyncio.sleep(0.2)
+            entry = server.state.objects.get(oid.binary)
+            return [] if entry is None else list(entry.holders)
+        assert rt.call(holders(), 5) == [], "registered to a node that does not hold it"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        hg.shutdown()

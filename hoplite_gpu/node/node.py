@@ -86,6 +86,9 @@ class Node:
         self._pull_waiters: dict[ObjectID, list[asyncio.Future]] = {}
         #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
         self._pull_errors: dict[ObjectID, BaseException] = {}
+        #: the latest deadline of the gets waiting on each pull (a patient get
+        #: that joins a hasty one's pull extends it)
+        self._pull_deadlines: dict[ObjectID, float] = {}
         self._closed: BaseException | None = None
         #: (object, when a pull failed, when bytes flowed again) of recent failovers
         self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
@@ -209,7 +212,13 @@ class Node:
         if existing is not None:
             if existing.layout != layout:
                 raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
-            return oid
+            if existing.complete or existing.own or existing.receiving:
+                return oid
+            # A copy a get here is still pulling: the put's value takes its
+            # place (a get that gave up would otherwise take the value with it);
+            # the get asks again and finds the put's copy.
+            self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
+            self._post({"op": "dropped", "oid": oid.binary})
         inline = layout.nbytes <= self.config.inline_threshold
         if inline and device.is_device_buffer(buf):
             buf = memoryview(device.to_host(buf))
@@ -393,6 +402,8 @@ class Node:
         loop = asyncio.get_running_loop()
         if oid not in self._pulls:
             self._start_pull(oid, deadline)
+        else:
+            self._pull_deadlines[oid] = max(self._pull_deadlines.get(oid, deadline), deadline)
         waiter = loop.create_future()
         waiters = self._pull_waiters[oid]
         waiters.append(waiter)
@@ -410,12 +421,14 @@ class Node:
                     or isinstance(waiter.exception(), Expired)):  # this get gave up
                 waiters.remove(waiter)
                 if not waiters and self._pull_waiters.get(oid) is waiters:
-                    # the last one: nobody wants this pull any more
-                    self._cancel_pull(oid, ObjectNotFound(
+                    # the last one: nobody wants this pull any more (a get that
+                    # joins it as it ends asks again)
+                    self._cancel_pull(oid, _Retry(
                         f"the pull of object {oid.hex()} was abandoned by its gets"))
 
     def _start_pull(self, oid: ObjectID, deadline: float, located: dict | None = None) -> None:
         self._pull_errors.pop(oid, None)  # from an earlier pull of this id
+        self._pull_deadlines[oid] = deadline
         self._pull_waiters[oid] = []
         task = asyncio.get_running_loop().create_task(self._run_pull(oid, deadline, located))
         self._pulls[oid] = task
@@ -469,6 +482,10 @@ class Node:
                 error = self._abandoned(oid)
             elif (error := task.exception()) is None:
                 result = task.result()
+        # (this pull's leftovers: none may outlive it)
+        self._pull_errors.pop(oid, None)
+        self._failed_at.pop(oid, None)
+        self._pull_deadlines.pop(oid, None)
         for waiter in self._pull_waiters.pop(oid, ()):
             if not waiter.done():
                 if error is not None:
@@ -481,6 +498,7 @@ class Node:
         self._check_open()
         failures = 0
         while True:
+            deadline = self._pull_deadlines.get(oid, deadline)  # (a patient get may have joined)
             reply = located if located is not None else await self._locate(oid, deadline)
             located = None
             log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
@@ -498,6 +516,12 @@ class Node:
                 self._post({"op": "dropped", "oid": oid.binary})
                 continue
             sender, address = reply["sender"], reply["address"]
+            if obj is not None and obj.own and obj.error is None:
+                # Put here meanwhile: that copy is the object, not one to pull
+                # into; once it is whole, `complete` frees the sender's slot.
+                await obj.wait_ready(obj.size, max(0.001, deadline - time.monotonic()))
+                self._post(self._complete_msg(obj))
+                return obj
             if obj is None or obj.error is not None:
                 try:
                     async with self._room(layout, f"get of object {oid.hex()}"):
@@ -522,6 +546,7 @@ class Node:
                 log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
                 self._failed_at.setdefault(oid, time.time())
                 self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
+                deadline = self._pull_deadlines.get(oid, deadline)
                 if time.monotonic() >= deadline:
                     self._let_go(oid)  # (receivers pulling from this copy fail over at once)
                     raise
@@ -530,7 +555,8 @@ class Node:
                 await asyncio.sleep(min(0.01 * 2 ** failures, 0.5, max(0.0, deadline - time.monotonic())))
                 continue
             except BaseException:
-                self._let_go(oid)
+                if self.store.get(oid) is obj and not obj.own:  # (a put's copy stays)
+                    self._let_go(oid)
                 raise
             self._post(self._complete_msg(obj))
             log.debug("pull %s: complete", oid.hex())

@@ -51,6 +51,37 @@ def local_mode(**settings: Any) -> Iterator[None]:
         hg.shutdown()
 
 
+def swallow_first_ok(server: Any) -> list:
+    """Make the directory `server` drop its first `ok` reply to a direct
+    connection (a put's answer that never comes); returns the list the
+    dropped reply is appended to."""
+    swallowed: list = []
+    real = server._reply_direct
+
+    def swallow(cmd: Any) -> None:
+        if cmd.body.get("ok") and not swallowed:
+            swallowed.append(cmd)
+            return
+        real(cmd)
+    server._reply_direct = swallow
+    return swallowed
+
+
+def holders_after_direct_calls(rt: Any, oid: Any) -> list:
+    """The nodes the in-process directory of local runtime `rt` lists as
+    holders of `oid`, once what this thread's direct calls handed the loop
+    is done (a call through the loop) and a moment has passed."""
+    import hoplite_gpu as hg
+
+    hg.node_stats()
+
+    async def holders() -> list:
+        await asyncio.sleep(0.2)
+        entry = rt.directory.state.objects.get(oid.binary)
+        return [] if entry is None else list(entry.holders)
+    return rt.call(holders(), 5)
+
+
 def run_nodes(configs: list[Config], body: Callable[..., Awaitable[Any]],
               bound: float = 60.0) -> None:
     """Run `body(directory, *nodes)`, one node per config, within `bound`

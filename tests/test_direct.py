@@ -4,7 +4,6 @@ directory's side of them (attach, direct locates, the located push)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
@@ -14,6 +13,7 @@ import warnings
 import msgpack
 import numpy as np
 import pytest
+from in_process import holders_after_direct_calls, swallow_first_ok
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
@@ -289,26 +289,12 @@ def test_a_direct_put_given_up_at_its_deadline_is_withdrawn():
     try:
         rt = hg.runtime()
         server = rt.directory
-        swallowed = []
-        real = server._reply_direct
-
-        def swallow(cmd):
-            if cmd.body.get("ok") and not swallowed:
-                swallowed.append(cmd)  # the put's ok, never delivered
-                return
-            real(cmd)
-        server._reply_direct = swallow
+        swallowed = swallow_first_ok(server)
         oid = hg.ObjectID.from_name("never-answered")
         with pytest.raises(hg.Timeout):
             hg.put(b"lost", oid)
         assert swallowed, "the put did not go direct"
-        hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
-
-        async def holders():
-            await asyncio.sleep(0.2)
-            entry = server.state.objects.get(oid.binary)
-            return [] if entry is None else list(entry.holders)
-        assert rt.call(holders(), 5) == []
+        assert holders_after_direct_calls(rt, oid) == []
     finally:
         hg.shutdown()
 

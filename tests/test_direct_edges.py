@@ -3,13 +3,13 @@ fails over to the loop's path, or is interrupted, leaves behind."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 import time
 
 import numpy as np
 import pytest
+from in_process import holders_after_direct_calls, swallow_first_ok
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
@@ -87,15 +87,7 @@ def test_an_interrupted_direct_put_is_withdrawn():
     try:
         rt = hg.runtime()
         server = rt.directory
-        swallowed = []
-        real = server._reply_direct
-
-        def swallow(cmd):
-            if cmd.body.get("ok") and not swallowed:
-                swallowed.append(cmd)  # the put's ok, never delivered
-                return
-            real(cmd)
-        server._reply_direct = swallow
+        swallowed = swallow_first_ok(server)
 
         def interrupt(*_):
             raise KeyboardInterrupt
@@ -106,13 +98,7 @@ def test_an_interrupted_direct_put_is_withdrawn():
             hg.put(b"lost", oid)
         signal.setitimer(signal.ITIMER_REAL, 0)
         assert swallowed, "the put did not go direct"
-        hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
-
-        async def holders():
-            await asyncio.sleep(0.2)
-            entry = server.state.objects.get(oid.binary)
-            return [] if entry is None else list(entry.holders)
-        assert rt.call(holders(), 5) == [], "registered to a node that does not hold it"
+        assert holders_after_direct_calls(rt, oid) == [], "registered to a node that does not hold it"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)

@@ -72,13 +72,14 @@ def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, co
 def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
              chunk_size: int | None = None) -> int:
     console = Console()
+    errors = Console(stderr=True)  # (usage errors go where argparse's go)
     if num_workers < 2:
-        console.print("[red]the demo needs at least 2 workers (1 sender, 1 receiver)")
+        errors.print("[red]the demo needs at least 2 workers (1 sender, 1 receiver)")
         return 2
     free = available_memory()
     if size * 2 > free:  # (at least the sender's array and its store copy)
-        console.print(f"[red]a {format_size(size)} demo needs at least {format_size(2 * size)} "
-                      f"of memory; {format_size(free)} is free. Use a smaller --size")
+        errors.print(f"[red]a {format_size(size)} demo needs at least {format_size(2 * size)} "
+                     f"of memory; {format_size(free)} is free. Use a smaller --size")
         return 2
     settings = {"chunk_size": chunk_size} if chunk_size else {}
     console.print(f"starting a local cluster: directory + {num_workers} worker processes ...")

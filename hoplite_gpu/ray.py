@@ -160,8 +160,8 @@ def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) ->
         return
     try:
         ray.get(actor.stop.remote(), timeout=30)
-    except ray.exceptions.RayActorError:
-        pass  # (dead already: removed below all the same)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        pass  # (dead already, or not answering: removed below all the same)
     finally:
         ray.kill(actor)
         _handles.pop(_key(name, namespace), None)

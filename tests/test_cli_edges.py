@@ -172,3 +172,10 @@ def test_calibrate_size_equal_to_the_small_probe_is_no_zero_division():
     size) dies of ZeroDivisionError in calibrate.py with a traceback."""
     res = _run("calibrate", "--size", "65537", "--repeats", "1")
     assert "ZeroDivisionError" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_demo_usage_errors_go_to_stderr():
+    """`demo --workers 1` said why on stdout, unlike argparse's usage errors."""
+    res = _run("demo", "--workers", "1")
+    assert res.returncode == 2
+    assert "at least 2 workers" in res.stderr and "at least 2 workers" not in res.stdout

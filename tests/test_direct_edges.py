@@ -41,36 +41,34 @@ def _stall_then_cut_direct(rt, swallow: type, after: float) -> threading.Timer:
     return timer
 
 
-def test_a_put_that_falls_back_to_the_loop_keeps_to_its_deadline():
-    """docs/architecture.md "Direct calls": a call whose connection breaks is
-    asked again through the loop "with the time left". api.put hands the
-    loop the whole timeout again, so it can block for almost twice it."""
-    hg.init(timeout_s=1.0)
-    try:
-        timer = _stall_then_cut_direct(hg.runtime(), state.Put, 0.6)
-        started = time.monotonic()
-        with pytest.raises(hg.Timeout):
-            hg.put(b"abc", hg.ObjectID.from_name("slow-put"))
-        elapsed = time.monotonic() - started
-        timer.join(5)
-        assert elapsed < 1.35, f"put with timeout_s=1 blocked {elapsed:.2f}s"
-    finally:
-        hg.shutdown()
+def _slow_put() -> None:
+    hg.put(b"abc", hg.ObjectID.from_name("slow-put"))
 
 
-def test_a_collective_reduce_that_falls_back_keeps_to_its_deadline():
-    """The same for a small collective: after the direct reduce's link broke
-    at 0.6 s, the loop's path got the whole `timeout` again."""
-    hg.init(timeout_s=20)
+def _slow_allreduce() -> None:
+    collectives.allreduce(np.ones(4, dtype=np.float32), name="slow-ar", rank=0, size=2,
+                          timeout=1.0)
+
+
+@pytest.mark.parametrize("settings, event, call", [
+    # api.put: the loop was handed the whole timeout_s again
+    ({"timeout_s": 1.0}, state.Put, _slow_put),
+    # a small collective: the loop's path got the whole `timeout` again
+    ({"timeout_s": 20}, state.ReduceRequested, _slow_allreduce),
+], ids=["put", "allreduce"])
+def test_a_call_that_falls_back_to_the_loop_keeps_to_its_deadline(settings, event, call):
+    """docs/architecture.md "Direct calls": a call whose connection breaks
+    (here at 0.6 s) is asked again through the loop "with the time left",
+    not with its whole timeout (1 s) again."""
+    hg.init(**settings)
     try:
-        timer = _stall_then_cut_direct(hg.runtime(), state.ReduceRequested, 0.6)
+        timer = _stall_then_cut_direct(hg.runtime(), event, 0.6)
         started = time.monotonic()
         with pytest.raises(hg.Timeout):
-            collectives.allreduce(np.ones(4, dtype=np.float32), name="slow-ar", rank=0, size=2,
-                                  timeout=1.0)
+            call()
         elapsed = time.monotonic() - started
         timer.join(5)
-        assert elapsed < 1.35, f"allreduce with timeout=1 blocked {elapsed:.2f}s"
+        assert elapsed < 1.35, f"{call.__name__} with a 1 s deadline blocked {elapsed:.2f}s"
     finally:
         hg.shutdown()
 

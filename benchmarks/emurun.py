@@ -258,8 +258,7 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="seconds of call slots per launch at most (small sizes)")
     e.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
                    help="default: every system but the hoplite-gpu variants: hoplite-gpu-ucx "
-                        "(over UCX's tcp), hoplite-gpu-sliced (allreduce slicing 'auto'), "
-                        "hoplite-gpu-arrival (allreduce slicing 'arrival') and "
+                        "(over UCX's tcp), hoplite-gpu-sliced (allreduce slicing on) and "
                         "hoplite-gpu-loop (direct calls off)")
     e.add_argument("--ops", nargs="+", default=OPS, choices=[*OPS, "allreduce-dynamic"])
     e.add_argument("--gap", type=float, default=0.5,

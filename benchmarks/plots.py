@@ -133,7 +133,7 @@ def _dynamic(data: dict, out: Path) -> Path:
 
 
 _ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
-          "hoplite-gpu-sliced", "hoplite-gpu-arrival", "hoplite-gpu-loop")
+          "hoplite-gpu-sliced", "hoplite-gpu-loop")
 
 
 def _size(n: int) -> str:

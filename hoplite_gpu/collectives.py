@@ -17,8 +17,8 @@ import numpy as np
 
 from . import api
 from .direct import MISS, PULL
-from .directory.reduce_plan import allreduce_slices, arrival_slices
-from .errors import InvalidArgument, ObjectExists, Timeout
+from .directory.reduce_plan import allreduce_slices
+from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
 
 
@@ -108,9 +108,7 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     if _slices(value, size, num_objects) > 1:
         # (a non-contiguous array is sliced from a contiguous copy, as every
         # rank decides alike from its size alone)
-        sliced = (_arrival_allreduce if api.runtime().config.allreduce_slicing == "arrival"
-                  else _sliced_allreduce)
-        return sliced(np.ascontiguousarray(value), name, rank, size, op, timeout)
+        return _sliced_allreduce(np.ascontiguousarray(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     if _slicing(size, num_objects):
@@ -128,14 +126,10 @@ def _slicing(size: int, num_objects: int | None) -> bool:
 
 
 def _marker(value: Any, sliced: bool) -> bytes:
-    """What a rank of a sliced allreduce says it passed (its barrier marker).
-    The two ways of slicing say so: a rank that slices otherwise fails at once."""
+    """What a rank of a sliced allreduce says it passed (its barrier marker)."""
     kind = f"{value.dtype.str} {value.shape}" if isinstance(value, np.ndarray) \
         else type(value).__name__
-    if not sliced:
-        return f"{kind} (not sliced)".encode()
-    mode = api.runtime().config.allreduce_slicing
-    return (f"{kind} (sliced in arrival order)" if mode == "arrival" else kind).encode()
+    return (kind if sliced else f"{kind} (not sliced)").encode()
 
 
 def _slices(value: Any, size: int, num_objects: int | None) -> int:
@@ -145,10 +139,7 @@ def _slices(value: Any, size: int, num_objects: int | None) -> int:
     if (not _slicing(size, num_objects) or not isinstance(value, np.ndarray)
             or value.size < size):
         return 1
-    config = api.runtime().config
-    if config.allreduce_slicing == "arrival":
-        return arrival_slices(value.nbytes, size, config.chunk_size)
-    return allreduce_slices(value.nbytes, size, config.chunk_size)
+    return allreduce_slices(value.nbytes, size, api.runtime().config.chunk_size)
 
 
 def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
@@ -196,7 +187,16 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
     targets: list[np.ndarray] = []
 
     async def run(node: Any) -> list[Any]:
-        prepared = _output(node, value, edges, results, out, targets)
+        # The output is one of the store pool's buffers (plain pages, already
+        # touched when reused: a fresh 256 MiB cost each rank 65,536 page
+        # faults per call on the emulated hosts), lent to the caller: the pool
+        # takes it back once the caller and the store have dropped every view.
+        buffer = node.store.pool.acquire(value.nbytes)
+        node.store.pool.lend(buffer)
+        out.append(buffer.view(value.dtype).reshape(value.shape))
+        parts = out[0].reshape(-1)
+        targets.extend(parts[edges[j]:edges[j + 1]] for j in range(size))
+        prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
         try:
             async with asyncio.timeout(limit):
                 await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j],
@@ -227,163 +227,6 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
                 node.unreceived(oid)  # only those that did not complete
 
     got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
-    return _assemble(out, targets, got)
-
-
-def _arrival_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
-                                                        list[ObjectID]]:
-    """(inputs[k][r], results[k], owners[k]) of an allreduce sliced in arrival
-    order: size - 1 slices."""
-    base = f"{name}/aslice"
-    inputs = [[ObjectID.from_name(f"{base}/{k}/in/{r}") for r in range(size)]
-              for k in range(size - 1)]
-    results = [ObjectID.from_name(f"{base}/{k}/reduce/{op}") for k in range(size - 1)]
-    owners = [ObjectID.from_name(f"{base}/{k}/owner") for k in range(size - 1)]
-    return inputs, results, owners
-
-
-def _arrival_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: str,
-                       timeout: float | None) -> np.ndarray:
-    """The allreduce as size - 1 slices, each reduced where its owner is as the
-    ranks arrive, so that little is left to do once the last input is ready.
-
-    1. A rank lends its size - 1 slices (views of `value`, no copy), then puts
-       its marker (what it passed; see `_marker`), which says they are put.
-    2. It claims the first slice no one owns yet: the owner's claim is an
-       empty object of shape (0, rank + 1), so of two ranks claiming one slice
-       exactly one gets it (objects are immutable). Slices go to the first
-       size - 1 ranks to arrive; the last owns none.
-    3. An owner folds in each other rank's piece of its slice as that rank's
-       marker comes: one reduce of two inputs (its running sum, the new
-       piece) per rank, rooted at its running sum, so the sum never leaves
-       its host. The last fold's result is the slice's result, which ranks
-       pull while it is being folded (pipelined, as any reduce).
-    4. Every rank gets every slice's result straight into its part of the
-       output array.
-
-    The last rank to arrive thus sends each owner its piece (S in all) and
-    receives the result (S), at once: about S/B after it is ready, where
-    whole objects need max(S/B, 2S/B - g) (docs/cost-model.md)."""
-    n = size - 1
-    flat = value.reshape(-1)
-    edges = [flat.size * k // n for k in range(n + 1)]
-    inputs, results, owners = _arrival_ids(name, size, op)
-    ready = _slice_ids(name, size, op)[2]
-    mine = [inputs[k][rank] for k in range(n)]
-    limit = api._timeout(api.runtime(), timeout)
-    api._reduce_args(inputs[0], op, None, results[0])  # a bad op: refused before any put
-    shape = _marker(value, sliced=True)
-    out: list[np.ndarray] = []  # filled on the loop thread, which owns the pool
-    targets: list[np.ndarray] = []
-
-    async def run(node: Any) -> list[Any]:
-        prepared = _output(node, value, edges, results, out, targets)
-        sums: list[ObjectID] = []  # an owner's running sums, freed at the end
-        markers = {r: asyncio.ensure_future(node.get(ready[r], limit))
-                   for r in range(size) if r != rank}
-        tasks: list[asyncio.Future] = []
-        try:
-            async with asyncio.timeout(limit):
-                await asyncio.gather(*[_finish(node.put(flat[edges[k]:edges[k + 1]], mine[k],
-                                                        lend=True)) for k in range(n)])
-                await node.put(shape, ready[rank])
-                owned = await _claim(node, owners, rank)
-                tasks = [asyncio.ensure_future(
-                    _checked(markers, shape, name, rank) if owned is None else
-                    _fold(node, markers, shape, name, rank, owned, inputs, results[owned],
-                          op, sums))]
-                tasks += [asyncio.ensure_future(node.get(oid, limit)) for oid in results]
-                return (await asyncio.gather(*tasks))[-n:]
-        except TimeoutError as exc:
-            if isinstance(exc, Timeout):
-                raise
-            raise Timeout(f"allreduce {name!r} did not finish within {limit:g}s") from None
-        finally:
-            for task in [*tasks, *markers.values()]:
-                task.cancel()
-            for oid in prepared:
-                node.unreceived(oid)  # only those that did not complete
-            # The running sums (the result is the caller's until `delete`)
-            await asyncio.gather(*[_finish(node.delete(oid)) for oid in sums])
-
-    got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
-    return _assemble(out, targets, got)
-
-
-async def _claim(node: Any, owners: list[ObjectID], rank: int) -> int | None:
-    """The first slice this rank could claim (None: all were taken)."""
-    claim = np.empty((0, rank + 1), dtype=np.uint8)  # a layout only this rank uses
-    for k, oid in enumerate(owners):
-        try:
-            await node.put(claim, oid)
-            return k
-        except ObjectExists:
-            continue
-    return None
-
-
-async def _in_turn(markers: dict[int, asyncio.Future], shape: bytes, name: str, rank: int):
-    """Each other rank as its marker comes, once its array is seen to match
-    ours (a rank that passed a different one fails the call at once)."""
-    waiting = {m: r for r, m in markers.items()}
-    while waiting:  # (asyncio.wait leaves the markers running if we are cancelled)
-        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        for marker in done:
-            r = waiting.pop(marker)
-            got = bytes(marker.result())
-            if got != shape:
-                raise InvalidArgument(
-                    f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but rank {r} "
-                    f"{got.decode()}; every rank must pass the same dtype and shape")
-            yield r
-
-
-async def _checked(markers: dict[int, asyncio.Future], shape: bytes, name: str,
-                   rank: int) -> None:
-    async for _ in _in_turn(markers, shape, name, rank):
-        pass
-
-
-async def _fold(node: Any, markers: dict[int, asyncio.Future], shape: bytes, name: str,
-                rank: int, owned: int, inputs: list[list[ObjectID]], result: ObjectID,
-                op: str, sums: list[ObjectID]) -> None:
-    """An owner's reduces: its own piece, then every other rank's in the order
-    their markers come, each fold rooted at the running sum (this node)."""
-    pieces = inputs[owned]
-    total = pieces[rank]
-    folded = 0
-    async for r in _in_turn(markers, shape, name, rank):
-        folded += 1
-        if folded == len(markers):
-            target = result
-        else:
-            target = ObjectID.from_name(f"{name}/aslice/{owned}/sum/{op}/{folded}")
-            sums.append(target)
-        # (the request only: the directory starts the fold once the sum
-        # before it is complete)
-        await node.reduce([total, pieces[r]], op, 2, target, total)
-        total = target
-
-
-def _output(node: Any, value: np.ndarray, edges: list[int], results: list[ObjectID],
-            out: list[np.ndarray], targets: list[np.ndarray]) -> list[ObjectID]:
-    """The result array of a sliced allreduce (appended to `out`) and its parts
-    (to `targets`), each made the destination of its slice's result; returns
-    the results so prepared. The array is one of the store pool's buffers
-    (plain pages, already touched when reused: a fresh 256 MiB cost each rank
-    65,536 page faults per call on the emulated hosts), lent to the caller:
-    the pool takes it back once the caller and the store drop every view."""
-    buffer = node.store.pool.acquire(value.nbytes)
-    node.store.pool.lend(buffer)
-    out.append(buffer.view(value.dtype).reshape(value.shape))
-    parts = out[0].reshape(-1)
-    targets.extend(parts[edges[j]:edges[j + 1]] for j in range(len(results)))
-    return [oid for oid, target in zip(results, targets, strict=True)
-            if node.receive_into(oid, target)]
-
-
-def _assemble(out: list[np.ndarray], targets: list[np.ndarray], got: list[Any]) -> np.ndarray:
-    """The sliced allreduce's result: every slice in its place, read-only."""
     for target, part in zip(targets, got, strict=True):
         if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
             target[...] = part

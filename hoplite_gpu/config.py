@@ -102,9 +102,8 @@ class Config:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
                               f"got {self.log_level!r}")
-        if self.allreduce_slicing not in ("off", "auto", "arrival"):
-            raise ConfigError("allreduce_slicing must be 'off', 'auto' or 'arrival'; "
-                              f"got {self.allreduce_slicing!r}")
+        if self.allreduce_slicing not in ("off", "auto"):
+            raise ConfigError(f"allreduce_slicing must be 'off' or 'auto'; got {self.allreduce_slicing!r}")
         for name in ("chunk_size", "device_chunk_size"):
             if getattr(self, name) < 4 * KiB:
                 raise ConfigError(f"{name} must be at least 4096 bytes; got {getattr(self, name)}")

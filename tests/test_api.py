@@ -337,7 +337,7 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
 
 def test_config_names_the_allreduce_slicing_choices(monkeypatch):
     monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "on")
-    with pytest.raises(hg.ConfigError, match="allreduce_slicing must be 'off', 'auto' or 'arrival'"):
+    with pytest.raises(hg.ConfigError, match="allreduce_slicing must be 'off' or 'auto'"):
         hg.Config.from_env()
     monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "auto")
     assert hg.Config.from_env().allreduce_slicing == "auto"

@@ -279,16 +279,3 @@ def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
         assert all(isinstance(g, np.ndarray) and (g == 2).all() for g in ok), ok
     finally:
         hg.shutdown()
-
-
-def test_an_allreduce_sliced_in_arrival_order_gives_the_last_rank_no_slice():
-    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="arrival")
-    try:
-        values = [np.random.default_rng(r).standard_normal(30_001) for r in range(4)]
-        got = _sliced_ranks("arrival", values)
-        assert all(isinstance(g, np.ndarray) and np.allclose(g, sum(values)) for g in got), got
-        _, _, owners = collectives._arrival_ids("arrival", 4, "sum")
-        claimed = {hg.object_info(oid)["layout"]["shape"][1] - 1 for oid in owners}
-        assert len(claimed) == 3  # three slices, three owners, one rank without
-    finally:
-        hg.shutdown()

@@ -117,18 +117,3 @@ def allreduce_slices(nbytes: int, ranks: int, chunk: int) -> int:
     if ranks < 2 or nbytes < ranks * max(chunk, 1):
         return 1
     return ranks
-
-
-def arrival_slices(nbytes: int, ranks: int, chunk: int) -> int:
-    """Slices of an allreduce sliced in arrival order: 1 (whole objects) or
-    `ranks` - 1, one per rank but the last to arrive, which then owns none.
-
-    Each slice is reduced where its owner is, folding every other rank's piece
-    in as that rank arrives, and the last rank's pieces go straight to the
-    owners: after the last input its host sends S and receives S, about S/B,
-    where whole objects need ``max(S/B, 2S/B - g)`` (g: the time between the
-    last two inputs; docs/cost-model.md, "Allreduce with late inputs").
-    Chosen only when every slice is at least one chunk."""
-    if ranks < 3 or nbytes < (ranks - 1) * max(chunk, 1):
-        return 1
-    return ranks - 1

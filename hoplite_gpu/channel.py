@@ -13,11 +13,16 @@ takes the next one) instead of mixing its arrays into the first one's. A late
 joiner gets the current version without the learner doing anything. The
 publisher frees versions older than its last `keep` published ones; a reader
 caught fetching a freed version starts over from the newest.
+
+Every call has an asyncio twin (`publish_async`, `fetch_async`,
+`latest_version_async`) for event loops of the caller's own, such as a Ray
+async actor's or a serving replica's: one body, run on the runtime's loop
+either way, so a cancelled twin stops the call as its timeout would.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import contextlib
 import os
 import time
@@ -34,7 +39,6 @@ from .errors import (
     InvalidArgument,
     ObjectExists,
     ObjectNotFound,
-    RuntimeClosed,
     Timeout,
 )
 from .ids import ObjectID
@@ -47,9 +51,9 @@ def _oid(name: str, version: int, part: str) -> ObjectID:
     return ObjectID.from_name(f"hoplite-channel/{name}/{version}/{part}")
 
 
-def _exists(oid: ObjectID) -> bool:
+async def _exists(node: Any, oid: ObjectID) -> bool:
     try:
-        api.object_info(oid)
+        await node.query(oid)
     except ObjectNotFound:
         return False
     return True
@@ -71,8 +75,21 @@ class WeightChannel:
         self._adopted = False
 
     # ------------------------------------------------------------ publisher ---
-    def publish(self, tensors: Mapping[str, Any], *, version: int | None = None) -> int:
-        """Put every array, then make this version the channel's head; returns it."""
+    def publish(self, tensors: Mapping[str, Any], *, version: int | None = None,
+                timeout: float | None = None) -> int:
+        """Put every array, then make this version the channel's head; returns
+        it. `timeout` bounds the whole call (default: the runtime's `timeout_s`)."""
+        rt, limit = self._check_publish(tensors, version, timeout)
+        return rt.call(self._publish(rt.node, tensors, version, limit), limit)
+
+    async def publish_async(self, tensors: Mapping[str, Any], *, version: int | None = None,
+                            timeout: float | None = None) -> int:
+        """`publish`, awaitable."""
+        rt, limit = self._check_publish(tensors, version, timeout)
+        return await rt.call_async(self._publish(rt.node, tensors, version, limit))
+
+    def _check_publish(self, tensors: Mapping[str, Any], version: int | None,
+                       timeout: float | None) -> tuple[Any, float]:
         if not isinstance(tensors, Mapping) or not tensors:
             raise InvalidArgument("publish takes a non-empty mapping of name -> array")
         if not all(isinstance(k, str) for k in tensors):
@@ -81,37 +98,52 @@ class WeightChannel:
                                     or version < 0):
             raise InvalidArgument(f"version must be an int >= 0; got {version!r}")
         rt = api.runtime()
-        latest = self.latest_version()
+        return rt, api._timeout(rt, timeout)
+
+    async def _publish(self, node: Any, tensors: Mapping[str, Any], version: int | None,
+                       limit: float) -> int:
+        try:
+            async with asyncio.timeout(limit):
+                return await self._publish_steps(node, tensors, version, limit)
+        except TimeoutError as exc:
+            if isinstance(exc, Timeout):
+                raise
+            raise Timeout(f"channel {self.name!r}: publish did not finish within "
+                          f"{limit:g}s") from None
+
+    async def _publish_steps(self, node: Any, tensors: Mapping[str, Any], version: int | None,
+                             limit: float) -> int:
+        latest = await node.channel_head(self.name, -1, limit, wait=False)
         if version is not None and version <= latest:
             # Its ids may exist with other bytes, and the head never moves back.
             raise InvalidArgument(f"channel {self.name!r}: version {version} is not newer than "
                                   f"its head, {latest}; publish a newer version (or none: "
                                   "the next one is chosen)")
         if not self._adopted:
-            self._adopt(latest)
-        version = self._claim(version, latest)
+            await self._adopt(node, latest)
+        version = await self._claim(node, version, latest)
         keys = list(tensors)
         done: list[ObjectID] = []
         try:
             for key in keys:
-                done.append(api.put(tensors[key], _oid(self.name, version, "t/" + key)))
+                done.append(await node.put(tensors[key], _oid(self.name, version, "t/" + key)))
             manifest = msgpack.packb({"version": version, "keys": keys}, use_bin_type=True)
-            api.put(manifest, _oid(self.name, version, "manifest"))
+            await node.put(manifest, _oid(self.name, version, "manifest"))
         except BaseException:
             # None of this version may stay: a later publish of it would find
             # these ids taken and keep their bytes, mixing two versions.
             for oid in [*done, _oid(self.name, version, "claim")]:
                 with contextlib.suppress(HopliteError):
-                    api.delete(oid)
+                    await node.delete(oid)
             raise
         # From here the head may move even if this call fails (an answer that
         # came after the deadline): the version is freed with the others.
         self._published[version] = keys
-        rt.call(rt.node.channel_publish(self.name, version), rt.config.timeout_s)
-        self._free_old(version)
+        await node.channel_publish(self.name, version)
+        await self._free_old(node, version)
         return version
 
-    def _adopt(self, latest: int) -> None:
+    async def _adopt(self, node: Any, latest: int) -> None:
         """Take over the newest versions an earlier publisher left (a learner
         restarted): they are freed as this publisher's own are, instead of
         staying with every reader that fetched them."""
@@ -119,13 +151,13 @@ class WeightChannel:
         for old in range(max(0, latest - self.keep + 1), latest + 1):
             oid = _oid(self.name, old, "manifest")
             try:
-                if old not in self._published and _exists(oid):
-                    manifest = api.get(oid, timeout=api.runtime().config.connect_timeout_s)
+                if old not in self._published and await _exists(node, oid):
+                    manifest = await node.get(oid, node.config.connect_timeout_s)
                     self._published[old] = msgpack.unpackb(manifest, raw=False)["keys"]
             except (HopliteError, ValueError, KeyError, TypeError):
                 continue  # (freed meanwhile, or not a manifest of ours: left as it is)
 
-    def _claim(self, version: int | None, latest: int) -> int:
+    async def _claim(self, node: Any, version: int | None, latest: int) -> int:
         """Claim `version` (None: the next free one) for this publisher alone.
         The claim is an empty array of shape (0, n), n drawn at random: a put
         of the id with another layout is refused (objects are immutable), so
@@ -135,7 +167,7 @@ class WeightChannel:
             chosen = max(latest, self._tried) + 1 if version is None else version
             self._tried = max(self._tried, chosen)
             try:
-                api.put(np.empty(shape, dtype=np.uint8), _oid(self.name, chosen, "claim"))
+                await node.put(np.empty(shape, dtype=np.uint8), _oid(self.name, chosen, "claim"))
                 return chosen
             except ObjectExists:
                 if version is not None:
@@ -144,14 +176,14 @@ class WeightChannel:
         raise ObjectExists(f"channel {self.name!r}: 64 versions in a row were claimed by other "
                            "publishers")
 
-    def _free_old(self, head: int) -> None:
+    async def _free_old(self, node: Any, head: int) -> None:
         # Versions this publisher published, not version numbers: skipped
         # numbers (failed publishes, explicit versions) free nothing early.
         for old in sorted(v for v in self._published if v <= head)[:-self.keep]:
             for key in self._published.pop(old):
-                api.delete(_oid(self.name, old, "t/" + key))
-            api.delete(_oid(self.name, old, "manifest"))
-            api.delete(_oid(self.name, old, "claim"))
+                await node.delete(_oid(self.name, old, "t/" + key))
+            await node.delete(_oid(self.name, old, "manifest"))
+            await node.delete(_oid(self.name, old, "claim"))
 
     # --------------------------------------------------------------- reader ---
     def latest_version(self) -> int:
@@ -160,37 +192,57 @@ class WeightChannel:
         return rt.call(rt.node.channel_head(self.name, -1, rt.config.timeout_s, wait=False),
                        rt.config.timeout_s)
 
+    async def latest_version_async(self) -> int:
+        """`latest_version`, awaitable."""
+        rt = api.runtime()
+        return await rt.call_async(rt.node.channel_head(self.name, -1, rt.config.timeout_s,
+                                                        wait=False))
+
     def fetch(self, *, newer_than: int = -1, timeout: float | None = None) -> tuple[int, dict[str, Any]]:
         """The newest version (waiting for one newer than `newer_than`), as
         ``(version, {name: array})`` in the order they were published."""
+        rt, limit = self._check_fetch(newer_than, timeout)
+        return rt.call(self._fetch(rt.node, newer_than, limit), limit)
+
+    async def fetch_async(self, *, newer_than: int = -1,
+                          timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """`fetch`, awaitable."""
+        rt, limit = self._check_fetch(newer_than, timeout)
+        return await rt.call_async(self._fetch(rt.node, newer_than, limit))
+
+    @staticmethod
+    def _check_fetch(newer_than: int, timeout: float | None) -> tuple[Any, float]:
         if not isinstance(newer_than, int) or isinstance(newer_than, bool):
             raise InvalidArgument(f"newer_than must be an int (-1: any version); got "
                                   f"{newer_than!r}")
         rt = api.runtime()
-        limit = api._timeout(rt, timeout)
+        return rt, api._timeout(rt, timeout)
+
+    async def _fetch(self, node: Any, newer_than: int, limit: float) -> tuple[int, dict[str, Any]]:
         deadline = time.monotonic() + limit
         while True:
             left = max(0.001, deadline - time.monotonic())
-            head = rt.call(rt.node.channel_head(self.name, newer_than, left), left)
-            got = self._fetch_version(head, deadline)
+            head = await node.channel_head(self.name, newer_than, left)
+            got = await self._fetch_version(node, head, deadline)
             if got is not None:
                 return head, got
             newer_than = max(newer_than, head - 1)  # that version was freed: take a newer one
 
-    def _fetch_version(self, version: int, deadline: float) -> dict[str, Any] | None:
-        manifest = self._get(_oid(self.name, version, "manifest"), version, deadline)
+    async def _fetch_version(self, node: Any, version: int,
+                             deadline: float) -> dict[str, Any] | None:
+        manifest = await self._get(node, _oid(self.name, version, "manifest"), version, deadline)
         if manifest is None:
             return None
         keys = msgpack.unpackb(manifest, raw=False)["keys"]
         out: dict[str, Any] = {}
         for key in keys:
-            value = self._get(_oid(self.name, version, "t/" + key), version, deadline)
+            value = await self._get(node, _oid(self.name, version, "t/" + key), version, deadline)
             if value is None:
                 return None
             out[key] = value
         return out
 
-    def _get(self, oid: ObjectID, version: int, deadline: float) -> Any | None:
+    async def _get(self, node: Any, oid: ObjectID, version: int, deadline: float) -> Any | None:
         """The object, or None if its version has been freed meanwhile. One get
         runs to the fetch's deadline (a large array may take long to arrive);
         every `_PROBE_S` without it, a check of whether the version was freed."""
@@ -198,33 +250,30 @@ class WeightChannel:
         left = deadline - time.monotonic()
         if left <= 0:
             raise late
-        rt = api.runtime()
-        pending = rt.submit(rt.node.get(oid, left))
+        pending = asyncio.ensure_future(node.get(oid, left))
         try:
             while True:
-                try:
-                    return pending.result(min(_PROBE_S, max(0.001, deadline - time.monotonic())))
-                except concurrent.futures.TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise late from None
-                    if self._freed(oid, version, deadline):
+                done, _ = await asyncio.wait(
+                    [pending], timeout=min(_PROBE_S, max(0.001, deadline - time.monotonic())))
+                if done:
+                    try:
+                        return pending.result()
+                    except ObjectNotFound:
                         return None
-                except ObjectNotFound:
+                if time.monotonic() >= deadline:
+                    raise late
+                if await self._freed(node, oid, version, deadline):
                     return None
-                except concurrent.futures.CancelledError:
-                    raise RuntimeClosed("the hoplite-gpu runtime was shut down during the "
-                                        "fetch") from None
         finally:
             pending.cancel()  # (a get given up: its pull stops)
 
-    def _freed(self, oid: ObjectID, version: int, deadline: float) -> bool:
+    async def _freed(self, node: Any, oid: ObjectID, version: int, deadline: float) -> bool:
         """Whether the publisher (whose `keep` may be smaller than ours) freed
         `version`: a newer one exists and this one's object is gone. Not known
         while the directory is away (a restart): then not, as far as we know."""
-        rt = api.runtime()
-        left = max(0.001, min(deadline - time.monotonic(), rt.config.timeout_s))
+        left = max(0.001, min(deadline - time.monotonic(), node.config.timeout_s))
         try:
-            head = rt.call(rt.node.channel_head(self.name, -1, left, wait=False), left)
-            return head > version and not _exists(oid)
+            head = await node.channel_head(self.name, -1, left, wait=False)
+            return head > version and not await _exists(node, oid)
         except (DirectoryUnavailable, Timeout):
             return False

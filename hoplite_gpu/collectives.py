@@ -4,6 +4,7 @@ Participants need no group object: they agree on a `name` for this one
 collective call (e.g. ``f"grads-step-{step}"``), their `rank` and the `size`.
 Object ids are derived from the name, so nobody has to exchange ids. A name must
 be used for one call only (objects are immutable); `delete` frees its objects.
+Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module.
 """
 
 from __future__ import annotations
@@ -154,7 +155,20 @@ def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], lis
 
 def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: str,
                       timeout: float | None) -> np.ndarray:
-    """The allreduce as `size` reduces and broadcasts of slices, a ring's traffic
+    run, limit, mine, finish = _sliced(value, name, rank, size, op, timeout)
+    return finish(_together(lambda node, _limit: [run(node)], limit, lent=mine)[0])
+
+
+async def _sliced_allreduce_async(value: np.ndarray, name: str, rank: int, size: int, op: str,
+                                  timeout: float | None) -> np.ndarray:
+    run, limit, mine, finish = _sliced(value, name, rank, size, op, timeout)
+    return finish((await _together_async(lambda node, _limit: [run(node)], limit, lent=mine))[0])
+
+
+def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
+            timeout: float | None) -> tuple[Callable, float, list[ObjectID], Callable]:
+    """(run on the loop, its time limit, the lent slices, what makes the
+    result of run's answer) of the allreduce as `size` reduces and broadcasts of slices, a ring's traffic
     with the directory's trees.
 
     1. Every rank lends its slices (views of `value`, no copy).
@@ -226,13 +240,15 @@ def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: st
             for oid in prepared:
                 node.unreceived(oid)  # only those that did not complete
 
-    got = _together(lambda node, _limit: [run(node)], limit, lent=mine)[0]
-    for target, part in zip(targets, got, strict=True):
-        if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
-            target[...] = part
-    result = out[0]
-    result.flags.writeable = False
-    return result
+    def finish(got: list[Any]) -> np.ndarray:
+        for target, part in zip(targets, got, strict=True):
+            if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
+                target[...] = part
+        result = out[0]
+        result.flags.writeable = False
+        return result
+
+    return run, limit, mine, finish
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
@@ -256,13 +272,27 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
             return rt.call(rt.node.get(target, left), left)
         if out is not MISS:
             return out
+    steps, lent = _reduce_steps(args, value, mine, fetch, wait)
+    out = _together(steps, api.time_left(deadline), lent)  # (what the direct try left)
+    return out[2] if fetch else None
+
+
+async def _reduce_and_get_async(args: tuple, value: Any, mine: ObjectID, fetch: bool,
+                                timeout: float | None, wait: bool = False) -> Any:
+    steps, lent = _reduce_steps(args, value, mine, fetch, wait)
+    out = await _together_async(steps, timeout, lent)
+    return out[2] if fetch else None
+
+
+def _reduce_steps(args: tuple, value: Any, mine: ObjectID, fetch: bool,
+                  wait: bool) -> tuple[Callable[[Any, float], list[Coroutine]], ObjectID | None]:
+    """`_reduce_and_get`'s node operations, and the input they lend (if any)."""
+    target = args[3]
     lend = fetch or wait
-    out = _together(lambda node, limit: [
+    return (lambda node, limit: [
         node.reduce(*args), _finish(node.put(value, mine, lend=lend)),
         *([node.get(target, limit)] if fetch else
-          [node.reduced_inputs(target, limit)] if wait else [])],
-        api.time_left(deadline), lent=mine if lend else None)  # (what the direct try left)
-    return out[2] if fetch else None
+          [node.reduced_inputs(target, limit)] if wait else [])]), mine if lend else None
 
 
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
@@ -317,29 +347,40 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
     with ``lend=True``, reclaimed before the call returns, however it ends."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
+    return rt.call(_joint(rt, steps, limit, lent), limit)
 
-    async def run() -> list[Any]:
-        tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
-        try:
-            # A step may wait on its own, longer deadline (a put's directory
-            # request is bounded by timeout_s); steps bounded by `limit` end
-            # first, with their own errors (the margin).
-            async with asyncio.timeout(limit + 0.1):
-                return await asyncio.gather(*tasks)
-        except TimeoutError as exc:
-            if isinstance(exc, Timeout):
-                raise
-            raise Timeout(f"the call did not finish within {limit:g}s") from None
-        finally:
-            for task in tasks:
-                task.cancel()  # the rest, once one failed; finished ones ignore it
-            loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
-            loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
-            # All at once: each may wait up to a second for a reader to let go.
-            if loans:
-                await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
 
-    return rt.call(run(), limit)
+async def _together_async(steps: Callable[[Any, float], list[Coroutine]],
+                          timeout: float | None,
+                          lent: ObjectID | list[ObjectID] | None = None) -> list[Any]:
+    """`_together` awaited from another event loop; cancelling the awaiting
+    task cancels the steps (and reclaims `lent`) as a failed step does."""
+    rt = api.runtime()
+    return await rt.call_async(_joint(rt, steps, api._timeout(rt, timeout), lent))
+
+
+async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit: float,
+                 lent: ObjectID | list[ObjectID] | None) -> list[Any]:
+    """`_together`'s work, on the runtime's loop."""
+    tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
+    try:
+        # A step may wait on its own, longer deadline (a put's directory
+        # request is bounded by timeout_s); steps bounded by `limit` end
+        # first, with their own errors (the margin).
+        async with asyncio.timeout(limit + 0.1):
+            return await asyncio.gather(*tasks)
+    except TimeoutError as exc:
+        if isinstance(exc, Timeout):
+            raise
+        raise Timeout(f"the call did not finish within {limit:g}s") from None
+    finally:
+        for task in tasks:
+            task.cancel()  # the rest, once one failed; finished ones ignore it
+        loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
+        loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
+        # All at once: each may wait up to a second for a reader to let go.
+        if loans:
+            await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:
@@ -349,6 +390,12 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     k-1 at step k keeps its memory flat, and the freed buffers are reused.
     A sliced allreduce's objects are freed where this process has
     ``allreduce_slicing`` on, as the ranks that made them do."""
+    doomed = _doomed(name, size, op, num_objects)
+    _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)
+
+
+def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[ObjectID]:
+    """Every object a call named `name` may have made (see `delete`)."""
     _check(0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     api._reduce_args(ids, op, num_objects, target)  # (an op or count no call could have used)
@@ -356,7 +403,7 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     if _slicing(size, num_objects):  # a sliced allreduce's, or its markers
         inputs, results, ready = _slice_ids(name, size, op)
         doomed += [oid for row in inputs for oid in row] + results + ready
-    _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)
+    return doomed
 
 
 def allgather(value: Any, *, name: str, rank: int, size: int,
@@ -366,3 +413,86 @@ def allgather(value: Any, *, name: str, rank: int, size: int,
     _check(rank, size)
     deadline = _put(value, input_id(name, rank), timeout)
     return _get_all([input_id(name, r) for r in range(size)], api.time_left(deadline))
+
+
+# ------------------------------------------------------------ asyncio twins ---
+# The same calls, awaitable from any event loop (a Ray async actor's, a
+# serving replica's) without blocking it. They take the node's loop for every
+# step (no direct calls: those block the calling thread), and cancelling the
+# awaiting task gives the call up as its timeout would: lent inputs are
+# reclaimed before the cancellation completes.
+
+
+async def _put_async(value: Any, oid: ObjectID, timeout: float | None) -> float:
+    """`_put` awaited; returns the call's deadline."""
+    deadline = time.monotonic() + api._timeout(api.runtime(), timeout)
+    await _together_async(lambda node, _limit: [_finish(node.put(value, oid))], timeout)
+    return deadline
+
+
+async def _get_all_async(ids: list[ObjectID], timeout: float | None) -> list[Any]:
+    return await _together_async(lambda node, left: [node.get(oid, left) for oid in ids], timeout)
+
+
+async def broadcast_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
+                          timeout: float | None = None) -> Any:
+    """`broadcast`, awaitable."""
+    _check(rank, size, root)
+    oid = ObjectID.from_name(f"{name}/bcast")
+    if rank == root:
+        await _put_async(value, oid, timeout)
+        return value
+    return await api.get_async(oid, timeout=timeout)
+
+
+async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
+                       op: str = "sum", num_objects: int | None = None,
+                       timeout: float | None = None, wait: bool = False) -> Any:
+    """`reduce`, awaitable."""
+    _check(rank, size, root)
+    ids, target = _reduce_ids(name, size, op, num_objects)
+    args = api._reduce_args(ids, op, num_objects, target, ids[root])
+    return await _reduce_and_get_async(args, value, ids[rank], rank == root, timeout, wait)
+
+
+async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
+                          num_objects: int | None = None, timeout: float | None = None) -> Any:
+    """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing="auto"``)."""
+    _check(rank, size)
+    if _slices(value, size, num_objects) > 1:
+        return await _sliced_allreduce_async(np.ascontiguousarray(value), name, rank, size, op,
+                                             timeout)
+    ids, target = _reduce_ids(name, size, op, num_objects)
+    args = api._reduce_args(ids, op, num_objects, target)
+    if _slicing(size, num_objects):
+        deadline = await _put_async(_marker(value, sliced=False),
+                                    _slice_ids(name, size, op)[2][rank], timeout)
+        timeout = api.time_left(deadline)
+    return await _reduce_and_get_async(args, value, ids[rank], True, timeout)
+
+
+async def gather_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
+                       timeout: float | None = None) -> list[Any] | None:
+    """`gather`, awaitable."""
+    _check(rank, size, root)
+    deadline = await _put_async(value, input_id(name, rank), timeout)
+    if rank != root:
+        return None
+    return await _get_all_async([input_id(name, r) for r in range(size)],
+                                api.time_left(deadline))
+
+
+async def allgather_async(value: Any, *, name: str, rank: int, size: int,
+                          timeout: float | None = None) -> list[Any]:
+    """`allgather`, awaitable."""
+    _check(rank, size)
+    deadline = await _put_async(value, input_id(name, rank), timeout)
+    return await _get_all_async([input_id(name, r) for r in range(size)],
+                                api.time_left(deadline))
+
+
+async def delete_async(name: str, *, size: int, op: str = "sum",
+                       num_objects: int | None = None) -> None:
+    """`delete`, awaitable."""
+    doomed = _doomed(name, size, op, num_objects)
+    await _together_async(lambda node, _limit: [node.delete(oid) for oid in doomed], None)

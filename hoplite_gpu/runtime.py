@@ -25,6 +25,23 @@ log = logging.getLogger("hoplite_gpu")
 #: Extra seconds a blocking call waits beyond the operation's own deadline, so
 #: the operation's own (more precise) Timeout error wins the race.
 _GRACE_S = 5.0
+#: How long a call given up by its caller (a cancelled await, Ctrl-C) waits for
+#: its work on the loop to end: that work reclaims lent inputs, and the caller's
+#: memory must be its own again when the call has returned.
+_GIVE_UP_S = 5.0
+
+
+class _Call(concurrent.futures.Future):
+    """A call's outcome, plus `ended`: settled once its task on the loop has
+    finished, cleanup included (or never started)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def end(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
 
 
 class Runtime:
@@ -105,7 +122,7 @@ class Runtime:
         if self.closed or self._closing:
             coro.close()
             raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() again")
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        fut: _Call = _Call()
         loop = self._loop
         with self._waiting_lock:
             self._waiting.add(fut)
@@ -115,6 +132,7 @@ class Runtime:
             if fut.cancelled() or self._closing:  # (closing: the task might never run)
                 coro.close()
                 fut.cancel()
+                fut.end()
                 return
             task = loop.create_task(_settle(coro, fut))
             self._calls.add(task)  # the loop keeps only weak references to tasks
@@ -127,6 +145,7 @@ class Runtime:
             loop.call_soon_threadsafe(start)
         except RuntimeError:  # the loop closed after the check above
             coro.close()
+            fut.end()
             raise RuntimeClosed("the hoplite-gpu runtime is shut down; call hoplite_gpu.init() "
                                 "again") from None
         return fut
@@ -151,17 +170,24 @@ class Runtime:
             raise Timeout(f"the runtime did not answer within {timeout + _GRACE_S:g}s") from None
         except BaseException:  # e.g. KeyboardInterrupt: the call is given up, not left running
             fut.cancel()
+            # (its cleanup first: lent inputs are reclaimed before we return)
+            concurrent.futures.wait([fut.ended], _GIVE_UP_S)
             raise
 
     async def call_async(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await `coro` from another event loop (e.g. a Ray async actor's)."""
         if asyncio.get_running_loop() is self._loop:
             return await coro
+        fut = self.submit(coro)
         try:
-            return await asyncio.wrap_future(self.submit(coro))
+            return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             if self.closed or self._closing:
                 raise RuntimeClosed("the hoplite-gpu runtime was shut down during the call") from None
+            # Given up by our caller: the call's task is cancelled too, and its
+            # cleanup (lent inputs reclaimed) ends before the cancellation does.
+            fut.cancel()
+            await asyncio.wait([asyncio.wrap_future(fut.ended)], timeout=_GIVE_UP_S)
             raise
 
     def on_loop_thread(self) -> bool:
@@ -211,18 +237,21 @@ class Runtime:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _settle(coro: Coroutine[Any, Any, T], fut: concurrent.futures.Future[T]) -> None:
+async def _settle(coro: Coroutine[Any, Any, T], fut: _Call) -> None:
     """Await `coro` and hand its outcome to `fut` at once (a cancelled task cancels it)."""
     try:
-        result = await coro
-    except asyncio.CancelledError:
-        fut.cancel()
-        raise
-    except BaseException as exc:
-        if fut.set_running_or_notify_cancel():
-            fut.set_exception(exc)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            fut.cancel()
             raise
-        return
-    if fut.set_running_or_notify_cancel():
-        fut.set_result(result)
+        except BaseException as exc:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return
+        if fut.set_running_or_notify_cancel():
+            fut.set_result(result)
+    finally:
+        fut.end()

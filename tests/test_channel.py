@@ -57,3 +57,49 @@ def test_bad_arguments():
         WeightChannel("x", keep=0)
     with pytest.raises(hg.InvalidArgument):
         WeightChannel("x", keep=True)  # (a bool is an int to Python; not a count here)
+
+
+def test_a_channel_can_be_awaited_from_the_callers_own_loop():
+    """publish_async / fetch_async / latest_version_async, as a Ray async actor
+    or a serving replica calls them: a reader waiting for a newer version
+    leaves its loop free, and a cancelled fetch stops its pull."""
+    import asyncio
+    import time
+
+    import numpy as np
+
+    hg.init(timeout_s=20)
+    try:
+        learner, actor = WeightChannel("async"), WeightChannel("async")
+
+        async def main():
+            assert await actor.latest_version_async() == -1
+            assert await learner.publish_async({"w": np.zeros(300_000)}) == 0
+            version, weights = await actor.fetch_async(timeout=5)
+            assert version == 0 and (weights["w"] == 0).all()
+            waiting = asyncio.ensure_future(actor.fetch_async(newer_than=0, timeout=5))
+            ticks, start = 0, time.monotonic()
+            while time.monotonic() - start < 0.3:
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks >= 10 and not waiting.done()
+            assert await learner.publish_async({"w": np.ones(300_000)}) == 1
+            version, weights = await waiting
+            assert version == 1 and (weights["w"] == 1).all()
+            assert await actor.latest_version_async() == 1
+
+            never = asyncio.ensure_future(actor.fetch_async(newer_than=5, timeout=10))
+            await asyncio.sleep(0.2)
+            start = time.monotonic()
+            never.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await never
+            assert time.monotonic() - start < 2
+            with pytest.raises(hg.InvalidArgument):
+                await learner.publish_async({})
+            with pytest.raises(hg.Timeout):
+                await actor.fetch_async(newer_than=5, timeout=0.2)
+
+        asyncio.run(main())
+    finally:
+        hg.shutdown()

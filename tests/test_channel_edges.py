@@ -61,9 +61,9 @@ def fetch_while_the_directory_dies(channel: str, directory_pid: int, timeout: fl
     ch = WeightChannel(channel)
     original = ch._fetch_version
 
-    def dying(version, deadline):
+    async def dying(node, version, deadline):
         os.kill(directory_pid, signal.SIGKILL)
-        return original(version, deadline)
+        return await original(node, version, deadline)
 
     ch._fetch_version = dying
     start = time.monotonic()
@@ -106,27 +106,29 @@ def test_two_publishers_of_one_channel_never_make_a_mixed_version(local, monkeyp
     the other, both calls return 1, and readers get the mix."""
     a, b = WeightChannel("two-pubs"), WeightChannel("two-pubs")
     a.publish({"w1": np.zeros(4, dtype=np.float32), "w2": np.zeros(4, dtype=np.float32)})
-    real_put, versions = api.put, {}
+    node = api.runtime().node
+    real_put, versions = node.put, {}
 
-    def interleaved(value, object_id=None):
-        out = real_put(value, object_id)
+    async def interleaved(value, object_id, *args, **kwargs):
+        out = await real_put(value, object_id, *args, **kwargs)
         if "b" not in versions:  # b publishes whole between a's first and second put
             versions["b"] = None
-            monkeypatch.setattr(api, "put", real_put)
+            monkeypatch.setattr(node, "put", real_put)
             try:
-                versions["b"] = b.publish({"w1": np.full(4, 2, dtype=np.float32),
-                                           "w2": np.full(4, 2, dtype=np.float32)})
+                versions["b"] = await b._publish(node, {"w1": np.full(4, 2, dtype=np.float32),
+                                                        "w2": np.full(4, 2, dtype=np.float32)},
+                                                 None, 10.0)
             except hg.HopliteError:
                 pass  # refusing the clash is fine
         return out
 
-    monkeypatch.setattr(api, "put", interleaved)
+    monkeypatch.setattr(node, "put", interleaved)
     try:
         versions["a"] = a.publish({"w1": np.full(4, 1, dtype=np.float32),
                                    "w2": np.full(4, 1, dtype=np.float32)})
     except hg.HopliteError:
         versions["a"] = None
-    monkeypatch.setattr(api, "put", real_put)
+    monkeypatch.setattr(node, "put", real_put)
     version, weights = WeightChannel("two-pubs").fetch(timeout=10)
     values = {k: float(v[0]) for k, v in weights.items()}
     assert len(set(values.values())) == 1, f"version {version} is a mix: {values}"

@@ -186,10 +186,15 @@ def materialize(buf: Any, dtype: np.dtype, shape: tuple[int, ...], as_: str) -> 
     if as_ == "numpy" or not (is_device_buffer(buf) or gpu_present()):
         host = to_host(buf) if is_device_buffer(buf) else np.array(buf, copy=True)
         return host.view(dtype).reshape(shape)
+    if as_ == "torch":
+        try:
+            import torch  # noqa: PLC0415
+        except ImportError:
+            raise UnsupportedValue("array_type='torch' needs torch: pip install torch "
+                                   "(or get(..., array_type='cupy'))") from None
     cp = cupy()
     dev = cp.array(buf, copy=True) if is_device_buffer(buf) else cp.asarray(np.asarray(buf))
     if as_ == "torch":
-        import torch  # noqa: PLC0415
 
         if dtype.name == "bfloat16":
             return torch.from_dlpack(dev.view(cp.int16)).view(torch.bfloat16).reshape(shape)

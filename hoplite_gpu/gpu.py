@@ -58,19 +58,28 @@ def discover(nvml: Any = None) -> GPUReport:
     except nvml.NVMLError as exc:
         return GPUReport(problem=f"no NVIDIA driver found: {exc}")
     try:
-        report = GPUReport(driver=_text(nvml.nvmlSystemGetDriverVersion()))
+        try:
+            report = GPUReport(driver=_text(nvml.nvmlSystemGetDriverVersion()))
+        except nvml.NVMLError as exc:
+            return GPUReport(problem=f"NVML could not read the driver version: {exc}")
         try:
             v = nvml.nvmlSystemGetCudaDriverVersion()
             report.cuda_driver = f"{v // 1000}.{v % 1000 // 10}"
         except nvml.NVMLError:
             report.cuda_driver = "unknown"
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-        for i, h in enumerate(handles):
-            report.gpus.append(GPU(
-                index=i, name=_text(nvml.nvmlDeviceGetName(h)),
-                memory_bytes=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-                bus_id=_text(nvml.nvmlDeviceGetPciInfo(h).busId),
-                nvlink_peers=_nvlink_peers(nvml, handles, i)))
+        try:
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(nvml.nvmlDeviceGetCount())]
+            for i, h in enumerate(handles):
+                report.gpus.append(GPU(
+                    index=i, name=_text(nvml.nvmlDeviceGetName(h)),
+                    memory_bytes=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                    bus_id=_text(nvml.nvmlDeviceGetPciInfo(h).busId),
+                    nvlink_peers=_nvlink_peers(nvml, handles, i)))
+        except nvml.NVMLError as exc:  # a GPU fallen off the bus, no permission, ...
+            report.problem = (f"NVML could not query GPU {len(report.gpus)}: {exc} "
+                              "(nvidia-smi shows what the driver sees)")
+            return report
         if not report.gpus:
             report.problem = "the NVIDIA driver reports no GPU"
         return report

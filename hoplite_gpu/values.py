@@ -266,7 +266,12 @@ def _wire_numpy_dtype(code: str) -> np.dtype:
 
 
 def _from_dlpack(value: Any) -> np.ndarray:
-    device = getattr(value, "__dlpack_device__", lambda: (_DLPACK_CPU, 0))()
+    try:
+        device = getattr(value, "__dlpack_device__", lambda: (_DLPACK_CPU, 0))()
+    except Exception as exc:  # (an exporter whose array is gone, ...)
+        raise UnsupportedValue(
+            f"cannot ask {_type_name(value)} which device its DLPack data is on: {exc}"
+        ) from exc
     if int(device[0]) != _DLPACK_CPU:
         raise UnsupportedValue(
             f"got a DLPack object ({_type_name(value)}) on device {tuple(device)}; the GPU "
@@ -296,8 +301,8 @@ def _torch_to_buffer(tensor: Any) -> tuple[memoryview, Layout]:
 
     if tensor.device.type != "cpu":
         raise UnsupportedValue(
-            f"got a torch tensor on device {tensor.device}; device tensors need the GPU path, "
-            "which is not built yet. Move it to host memory first: tensor.cpu()"
+            f"got a torch tensor on device {tensor.device}; only CPU tensors, and CUDA "
+            "tensors on a node with a GPU, can be put. Move it first: tensor.cpu()"
         )
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
         kind = ("quantized" if tensor.is_quantized else "nested" if tensor.is_nested

@@ -368,7 +368,10 @@ def test_delete_drops_every_holder_and_fails_waiters():
     assert all("deleted" in c.reason for c in out if isinstance(c, Drop))
     assert not_found(out, "n2", 3) and len(out) == 4
     assert K not in d.objects
-    assert d.handle(Completed("n1", K)) == []
+    # a pull that crossed the delete: its copy must go (its gets since ask again)
+    assert [(type(c), c.node, c.retry) for c in d.handle(Completed("n1", K))] == [
+        (Drop, "n1", True)]
+    assert K not in d.objects
     assert locate(d, "n3", 4) is None and list(d.pending[K]) == [("n3", 4)]
     assert d.handle(Delete("n7", 71, K2)) == [Reply("n7", 71, {"ok": True, "existed": False})]
     # A new put serves the waiter again.

@@ -131,33 +131,43 @@ class DirectoryServer:
             self._listener = None
 
     def apply(self, event: state.Event) -> None:
-        for cmd in self.state.handle(event):
-            if isinstance(cmd, state.InlineReduce):
-                self.apply(_inline_reduce(cmd))
-                continue
-            peer = self.peers.get(cmd.node)
-            if peer is None:
-                continue  # the node left; the state machine has forgotten it too
-            if isinstance(cmd, state.Disconnect):
-                log.warning("node %s declared dead: %s", cmd.node, cmd.reason)
-                task = asyncio.get_running_loop().create_task(peer.disconnect())
-                self._closers.add(task)
-                task.add_done_callback(self._closers.discard)
-                continue
-            if isinstance(cmd, state.Reply):
-                if cmd.request < 0:
-                    self._reply_direct(cmd)
-                else:
-                    peer.outbox.post({"rid": cmd.request, **cmd.body})
-            elif isinstance(cmd, state.StartReduceStep):
-                peer.outbox.post({"op": "reduce_step", **cmd.step})
-            elif isinstance(cmd, state.PushLocated):
-                peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
+        # An inline reduce's result is applied at once, before the commands
+        # after it, depth first; without recursion, as a chain of reduces each
+        # reading the one before finishes in one go when its first input comes.
+        pending = [iter(self.state.handle(event))]
+        while pending:
+            cmd = next(pending[-1], None)
+            if cmd is None:
+                pending.pop()
+            elif isinstance(cmd, state.InlineReduce):
+                pending.append(iter(self.state.handle(_inline_reduce(cmd))))
             else:
-                drop = {"op": "drop", "oid": cmd.oid, "reason": cmd.reason, "retry": cmd.retry}
-                if cmd.kind != "ObjectNotFound":
-                    drop["kind"] = cmd.kind
-                peer.outbox.post(drop)
+                self._carry_out(cmd)
+
+    def _carry_out(self, cmd: state.Command) -> None:
+        peer = self.peers.get(cmd.node)
+        if peer is None:
+            return  # the node left; the state machine has forgotten it too
+        if isinstance(cmd, state.Disconnect):
+            log.warning("node %s declared dead: %s", cmd.node, cmd.reason)
+            task = asyncio.get_running_loop().create_task(peer.disconnect())
+            self._closers.add(task)
+            task.add_done_callback(self._closers.discard)
+            return
+        if isinstance(cmd, state.Reply):
+            if cmd.request < 0:
+                self._reply_direct(cmd)
+            else:
+                peer.outbox.post({"rid": cmd.request, **cmd.body})
+        elif isinstance(cmd, state.StartReduceStep):
+            peer.outbox.post({"op": "reduce_step", **cmd.step})
+        elif isinstance(cmd, state.PushLocated):
+            peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
+        else:
+            drop = {"op": "drop", "oid": cmd.oid, "reason": cmd.reason, "retry": cmd.retry}
+            if cmd.kind != "ObjectNotFound":
+                drop["kind"] = cmd.kind
+            peer.outbox.post(drop)
 
     async def _serve(self, stream: Stream) -> None:
         try:

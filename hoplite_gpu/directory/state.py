@@ -475,12 +475,20 @@ class Directory:
         #: channel name -> newest complete version, and who waits for a newer one
         self.channels: dict[str, int] = {}
         self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
+        #: per node, what each of its unanswered requests waits on: ("oid", id),
+        #: ("reduce", target) or ("channel", name), so a cancel looks in one
+        #: place instead of every queue (a burst of timed-out gets stalled the
+        #: directory in proportion to every object it knew)
+        self.waits: dict[NodeId, dict[int, tuple[str, Any]]] = {}
         #: waiting locates asked on direct connections (`Locate.direct`)
         self.direct: set[tuple[NodeId, int]] = set()
         #: ids whose entry this directory removed (deleted, lost, a reduce
         #: restarted or failed), most recent last, at most `_GONE_KEPT`: a
-        #: completion announced for one crossed that removal and is stale
-        self.gone: OrderedDict[Key, None] = OrderedDict()
+        #: completion announced for one crossed that removal and is stale.
+        #: The value says whether it was lost (every holder died or dropped
+        #: it): then a putter's own copy, announced again by a node that was
+        #: declared dead and came back, brings the object back.
+        self.gone: OrderedDict[Key, bool] = OrderedDict()
 
     def handle(self, event: Event) -> list[Command]:
         method = getattr(self, "_on_" + type(event).__name__, None)
@@ -493,11 +501,25 @@ class Directory:
             # still being read: it holds, pulls and asks nothing any more.
             return out
         method(event, out)
-        if self.direct:  # an answered request, whatever the answer, waits no more
+        if self.direct or self.waits:  # an answered request, whatever the answer, waits no more
             for cmd in out:
                 if isinstance(cmd, Reply):
                     self.direct.discard((cmd.node, cmd.request))
+                    self._answered(cmd.node, cmd.request)
         return out
+
+    def _wait(self, node: NodeId, request: int, kind: str, key: Any) -> None:
+        self.waits.setdefault(node, {})[request] = (kind, key)
+
+    def _answered(self, node: NodeId, request: int) -> tuple[str, Any] | None:
+        """What the request waited on (None: nothing); it waits no more."""
+        mine = self.waits.get(node)
+        if not mine:
+            return None
+        where = mine.pop(request, None)
+        if not mine:
+            del self.waits[node]
+        return where
 
     # -------------------------------------------------------------- nodes ---
     def _on_NodeJoined(self, ev: NodeJoined, out: list[Command]) -> None:
@@ -524,6 +546,7 @@ class Directory:
     def _forget_node(self, ev: NodeLost, out: list[Command]) -> None:
         self.nodes.pop(ev.node, None)
         self.last_seen.pop(ev.node, None)
+        self.waits.pop(ev.node, None)
         for name, waiters in self.channel_waiters.items():
             self.channel_waiters[name] = [w for w in waiters if w[0] != ev.node]
         for queue in self.pending.values():
@@ -595,7 +618,8 @@ class Directory:
     def _on_Completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
         if (entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes
-                and ev.oid not in self.gone):
+                and (ev.oid not in self.gone or (self.gone[ev.oid] and ev.own))):
+            self.gone.pop(ev.oid, None)
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=True)
             entry.holders[ev.node] = Holder(origin=ev.own)
             task = self.reduces.get(ev.oid)
@@ -611,6 +635,13 @@ class Directory:
             # it is ignored, or a stale copy would be served.)
             holder = entry.holders[ev.node] = Holder(origin=ev.own)
         if entry is None or holder is None:
+            if ev.oid in self.gone and ev.node in self.nodes:
+                # A copy that crossed the removal (a pull completing as the id
+                # was deleted, a node declared dead while it held it) must go,
+                # or that node would keep serving it to its own gets. `retry`:
+                # a get it started since asks again instead of failing.
+                out.append(Drop(ev.node, ev.oid, f"object {ev.oid.hex()} was removed "
+                                "while this copy was made", retry=True))
             return
         task = self.reduces.get(ev.oid)
         if task is not None and not task.done and self._stale(task, ev.tag):
@@ -634,6 +665,7 @@ class Directory:
                 out.append(Reply(ev.node, ev.request, _held_body(entry)))
                 return
             self.direct.add((ev.node, ev.request))
+        self._wait(ev.node, ev.request, "oid", ev.oid)
         if entry is None:
             self.pending.setdefault(ev.oid, deque()).append((ev.node, ev.request))
             return
@@ -642,16 +674,25 @@ class Directory:
 
     def _on_CancelLocate(self, ev: CancelLocate, out: list[Command]) -> None:
         self.direct.discard((ev.node, ev.request))
-        for queue in [*self.pending.values(), *(e.waiting for e in self.objects.values()),
-                      *(t.confirms for t in self.reduces.values()),
-                      *(t.waiters for t in self.reduces.values())]:
-            try:
-                queue.remove((ev.node, ev.request))
-            except ValueError:
-                continue
-        self._clean_pending()
-        for name, waiters in self.channel_waiters.items():
-            self.channel_waiters[name] = [w for w in waiters if w[:2] != (ev.node, ev.request)]
+        where = self._answered(ev.node, ev.request)
+        if where is None:
+            return  # answered already (the cancel crossed the reply), or never asked
+        kind, key = where
+        request = (ev.node, ev.request)
+        if kind == "channel":
+            waiters = [w for w in self.channel_waiters.get(key, []) if w[:2] != request]
+            if waiters:
+                self.channel_waiters[key] = waiters
+            else:
+                self.channel_waiters.pop(key, None)
+            return
+        entry, task = self.objects.get(key), self.reduces.get(key)
+        for queue in (self.pending.get(key), entry and entry.waiting,
+                      task and task.confirms, task and task.waiters):
+            if queue and request in queue:
+                queue.remove(request)
+        if key in self.pending and not self.pending[key]:
+            del self.pending[key]
 
     # ----------------------------------------------------------- channels ---
     def _on_ChannelPublish(self, ev: ChannelPublish, out: list[Command]) -> None:
@@ -673,6 +714,7 @@ class Directory:
             out.append(Reply(ev.node, ev.request, {"head": head}))
         else:
             self.channel_waiters.setdefault(ev.name, []).append((ev.node, ev.request, ev.newer_than))
+            self._wait(ev.node, ev.request, "channel", ev.name)
 
     def _on_TransferFailed(self, ev: TransferFailed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
@@ -696,9 +738,10 @@ class Directory:
         """`node` no longer holds `oid`: an unfinished tree that took it from
         there is rebuilt (its step would wait for the input to come back, a
         leaf's parent up to `timeout_s`), with a backup input if there is one."""
-        for task in list(self.reduces.values()):
-            if (not (task.done or task.failed or task.inline) and (oid, node) in task.slots
-                    and self.reduces.get(task.target) is task):
+        # (unfinished reduces are exactly those watching their inputs)
+        for task in [self.reduces.get(t) for t in sorted(self.watching.get(oid, ()))]:
+            if (task is not None and not (task.done or task.failed or task.inline)
+                    and (oid, node) in task.slots):
                 self._restart_reduce(task, why, out)
 
     def _on_Evict(self, ev: Evict, out: list[Command]) -> None:
@@ -722,8 +765,8 @@ class Directory:
             if after in self.nodes and not (after in entry.holders
                                             and entry.holders[after].complete):
                 return False
-        if any(oid in task.inputs for task in self.reduces.values()
-               if not (task.done or task.failed)):
+        if any(task is not None and not (task.done or task.failed)
+               for task in map(self.reduces.get, self.watching.get(oid, ()))):
             return False
         return entry.inline is not None or any(
             h.complete and n != node and n in self.nodes for n, h in entry.holders.items())
@@ -733,6 +776,7 @@ class Directory:
         # (a long job deletes one result per step: nothing left behind)
         task = self.reduces.pop(ev.oid, None)
         if task is not None:
+            self._forget_watch(task)
             if not (task.done or task.failed):
                 # The reduce making it ends with it: its waiters hear, its
                 # partial results go (the root's copy goes with the entry's).
@@ -827,6 +871,7 @@ class Directory:
             out.append(Reply(ev.node, ev.request, {"inputs": task.chosen}))
         else:  # answered when the result is complete: a failover may still change the set
             task.waiters.append((ev.node, ev.request))
+            self._wait(ev.node, ev.request, "reduce", ev.target)
 
     def _on_ReduceConfirm(self, ev: ReduceConfirm, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
@@ -840,6 +885,7 @@ class Directory:
             out.append(Reply(ev.node, ev.request, {"current": True}))
         else:  # the root's completion may still lose the race with a failover
             task.confirms.append((ev.node, ev.request))
+            self._wait(ev.node, ev.request, "reduce", ev.target)
 
     def _answer_confirms(self, task: ReduceTask, current: bool, out: list[Command]) -> None:
         for node, request in task.confirms:
@@ -865,6 +911,7 @@ class Directory:
 
     def _finish_reduce(self, task: ReduceTask, out: list[Command]) -> None:
         task.done = True
+        self._forget_watch(task)  # (a re-put input must not join a finished reduce)
         for waiter, request in task.waiters:
             out.append(Reply(waiter, request, {"inputs": task.chosen}))
         task.waiters.clear()
@@ -1121,7 +1168,7 @@ class Directory:
         task = self.reduces.get(oid)
         if task is not None and not task.done and not task.failed:
             return  # the result of a reduce in flight: the reduce restarts and rebuilds it
-        self._remove_entry(oid)
+        self._remove_entry(oid, lost=True)
         reason = (f"object {oid.hex()} was lost: every node holding a complete copy "
                   "(or still putting it) died or dropped it; put it again")
         for node in entry.holders:
@@ -1129,8 +1176,8 @@ class Directory:
         for node, request in entry.waiting:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
 
-    def _remove_entry(self, oid: Key) -> Entry | None:
-        self.gone[oid] = None
+    def _remove_entry(self, oid: Key, lost: bool = False) -> Entry | None:
+        self.gone[oid] = lost
         self.gone.move_to_end(oid)
         if len(self.gone) > _GONE_KEPT:
             self.gone.popitem(last=False)

@@ -111,9 +111,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"shared memory between nodes of this host: {_shared_memory_summary(config)}")
     try:
         import cupy  # noqa: F401
-        print("cupy: installed")
     except ImportError:
         print("cupy: not installed (device arrays need pip install 'hoplite-gpu[gpu]')")
+    else:
+        from .gpu import cuda_available
+
+        print("cupy: installed" + ("" if cuda_available() else
+                                   ", but it sees no CUDA device: device arrays are not usable"))
     print(_gpu_summary())
     return 0
 

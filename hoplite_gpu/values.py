@@ -273,9 +273,12 @@ def _from_dlpack(value: Any) -> np.ndarray:
             f"cannot ask {_type_name(value)} which device its DLPack data is on: {exc}"
         ) from exc
     if int(device[0]) != _DLPACK_CPU:
+        # (CUDA and CUDA-managed memory reach here only where no GPU is usable)
+        why = ("this node has no usable CUDA device" if int(device[0]) in (2, 13) else
+               "only CPU memory, and CUDA memory on a node with a GPU, can be put")
         raise UnsupportedValue(
-            f"got a DLPack object ({_type_name(value)}) on device {tuple(device)}; the GPU "
-            "path is not enabled on this node. Copy it to host memory first"
+            f"got a DLPack object ({_type_name(value)}) on device {tuple(device)}; {why}. "
+            "Copy it to host memory first"
         )
     try:
         return np.from_dlpack(value)

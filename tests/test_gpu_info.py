@@ -84,3 +84,17 @@ def test_info_command_runs_here():
         assert "none usable" in out.stdout
     else:
         pytest.skip("a GPU driver is present; the no-GPU wording is not expected")
+
+
+def test_info_says_when_cupy_sees_no_gpu(tmp_path):
+    """CuPy installed where CUDA is not usable: "installed" alone would suggest
+    device arrays work."""
+    fake = tmp_path / "cupy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "class cuda:\n    @staticmethod\n    def is_available():\n        return False\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "hoplite_gpu", "info"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "cupy: installed, but it sees no CUDA device" in out.stdout

@@ -180,10 +180,10 @@ class WeightChannel:
         # Versions this publisher published, not version numbers: skipped
         # numbers (failed publishes, explicit versions) free nothing early.
         for old in sorted(v for v in self._published if v <= head)[:-self.keep]:
-            for key in self._published.pop(old):
-                await node.delete(_oid(self.name, old, "t/" + key))
-            await node.delete(_oid(self.name, old, "manifest"))
-            await node.delete(_oid(self.name, old, "claim"))
+            keys = self._published.pop(old)
+            await node.delete_many([*(_oid(self.name, old, "t/" + key) for key in keys),
+                                    _oid(self.name, old, "manifest"),
+                                    _oid(self.name, old, "claim")])
 
     # --------------------------------------------------------------- reader ---
     def latest_version(self) -> int:

@@ -391,7 +391,7 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
     A sliced allreduce's objects are freed where this process has
     ``allreduce_slicing`` on, as the ranks that made them do."""
     doomed = _doomed(name, size, op, num_objects)
-    _together(lambda node, _limit: [node.delete(oid) for oid in doomed], None)
+    _together(lambda node, _limit: [node.delete_many(doomed)], None)
 
 
 def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[ObjectID]:
@@ -495,4 +495,4 @@ async def delete_async(name: str, *, size: int, op: str = "sum",
                        num_objects: int | None = None) -> None:
     """`delete`, awaitable."""
     doomed = _doomed(name, size, op, num_objects)
-    await _together_async(lambda node, _limit: [node.delete(oid) for oid in doomed], None)
+    await _together_async(lambda node, _limit: [node.delete_many(doomed)], None)

@@ -279,3 +279,29 @@ def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
         assert all(isinstance(g, np.ndarray) and (g == 2).all() for g in ok), ok
     finally:
         hg.shutdown()
+
+
+def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
+    """A sliced allreduce of N ranks makes about N^2 objects; `delete` frees
+    them in batches (here of 7), not one request each."""
+    from hoplite_gpu.directory import server
+    from hoplite_gpu.node import node as node_module
+
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="auto")
+    try:
+        values = [np.ones(30_000) * (r + 1) for r in range(3)]
+        assert all((g == 6).all() for g in _sliced_ranks("batched-delete", values))
+        inputs, results, ready = collectives._slice_ids("batched-delete", 3, "sum")
+        ops = []
+        real = server.to_event
+        monkeypatch.setattr(server, "to_event", lambda node, msg: (ops.append(msg["op"]),
+                                                                   real(node, msg))[1])
+        monkeypatch.setattr(node_module, "_DELETE_BATCH", 7)
+        collectives.delete("batched-delete", size=3)
+        doomed = 2 + 3 + 9 + 3 + 3  # bcast, result, inputs, slices' inputs, results, markers
+        assert ops.count("delete_many") == -(-doomed // 7) and "delete" not in ops
+        for oid in [*results, *ready, *(i for row in inputs for i in row)]:
+            with pytest.raises(hg.ObjectNotFound):
+                hg.object_info(oid)
+    finally:
+        hg.shutdown()

@@ -19,6 +19,7 @@ from hoplite_gpu.directory.state import (
     Command,
     Completed,
     Delete,
+    DeleteMany,
     Directory,
     Drop,
     Dropped,
@@ -384,6 +385,17 @@ def test_a_delete_from_elsewhere_drops_every_holder():
     out = d.handle(Delete("n7", 70, K))
     assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n1", "n2"}
     assert not_found(out, "n2", 3)
+
+
+def test_delete_many_is_each_delete_answered_once():
+    d = make(1)
+    waiting_receiver(d)
+    out = d.handle(DeleteMany("n7", 70, (K2, K, K2)))
+    assert out[0] == Reply("n7", 70, {"ok": True, "existed": [False, True, False]})
+    assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n1", "n2"}
+    assert not_found(out, "n2", 3)
+    assert K not in d.objects
+    assert d.handle(DeleteMany("n7", 71, ())) == [Reply("n7", 71, {"ok": True, "existed": []})]
 
 
 # ---------------------------------------------------------------- query ---
@@ -846,3 +858,13 @@ def test_a_pull_completion_that_crossed_a_delete_makes_no_phantom_object():
     fresh = make()
     fresh.handle(Completed("n1", K, SIZE, LAYOUT))
     assert set(fresh.objects[K].holders) == {"n1"}
+
+
+def test_delete_many_refuses_ids_of_the_wrong_shape_on_the_wire():
+    from hoplite_gpu.directory.wire import to_event
+    from hoplite_gpu.errors import ProtocolError
+
+    assert to_event("n0", {"op": "delete_many", "rid": 1, "oids": [K, K2]}).oids == (K, K2)
+    for oids in ([K, b"short"], [K, "text" * 5], K):
+        with pytest.raises(ProtocolError):
+            to_event("n0", {"op": "delete_many", "rid": 1, "oids": oids})

@@ -153,6 +153,15 @@ class Delete:
 
 
 @dataclass(frozen=True)
+class DeleteMany:
+    """`Delete` of every id in `oids`, answered once (``existed``: a list)."""
+
+    node: NodeId
+    request: int
+    oids: tuple[Key, ...]
+
+
+@dataclass(frozen=True)
 class Query:
     node: NodeId
     request: int
@@ -256,8 +265,9 @@ class ReduceConfirm:
 
 
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
-         | TransferFailed | Dropped | Evict | Delete | Query | ChannelPublish | ChannelHead | ReduceRequested | ReduceFailed
-         | StepLost | InlineReduced | ReducedInputs | ReduceConfirm)
+         | TransferFailed | Dropped | Evict | Delete | DeleteMany | Query | ChannelPublish
+         | ChannelHead | ReduceRequested | ReduceFailed | StepLost | InlineReduced | ReducedInputs
+         | ReduceConfirm)
 
 
 # --------------------------------------------------------------- commands ---
@@ -772,32 +782,42 @@ class Directory:
             h.complete and n != node and n in self.nodes for n, h in entry.holders.items())
 
     def _on_Delete(self, ev: Delete, out: list[Command]) -> None:
-        entry = self._remove_entry(ev.oid)
+        self._on_DeleteMany(DeleteMany(ev.node, ev.request, (ev.oid,)), out, one=True)
+
+    def _on_DeleteMany(self, ev: DeleteMany, out: list[Command], one: bool = False) -> None:
+        at = len(out)  # (the answer goes first, before what the deletes tell others)
+        existed = [self._delete(ev.node, oid, out) for oid in ev.oids]
+        out.insert(at, Reply(ev.node, ev.request, {"ok": True,
+                                                   "existed": existed[0] if one else existed}))
+
+    def _delete(self, by: NodeId, oid: Key, out: list[Command]) -> bool:
+        """Remove `oid` for node `by`; whether it existed."""
+        entry = self._remove_entry(oid)
         # (a long job deletes one result per step: nothing left behind)
-        task = self.reduces.pop(ev.oid, None)
+        task = self.reduces.pop(oid, None)
         if task is not None:
             self._forget_watch(task)
             if not (task.done or task.failed):
                 # The reduce making it ends with it: its waiters hear, its
                 # partial results go (the root's copy goes with the entry's).
-                self._fail_reduce(task, f"object {ev.oid.hex()} was deleted while a reduce "
+                self._fail_reduce(task, f"object {oid.hex()} was deleted while a reduce "
                                   "was making it", out, kind="ObjectNotFound")
-            self.failed.pop(ev.oid, None)
-        out.append(Reply(ev.node, ev.request, {"ok": True, "existed": entry is not None}))
+            self.failed.pop(oid, None)
         if entry is None:
-            return
-        reason = f"object {ev.oid.hex()} was deleted"
+            return False
+        reason = f"object {oid.hex()} was deleted"
         for node in list(entry.holders):  # (an input of a reduce under way: rebuilt without it)
-            self._slot_lost(ev.oid, node, reason, out)
+            self._slot_lost(oid, node, reason, out)
         # A recovered object may have copies that were never announced (their
         # nodes' announcements are still on the way): every node hears.
         for node in (self.nodes if entry.recovered else entry.holders):
             # The deleting node drops its own copy when the reply comes; a drop
             # arriving after that reply could cancel a get it started since.
-            if node != ev.node:
-                out.append(Drop(node, ev.oid, reason))
+            if node != by:
+                out.append(Drop(node, oid, reason))
         for node, request in entry.waiting:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
+        return True
 
     def _on_Query(self, ev: Query, out: list[Command]) -> None:
         out.append(Reply(ev.node, ev.request, self.describe(ev.oid)))

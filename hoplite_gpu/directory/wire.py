@@ -60,6 +60,11 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         return state.Evict(node, field(msg, "rid", int), tuple(oids))
     if op == "delete":
         return state.Delete(node, field(msg, "rid", int), _id(msg, "oid"))
+    if op == "delete_many":
+        oids = field(msg, "oids", list)
+        if not all(isinstance(i, bytes) and len(i) == 20 for i in oids):
+            raise ProtocolError("delete_many oids must be 20-byte object ids")
+        return state.DeleteMany(node, field(msg, "rid", int), tuple(oids))
     if op == "query":
         return state.Query(node, field(msg, "rid", int), _id(msg, "oid"))
     if op == "channel_publish":

@@ -51,6 +51,12 @@ def _oid(name: str, version: int, part: str) -> ObjectID:
     return ObjectID.from_name(f"hoplite-channel/{name}/{version}/{part}")
 
 
+async def _quietly(coro: Any) -> None:
+    """`coro`, its errors dropped (cleanup that may find the directory away)."""
+    with contextlib.suppress(HopliteError):
+        await coro
+
+
 async def _exists(node: Any, oid: ObjectID) -> bool:
     try:
         await node.query(oid)
@@ -131,10 +137,11 @@ class WeightChannel:
             await node.put(manifest, _oid(self.name, version, "manifest"))
         except BaseException:
             # None of this version may stay: a later publish of it would find
-            # these ids taken and keep their bytes, mixing two versions.
-            for oid in [*done, _oid(self.name, version, "claim")]:
-                with contextlib.suppress(HopliteError):
-                    await node.delete(oid)
+            # these ids taken and keep their bytes, mixing two versions. In the
+            # background: a publish past its deadline (or cancelled) returns at
+            # once, and the deletes are not cut short by that deadline.
+            node.in_background(_quietly(node.delete_many(
+                [*done, _oid(self.name, version, "claim")])))
             raise
         # From here the head may move even if this call fails (an answer that
         # came after the deadline): the version is freed with the others.
@@ -147,7 +154,6 @@ class WeightChannel:
         """Take over the newest versions an earlier publisher left (a learner
         restarted): they are freed as this publisher's own are, instead of
         staying with every reader that fetched them."""
-        self._adopted = True
         for old in range(max(0, latest - self.keep + 1), latest + 1):
             oid = _oid(self.name, old, "manifest")
             try:
@@ -156,6 +162,7 @@ class WeightChannel:
                     self._published[old] = msgpack.unpackb(manifest, raw=False)["keys"]
             except (HopliteError, ValueError, KeyError, TypeError):
                 continue  # (freed meanwhile, or not a manifest of ours: left as it is)
+        self._adopted = True  # (only now: a publish cut short here adopts at the next one)
 
     async def _claim(self, node: Any, version: int | None, latest: int) -> int:
         """Claim `version` (None: the next free one) for this publisher alone.
@@ -179,11 +186,14 @@ class WeightChannel:
     async def _free_old(self, node: Any, head: int) -> None:
         # Versions this publisher published, not version numbers: skipped
         # numbers (failed publishes, explicit versions) free nothing early.
+        # A version is forgotten only once freed: a publish cut short here
+        # frees it at the next one.
         for old in sorted(v for v in self._published if v <= head)[:-self.keep]:
-            keys = self._published.pop(old)
-            await node.delete_many([*(_oid(self.name, old, "t/" + key) for key in keys),
+            await node.delete_many([*(_oid(self.name, old, "t/" + key)
+                                      for key in self._published[old]),
                                     _oid(self.name, old, "manifest"),
                                     _oid(self.name, old, "claim")])
+            self._published.pop(old, None)
 
     # --------------------------------------------------------------- reader ---
     def latest_version(self) -> int:

@@ -10,6 +10,7 @@ Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -21,6 +22,7 @@ from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
+from .runtime import GIVE_UP_S
 
 
 def input_id(name: str, rank: int) -> ObjectID:
@@ -329,11 +331,21 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
                      api.time_left(deadline))
 
 
+#: The puts `_finish` started for the `_joint` being set up (see there).
+_finishing: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar(
+    "_finishing", default=None)
+
+
 def _finish(put: Coroutine) -> asyncio.Future:
     """A put that runs to its end even if the call gives up: cut short while
     copying, it would leave a registered copy that never completes, and peers
-    pulling from it would wait for bytes that never come."""
-    return asyncio.shield(put)
+    pulling from it would wait for bytes that never come. The call waits for
+    it all the same before it returns (it reads the caller's array)."""
+    inner = asyncio.ensure_future(put)
+    started = _finishing.get()
+    if started is not None:
+        started.append(inner)
+    return asyncio.shield(inner)
 
 
 def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None,
@@ -362,7 +374,12 @@ async def _together_async(steps: Callable[[Any, float], list[Coroutine]],
 async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit: float,
                  lent: ObjectID | list[ObjectID] | None) -> list[Any]:
     """`_together`'s work, on the runtime's loop."""
-    tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
+    puts: list[asyncio.Future] = []
+    token = _finishing.set(puts)
+    try:
+        tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
+    finally:
+        _finishing.reset(token)
     try:
         # A step may wait on its own, longer deadline (a put's directory
         # request is bounded by timeout_s); steps bounded by `limit` end
@@ -381,6 +398,11 @@ async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit:
         # All at once: each may wait up to a second for a reader to let go.
         if loans:
             await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
+        # A put given up still copying reads the caller's array: the call
+        # returns once it stops (its copy is then the node's alone).
+        copying = [p for p in puts if not p.done()]
+        if copying:
+            await asyncio.wait(copying, timeout=GIVE_UP_S)
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:

@@ -28,7 +28,7 @@ _GRACE_S = 5.0
 #: How long a call given up by its caller (a cancelled await, Ctrl-C) waits for
 #: its work on the loop to end: that work reclaims lent inputs, and the caller's
 #: memory must be its own again when the call has returned.
-_GIVE_UP_S = 5.0
+GIVE_UP_S = 5.0
 
 
 class _Call(concurrent.futures.Future):
@@ -171,7 +171,7 @@ class Runtime:
         except BaseException:  # e.g. KeyboardInterrupt: the call is given up, not left running
             fut.cancel()
             # (its cleanup first: lent inputs are reclaimed before we return)
-            concurrent.futures.wait([fut.ended], _GIVE_UP_S)
+            concurrent.futures.wait([fut.ended], GIVE_UP_S)
             raise
 
     async def call_async(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -187,7 +187,7 @@ class Runtime:
             # Given up by our caller: the call's task is cancelled too, and its
             # cleanup (lent inputs reclaimed) ends before the cancellation does.
             fut.cancel()
-            await asyncio.wait([asyncio.wrap_future(fut.ended)], timeout=_GIVE_UP_S)
+            await asyncio.wait([asyncio.wrap_future(fut.ended)], timeout=GIVE_UP_S)
             raise
 
     def on_loop_thread(self) -> bool:

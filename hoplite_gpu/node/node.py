@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -750,10 +750,15 @@ class Node:
         frame, and one whose puller does not read (its send blocked) is cut
         off after a second, so the freed buffer is not held or read on."""
         if self.server.serving(oid) and self._closed is None:
-            task = asyncio.get_running_loop().create_task(
-                self.server.release(oid, min(1.0, self.config.stall_timeout_s)))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self.in_background(self.server.release(oid, min(1.0, self.config.stall_timeout_s)))
+
+    def in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run `coro` (which must end by itself: every wait in it has a
+        deadline) beside the caller; it is cancelled when the node closes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
 
     @contextlib.asynccontextmanager
     async def _room(self, layout: Layout, what: str) -> AsyncIterator[None]:

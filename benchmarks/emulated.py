@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
 from hoplite_gpu.lifecycle import Closing, stop_process
@@ -39,6 +38,8 @@ class EmulatedCluster(Closing):
     def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77) -> None:
         if hosts < 2:
             raise ValueError("an emulated cluster needs at least 2 hosts")
+        if not bandwidth_bps >= 1000:  # (tc reads a negative rate as a huge one: no shaping)
+            raise ValueError(f"link bandwidth must be at least 1000 bit/s; got {bandwidth_bps!r}")
         self.hosts, self.bandwidth_bps = hosts, bandwidth_bps
         tag = os.getpid() % 100000
         self.prefix = f"hg{tag}"
@@ -63,9 +64,14 @@ class EmulatedCluster(Closing):
             raise EmulationUnavailable(
                 f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)")
         probe = f"{self.prefix}probe"
-        if _sh("ip", "netns", "add", probe, check=False).returncode != 0:
-            raise EmulationUnavailable("this machine does not allow creating network namespaces")
-        _sh("ip", "netns", "del", probe, check=False)
+        _sh("ip", "netns", "del", probe, check=False)  # (one an interrupted check left)
+        try:
+            made = _sh("ip", "netns", "add", probe, check=False)
+            if made.returncode != 0:
+                raise EmulationUnavailable("this machine does not allow creating network "
+                                           f"namespaces: {made.stderr.strip()}")
+        finally:
+            _sh("ip", "netns", "del", probe, check=False)
 
     def _build(self) -> None:
         rate = f"{int(self.bandwidth_bps)}bit"
@@ -75,14 +81,15 @@ class EmulatedCluster(Closing):
         _sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
         _sh(*sw, "ip", "link", "set", "br0", "up")
         for i in range(self.hosts):
-            ns, host_if, sw_if = self.ns(i), f"{self.prefix}h{i}", f"{self.prefix}s{i}"
+            ns, sw_if = self.ns(i), f"{self.prefix}s{i}"
             _sh("ip", "netns", "add", ns)
             self._made.append(ns)
-            _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", sw_if)
-            _sh("ip", "link", "set", host_if, "netns", ns)
-            _sh("ip", "link", "set", sw_if, "netns", self.switch)
+            # Made inside the namespaces at once: nothing of it is ever in
+            # ours, so deleting the namespaces removes all of it, however a
+            # run ends.
+            _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth",
+                "peer", "name", sw_if, "netns", self.switch)
             hx = ("ip", "netns", "exec", ns)
-            _sh(*hx, "ip", "link", "set", host_if, "name", "eth0")
             _sh(*hx, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _sh(*hx, "ip", "link", "set", "eth0", "up")
             _sh(*hx, "ip", "link", "set", "lo", "up")
@@ -130,13 +137,26 @@ class EmulatedCluster(Closing):
 
     def measure_link(self, nbytes: int = 32 << 20) -> float:
         """Bits per second from host 0 to host 1, measured with a plain TCP stream."""
-        server = self.popen(1, [PY, "-c", _SINK, self.address(1)], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        src = self.popen(0, [PY, "-c", _SOURCE, self.address(1), str(nbytes)],
-                         stdout=subprocess.PIPE, text=True)
-        src.communicate(timeout=120)
-        seconds = float(server.communicate(timeout=120)[0].strip())
-        return nbytes * 8 / seconds
+        started: list[subprocess.Popen] = []
+        try:
+            sink = self.popen(1, [PY, "-c", _SINK, self.address(1)], stdout=subprocess.PIPE,
+                              text=True)
+            started.append(sink)
+            if sink.stdout.readline().strip() != "listening":  # (however slowly it starts)
+                raise RuntimeError("the link measurement's receiver did not start")
+            src = self.popen(0, [PY, "-c", _SOURCE, self.address(1), str(nbytes)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            started.append(src)
+            _, err = src.communicate(timeout=120)
+            if src.returncode != 0:
+                raise RuntimeError(f"the link measurement's sender failed: {err.strip()[-500:]}")
+            seconds = float(sink.communicate(timeout=120)[0].strip())
+            return nbytes * 8 / seconds
+        finally:
+            for proc in started:  # (an interrupted measurement leaves nothing running)
+                if proc.poll() is None:
+                    proc.kill()
+                proc.communicate()
 
 
 def sweep_stale() -> list[str]:
@@ -217,7 +237,7 @@ while True:
 _SINK = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], 5599)); s.listen(1); c, _ = s.accept()
+s.bind((sys.argv[1], 5599)); s.listen(1); print("listening", flush=True); c, _ = s.accept()
 buf = bytearray(1 << 20); got = 0; t0 = None
 while True:
     n = c.recv_into(buf)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                                 row = _measure(cluster, system, op, size, tag, args)
                                 break
                             except (RuntimeError, AssertionError, subprocess.SubprocessError,
-                                    ValueError) as exc:  # a launch that failed: said, kept, retried
+                                    ValueError, OSError) as exc:  # a launch that failed: said, kept, retried
                                 errors.append(f"{type(exc).__name__}: {str(exc)[-600:]}")
                                 console.print(f"[red]{system} {op} {human(size)} launch {r} "
                                               f"attempt {attempt + 1} failed: {errors[-1][:300]}[/]")
@@ -144,7 +144,10 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     dynamic_only = args.ops == ["allreduce-dynamic"]
     return {"benchmark": "allreduce-dynamic-emulated" if dynamic_only else "collectives-emulated",
             "file_stem": args.tag, "settings": settings, "rows": rows, "summary": summary,
-            "skipped": skipped, "failed": failed, "byte_identical": not failed}
+            "skipped": skipped, "failed": failed,
+            # (a wrong result is not retried away: one attempt's is enough)
+            "byte_identical": not failed and not any(
+                "wrong result" in e for r in rows for e in r["failed_attempts"])}
 
 
 def _measure(cluster, system: str, op: str, size: int, tag: str, args: argparse.Namespace) -> dict:

@@ -110,9 +110,12 @@ def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: in
         for i, p in enumerate(procs):  # a barrier: every node has joined and made its input
             _readline(p, f"hoplite-gpu node {i}")
         t0 = json.dumps({"t0": time.time() + 0.3}) + "\n"
-        for p in procs:
-            p.stdin.write(t0)
-            p.stdin.flush()
+        for i, p in enumerate(procs):
+            try:
+                p.stdin.write(t0)
+                p.stdin.flush()
+            except BrokenPipeError:
+                raise RuntimeError(f"hoplite-gpu node {i} exited before the start") from None
         return [_readline(p, f"hoplite-gpu node {i}") for i, p in enumerate(procs)]
     finally:
         _close(procs)  # the nodes leave first, then the directory stops

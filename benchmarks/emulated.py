@@ -52,7 +52,7 @@ class EmulatedCluster(Closing):
 
     # ------------------------------------------------------------ set-up ---
     def _open(self) -> None:
-        self._check()  # refuses before anything is made; close() then has nothing to undo
+        self._check()  # refuses before anything is made (close() removes a probe it left)
         self.swept = sweep_stale()
         self._build()
 
@@ -65,13 +65,13 @@ class EmulatedCluster(Closing):
                 f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)")
         probe = f"{self.prefix}probe"
         _sh("ip", "netns", "del", probe, check=False)  # (one an interrupted check left)
-        try:
-            made = _sh("ip", "netns", "add", probe, check=False)
-            if made.returncode != 0:
-                raise EmulationUnavailable("this machine does not allow creating network "
-                                           f"namespaces: {made.stderr.strip()}")
-        finally:
-            _sh("ip", "netns", "del", probe, check=False)
+        self._made.append(probe)  # (close() removes it if this is interrupted)
+        made = _sh("ip", "netns", "add", probe, check=False)
+        if made.returncode != 0:
+            raise EmulationUnavailable("this machine does not allow creating network "
+                                       f"namespaces: {made.stderr.strip()}")
+        _sh("ip", "netns", "del", probe, check=False)
+        self._made.remove(probe)
 
     def _build(self) -> None:
         rate = f"{int(self.bandwidth_bps)}bit"

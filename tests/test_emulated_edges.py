@@ -46,6 +46,19 @@ def _interrupt_once(monkeypatch, matches) -> None:
     monkeypatch.setattr(emulated, "_sh", sh)
 
 
+def _interrupted_start(monkeypatch, cluster: EmulatedCluster, after) -> None:
+    """Open `cluster` with a Ctrl-C in place of the first command that follows
+    one that `after` matches; skips where namespaces cannot be made."""
+    seen: list[tuple[str, ...]] = []
+    _interrupt_once(monkeypatch, lambda a: (seen.append(a), len(seen) > 1 and after(seen[-2]))[1])
+    try:
+        with pytest.raises(KeyboardInterrupt), cluster:
+            pass
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    monkeypatch.undo()
+
+
 def _reopen(cluster_bw: float = 1e9) -> None:
     """A fresh cluster in this same process must open and close cleanly."""
     with EmulatedCluster(2, cluster_bw):
@@ -62,15 +75,7 @@ def test_interrupt_between_veth_creation_and_move_leaves_no_veth(monkeypatch):
     # at the first command after the pair is made:
     cluster = EmulatedCluster(2, 1e9)
     host_if, sw_if = f"{cluster.prefix}h0", f"{cluster.prefix}s0"
-    made = []
-    _interrupt_once(monkeypatch, lambda a: (made.append(a), len(made) > 1
-                                            and made[-2][:3] == ("ip", "link", "add"))[1])
-    try:
-        with pytest.raises(KeyboardInterrupt), cluster:
-            pass
-    except EmulationUnavailable as exc:
-        pytest.skip(str(exc))
-    monkeypatch.undo()
+    _interrupted_start(monkeypatch, cluster, lambda before: before[:3] == ("ip", "link", "add"))
     try:
         leaked = [n for n in (host_if, sw_if) if _root_link_exists(n)]
         assert not leaked, f"veths left in the root namespace after Ctrl-C: {leaked}"
@@ -89,13 +94,7 @@ def test_interrupt_during_the_namespace_probe_leaves_no_probe(monkeypatch):
     # (its `ip netns add` of the probe now fails with "File exists").
     cluster = EmulatedCluster(2, 1e9)
     probe = f"{cluster.prefix}probe"
-    _interrupt_once(monkeypatch, lambda a: a == ("ip", "netns", "del", probe))
-    try:
-        with pytest.raises(KeyboardInterrupt), cluster:
-            pass
-    except EmulationUnavailable as exc:
-        pytest.skip(str(exc))
-    monkeypatch.undo()
+    _interrupted_start(monkeypatch, cluster, lambda before: before == ("ip", "netns", "add", probe))
     try:
         assert probe not in _namespaces(), "the probe namespace outlived the interrupted start"
         _reopen()

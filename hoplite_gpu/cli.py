@@ -227,7 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
     i.set_defaults(func=_info)
+
+    b = sub.add_parser("bench", add_help=False,
+                       help="run the benchmarks of a source checkout (python -m benchmarks ...; "
+                            "default: broadcast); 'bench --help' lists them")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_bench)
     return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """`python -m benchmarks` of the source tree in the current directory: the
+    benchmarks (and their baselines) are not part of the installed package."""
+    here = os.getcwd()
+    if os.path.isfile(os.path.join(here, "benchmarks", "__main__.py")) and here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        from benchmarks.__main__ import main as bench_main  # noqa: PLC0415
+    except ImportError as exc:
+        print("hoplite-gpu: error: 'bench' runs the benchmarks of a source checkout, which are "
+              "not installed with the package; run it in the repository's top directory "
+              f"(or 'make bench' there) ({exc})", file=sys.stderr)
+        return 2
+    return bench_main(args.rest or ["broadcast"])
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -235,6 +257,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # (its options are the benchmarks', --help included)
+        return _bench(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread() and args.command != "directory":
         signal.signal(signal.SIGTERM, _interrupt)

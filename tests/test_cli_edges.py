@@ -179,3 +179,17 @@ def test_demo_usage_errors_go_to_stderr():
     res = _run("demo", "--workers", "1")
     assert res.returncode == 2
     assert "at least 2 workers" in res.stderr and "at least 2 workers" not in res.stdout
+
+
+def test_bench_runs_the_source_trees_benchmarks_and_says_where_they_are(tmp_path):
+    """`hoplite-gpu bench ...` is `python -m benchmarks ...` of the checkout in
+    the current directory; elsewhere it says the benchmarks are not installed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = subprocess.run([*CLI, "bench", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=root)
+    assert here.returncode == 0, here.stderr
+    assert "emulated" in here.stdout and "python -m benchmarks" in here.stdout
+    away = subprocess.run([*CLI, "bench", "broadcast"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert away.returncode == 2
+    assert "source checkout" in away.stderr and "Traceback" not in away.stderr

@@ -10,7 +10,6 @@ Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -44,13 +43,13 @@ def _check(rank: int, size: int, root: int = 0) -> None:
 def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
     """Put a rank's `value` as `oid` within the call's `timeout`; returns the
     call's deadline (time.monotonic()) for what follows. A put given up at
-    the deadline runs to its end all the same (see `_finish`)."""
+    the deadline is withdrawn (see `_joint`)."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
     deadline = time.monotonic() + limit
     direct = rt.direct_here()
     if direct is None or not direct.put(value, oid, limit):
-        _together(lambda node, _limit: [_finish(node.put(value, oid))], api.time_left(deadline))
+        _together(lambda node, _limit: [node.put(value, oid)], api.time_left(deadline))
     return deadline
 
 
@@ -215,8 +214,7 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
         prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
         try:
             async with asyncio.timeout(limit):
-                await asyncio.gather(*[_finish(node.put(flat[edges[j]:edges[j + 1]], mine[j],
-                                                        lend=True)) for j in range(size)])
+                await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True) for j in range(size)])
                 await node.put(shape, ready[rank])
                 shapes = await asyncio.gather(*[node.get(oid, limit) for oid in ready])
                 odd = {r: bytes(s).decode() for r, s in enumerate(shapes) if bytes(s) != shape}
@@ -292,7 +290,7 @@ def _reduce_steps(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     target = args[3]
     lend = fetch or wait
     return (lambda node, limit: [
-        node.reduce(*args), _finish(node.put(value, mine, lend=lend)),
+        node.reduce(*args), node.put(value, mine, lend=lend),
         *([node.get(target, limit)] if fetch else
           [node.reduced_inputs(target, limit)] if wait else [])]), mine if lend else None
 
@@ -331,31 +329,13 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
                      api.time_left(deadline))
 
 
-#: The puts `_finish` started for the `_joint` being set up (see there).
-_finishing: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar(
-    "_finishing", default=None)
-
-
-def _finish(put: Coroutine) -> asyncio.Future:
-    """A put that runs to its end even if the call gives up: cut short while
-    copying, it would leave a registered copy that never completes, and peers
-    pulling from it would wait for bytes that never come. The call waits for
-    it all the same before it returns (it reads the caller's array)."""
-    inner = asyncio.ensure_future(put)
-    started = _finishing.get()
-    if started is not None:
-        started.append(inner)
-    return asyncio.shield(inner)
-
-
 def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None,
               lent: ObjectID | list[ObjectID] | None = None) -> list[Any]:
     """Run a call's node operations at once, in one blocking call, and return
     their results. Each starts in order (so the directory sees e.g. a reduce
     request before the put of an input, on the one ordered connection), and a
     call of small objects costs one round trip instead of one per step. If one
-    fails, the others are cancelled (a put is left to finish, see `_finish`) and
-    its error is raised; `timeout` bounds the whole call. `lent`: inputs put
+    fails, the others are cancelled and its error is raised; `timeout` bounds the whole call. `lent`: inputs put
     with ``lend=True``, reclaimed before the call returns, however it ends."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
@@ -374,12 +354,7 @@ async def _together_async(steps: Callable[[Any, float], list[Coroutine]],
 async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit: float,
                  lent: ObjectID | list[ObjectID] | None) -> list[Any]:
     """`_together`'s work, on the runtime's loop."""
-    puts: list[asyncio.Future] = []
-    token = _finishing.set(puts)
-    try:
-        tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
-    finally:
-        _finishing.reset(token)
+    tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
     try:
         # A step may wait on its own, longer deadline (a put's directory
         # request is bounded by timeout_s); steps bounded by `limit` end
@@ -393,16 +368,17 @@ async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit:
     finally:
         for task in tasks:
             task.cancel()  # the rest, once one failed; finished ones ignore it
+        # ... and the call returns once they have stopped: a put given up
+        # (registering, or copying the caller's array) withdraws its copy, so
+        # none is left that would never complete, and the array is read no more.
+        running = [task for task in tasks if not task.done()]
+        if running:
+            await asyncio.wait(running, timeout=GIVE_UP_S)
         loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
         loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
         # All at once: each may wait up to a second for a reader to let go.
         if loans:
             await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
-        # A put given up still copying reads the caller's array: the call
-        # returns once it stops (its copy is then the node's alone).
-        copying = [p for p in puts if not p.done()]
-        if copying:
-            await asyncio.wait(copying, timeout=GIVE_UP_S)
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:
@@ -448,7 +424,7 @@ def allgather(value: Any, *, name: str, rank: int, size: int,
 async def _put_async(value: Any, oid: ObjectID, timeout: float | None) -> float:
     """`_put` awaited; returns the call's deadline."""
     deadline = time.monotonic() + api._timeout(api.runtime(), timeout)
-    await _together_async(lambda node, _limit: [_finish(node.put(value, oid))], timeout)
+    await _together_async(lambda node, _limit: [node.put(value, oid)], timeout)
     return deadline
 
 

@@ -361,7 +361,11 @@ class TCPBackend(Backend):
         except OSError as exc:
             raise ConnectionRefused(f"cannot resolve {host!r}: {exc}") from exc
         family, _, _, _, addr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # e.g. no file descriptor left
+            raise ConnectionRefused(f"cannot open a socket to {host}:{port}: "
+                                    f"{exc.strerror or exc}") from exc
         sock.setblocking(False)
         try:
             async with asyncio.timeout(timeout):

@@ -56,6 +56,10 @@ class _Step(NamedTuple):
     msg: dict
 
 
+#: Why a pull's locate ran to its deadline (see `_locate`, `_await_pull`).
+_NOT_AVAILABLE = "nobody has put it yet, or every copy is busy"
+
+
 class _Retry(HopliteError):
     """Internal: ask again (the object is being rebuilt elsewhere, or the pull a
     get waited on ran to the deadline of a less patient get)."""
@@ -413,9 +417,13 @@ class Node:
         try:
             # A little later than the pull's own deadline, so its more precise error wins.
             return await until(waiter, deadline + 0.25)
-        except Timeout:
+        except Timeout as exc:
             if time.monotonic() < deadline - 0.01:
                 raise _Retry from None  # the pull ran to the deadline of a less patient get
+            if getattr(exc, "not_available", False):  # (in this get's own terms: a
+                # pull it joined, or asked again, started after it)
+                raise Timeout(f"object {oid.hex()} was not available within {timeout:g}s: "
+                              f"{_NOT_AVAILABLE}") from None
             raise  # the pull's own, more precise deadline error
         except Expired:
             raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
@@ -591,8 +599,10 @@ class Node:
             return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
         except Timeout as exc:
             self._withdrawn(oid)
-            raise Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
-                          "nobody has put it yet, or every copy is busy") from None
+            late = Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
+                           f"{_NOT_AVAILABLE}")
+            late.not_available = True  # (said in the get's own terms by `_await_pull`)
+            raise late from None
         except asyncio.CancelledError:
             # Cancelled by a drop or delete (`_forget`), the directory forgot
             # this node's part already, and may have made it a holder anew

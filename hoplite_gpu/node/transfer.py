@@ -30,7 +30,14 @@ from hoplite_gpu import device
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.wire import raise_for_error
-from hoplite_gpu.errors import HopliteError, ObjectNotFound, PeerLost, ProtocolError, Timeout
+from hoplite_gpu.errors import (
+    ConnectionRefused,
+    HopliteError,
+    ObjectNotFound,
+    PeerLost,
+    ProtocolError,
+    Timeout,
+)
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
@@ -62,6 +69,11 @@ BARE_RECEIVES = 2
 #: Copies out of a same-host sender's mapping go in pieces of this size, each
 #: servable downstream at once.
 SHM_STEP = 1 << 20
+#: Idle connections a node keeps to one peer, and to all peers together (the
+#: longest idle are closed first): a connection is kept for the next pull
+#: from that peer, but not every one that was ever open at once.
+IDLE_PER_PEER = 4
+IDLE_TOTAL = 64
 
 
 class DataServer:
@@ -77,6 +89,8 @@ class DataServer:
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
         #: this host's Unix socket for pulls through shared memory, and its connections
         self._local: socket.socket | None = None
+        #: when a failed same-host accept was last logged (loop time)
+        self._accept_warned = float("-inf")
         self._local_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> str:
@@ -112,7 +126,10 @@ class DataServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. out of descriptors: pause rather than spin
-                log.warning("accept on the same-host data socket failed: %s", exc)
+                now = loop.time()
+                if now - self._accept_warned >= 10.0:  # (not ten lines a second)
+                    self._accept_warned = now
+                    log.warning("accept on the same-host data socket failed: %s", exc)
                 loop.remove_reader(self._local)
                 loop.call_later(0.1, self._resume_accept, self._local)
                 return
@@ -399,6 +416,9 @@ class PeerPool:
         self.local_maps = 0
         #: closes of idle connections whose peer left
         self._closing: set[asyncio.Task] = set()
+        #: every idle connection, the longest idle first
+        self._idle_order: collections.OrderedDict[Stream, tuple[str, bool]] = \
+            collections.OrderedDict()
 
     async def acquire(self, address: str, local: bool = True) -> Stream:
         """A connection to the peer at `address`: through this host's Unix
@@ -411,6 +431,7 @@ class PeerPool:
             while idle:
                 stream = idle.pop()
                 stream.unwatch_idle()
+                self._idle_order.pop(stream, None)
                 if not stream.closed:
                     return stream
         scheme, _, _ = split_address(address)
@@ -434,15 +455,27 @@ class PeerPool:
         return stream
 
     def release(self, address: str, stream: Stream) -> None:
-        if not stream.closed:
-            key = (address, bool(getattr(stream, "local", False)))
-            self._idle.setdefault(key, []).append(stream)
-            # A peer that dies or leaves while this lies idle: close it then,
-            # not never (nothing asks for a dead peer's address again).
-            stream.watch_idle(functools.partial(self._ended, key, stream))
+        if stream.closed:
+            return
+        key = (address, bool(getattr(stream, "local", False)))
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= IDLE_PER_PEER:
+            # Kept, as many as were ever open to this peer at once would stay
+            # open for good: on 64 nodes over a thousand descriptors a node.
+            self._ended(key, stream)
+            return
+        idle.append(stream)
+        self._idle_order[stream] = key
+        # A peer that dies or leaves while this lies idle: close it then,
+        # not never (nothing asks for a dead peer's address again).
+        stream.watch_idle(functools.partial(self._ended, key, stream))
+        while len(self._idle_order) > IDLE_TOTAL:  # the longest idle goes
+            oldest, where = next(iter(self._idle_order.items()))
+            self._ended(where, oldest)
 
     def _ended(self, key: tuple[str, bool], stream: Stream) -> None:
         stream.unwatch_idle()
+        self._idle_order.pop(stream, None)
         idle = self._idle.get(key)
         if idle and stream in idle:
             idle.remove(stream)
@@ -466,7 +499,11 @@ async def _connect_local(address: str) -> Stream | None:
     """A connection to the data server at `address` through this host's Unix
     socket, or None where there is none (the peer is on another host or in
     another network namespace, or runs without shared memory)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as exc:  # e.g. no file descriptor left: the transport would fail alike
+        raise ConnectionRefused(f"cannot open a socket to {address}: "
+                                f"{exc.strerror or exc}") from exc
     sock.setblocking(False)
     try:
         await asyncio.get_running_loop().sock_connect(sock, shm.socket_name(address))

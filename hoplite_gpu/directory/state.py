@@ -629,8 +629,11 @@ class Directory:
         entry = self.objects.get(ev.oid)
         if (entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self.nodes
                 and (ev.oid not in self.gone or (self.gone[ev.oid] and ev.own))):
-            self.gone.pop(ev.oid, None)
-            entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=True)
+            # Unknown: announced to a restarted directory, whose other holders
+            # may announce theirs too (`recovered`). Lost: only this, its
+            # putter's own copy, comes back; other copies were told to drop.
+            recovered = self.gone.pop(ev.oid, None) is None
+            entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=recovered)
             entry.holders[ev.node] = Holder(origin=ev.own)
             task = self.reduces.get(ev.oid)
             if task is not None and not (task.done or task.failed):
@@ -645,7 +648,9 @@ class Directory:
             # it is ignored, or a stale copy would be served.)
             holder = entry.holders[ev.node] = Holder(origin=ev.own)
         if entry is None or holder is None:
-            if ev.oid in self.gone and ev.node in self.nodes:
+            # (a full announcement of a live object from a non-holder: a node
+            # declared dead that came back, whose copy the directory forgot)
+            if (ev.oid in self.gone or (entry is not None and ev.size >= 0)) and ev.node in self.nodes:
                 # A copy that crossed the removal (a pull completing as the id
                 # was deleted, a node declared dead while it held it) must go,
                 # or that node would keep serving it to its own gets. `retry`:

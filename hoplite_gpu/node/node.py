@@ -276,8 +276,11 @@ class Node:
             self._let_go(oid)
             raise
         log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
-        if lent and self.store.get(oid) is not obj:
-            return oid  # reclaimed meanwhile: its "dropped" follows our put to the directory
+        if self.store.get(oid) is not obj:
+            # Reclaimed meanwhile (its "dropped" follows our put to the
+            # directory), or deleted right after the put: nothing to copy or
+            # announce.
+            return oid
         if not inline:
             if not lent:
                 try:
@@ -291,6 +294,8 @@ class Node:
                             f"the put of object {oid.hex()} was given up before its value "
                             "was copied; put it again"))
                     raise
+            if self.store.get(oid) is not obj:
+                return oid  # deleted while it was being copied
             self._post(self._complete_msg(obj))
             log.debug("put %s: complete", oid.hex())
         return oid
@@ -1046,6 +1051,10 @@ class Node:
         if op == "drop":
             oid = ObjectID(msg["oid"])
             text = msg.get("reason", f"object {oid.hex()} was dropped")
+            if msg.get("retry") and oid in self._puts:
+                # (a completion of ours that crossed a removal is dropped with
+                # `retry`; a put of the id under way here came after it)
+                return
             error = (_Retry(text) if msg.get("retry")
                      else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
                      else ObjectNotFound(text))

@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import re
 import subprocess
@@ -20,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .auth import new_token
-from .errors import HopliteError, Timeout
+from .config import Config
+from .errors import HopliteError, InvalidArgument, Timeout
 from .lifecycle import Closing, stop_process
 
 _ADDRESS = re.compile(r"listening on (\S+)")
@@ -43,22 +45,39 @@ def _worker_main(conn, address: str, token: str, settings: dict[str, Any]) -> No
     # (and reports the interrupt); a traceback from each would only bury it,
     # and one still in a job is killed after a moment.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    hg.init(address, token=token, **settings)
-    conn.send((0, "ok", hg.node_id()))  # (job 0: being ready)
+    try:
+        hg.init(address, token=token, **settings)
+        conn.send_bytes(_answer(0, "ok", hg.node_id()))  # (job 0: being ready)
+    except BaseException as exc:  # (said to the driver, not only to our stderr)
+        conn.send_bytes(_answer(0, "err", _error(exc)))
+        return
     while True:
         try:
-            job = conn.recv()
+            job = conn.recv_bytes()
         except EOFError:
             break
-        if job is None:
+        if not job:
             break
-        seq, fn, args, kwargs = job
+        seq, payload = pickle.loads(job)
         try:
-            conn.send((seq, "ok", fn(*args, **kwargs)))
+            # (unpickled here: an argument this process cannot rebuild is the
+            # job's error, not the worker's death)
+            fn, args, kwargs = pickle.loads(payload)
+            answer = _answer(seq, "ok", fn(*args, **kwargs))
         except BaseException as exc:  # report everything, the worker lives on
-            conn.send((seq, "err", (f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                                    isinstance(exc, HopliteError))))
+            answer = _answer(seq, "err", _error(exc))
+        conn.send_bytes(answer)
     hg.shutdown()
+
+
+def _answer(seq: int, status: str, value: Any) -> bytes:
+    """A job's answer; its value pickled apart, so that a value the driver
+    cannot rebuild is that job's error, found once the job is known."""
+    return pickle.dumps((seq, status, pickle.dumps(value)))
+
+
+def _error(exc: BaseException) -> tuple[str, str, bool]:
+    return (f"{type(exc).__name__}: {exc}", traceback.format_exc(), isinstance(exc, HopliteError))
 
 
 class LocalCluster(Closing):
@@ -67,6 +86,12 @@ class LocalCluster(Closing):
     def __init__(self, num_workers: int = 8, *, token: str | None = None,
                  start_timeout: float = 60.0, directory_args: Sequence[str] = (),
                  **settings: Any) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise InvalidArgument(f"num_workers must be an int >= 0; got {num_workers!r}")
+        # Checked here, where the error can be read (a worker's or the
+        # directory's would only say that it exited); None: the default.
+        settings = {k: v for k, v in settings.items() if v is not None}
+        Config.from_env({}, **settings)
         self.num_workers = num_workers
         self.token = token or new_token()
         self.settings = settings
@@ -78,6 +103,10 @@ class LocalCluster(Closing):
         self._output: threading.Thread | None = None
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
+        #: per worker, the jobs to send, sent by a thread of its own (a large
+        #: job never blocks the caller, nor waits for a large answer to be read)
+        self._outboxes: list[queue.SimpleQueue[bytes | None]] = []
+        self._senders: list[threading.Thread] = []
         #: per worker, the jobs whose answers are awaited, oldest first (0:
         #: its start); a job given up at its deadline leaves, and its late
         #: answer is dropped when it comes
@@ -95,32 +124,42 @@ class LocalCluster(Closing):
         try:
             self._start_directory()
             for _ in range(self.num_workers):
-                proc, conn = self._spawn()
-                self._procs.append(proc)
-                self._conns.append(conn)
+                self._procs.append(None)  # type: ignore[arg-type]
+                self._conns.append(None)
+                self._outboxes.append(queue.SimpleQueue())
+                self._senders.append(None)  # type: ignore[arg-type]
                 self._jobs.append(collections.deque([0]))
+                self._attach(len(self._procs) - 1)
             self.node_ids = [self._recv(i, max(0.0, deadline - time.monotonic()))
                              for i in range(self.num_workers)]
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self) -> tuple[mp.Process, Any]:
+    def _attach(self, worker: int) -> None:
+        """Start worker `worker`'s process and the thread sending its jobs."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child, self.address, self.token, self.settings),
                            daemon=True)
         proc.start()
         child.close()
-        return proc, parent
+        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        sender = threading.Thread(target=_send_jobs, args=(parent, outbox),
+                                  name=f"hoplite-worker-{worker}-jobs", daemon=True)
+        sender.start()
+        self._procs[worker], self._conns[worker] = proc, parent
+        self._outboxes[worker], self._senders[worker] = outbox, sender
 
     def restart(self, worker: int) -> str:
         """Replace a (dead) worker by a fresh process, as a task system restarts a
         failed task; returns the new node id."""
         self.kill(worker)
+        self._outboxes[worker].put(None)
+        self._senders[worker].join(5)
         self._conns[worker].close()
-        self._procs[worker], self._conns[worker] = self._spawn()
         self._jobs[worker] = collections.deque([0])
+        self._attach(worker)
         self.node_ids[worker] = self._recv(worker, self.start_timeout)
         return self.node_ids[worker]
 
@@ -181,34 +220,53 @@ class LocalCluster(Closing):
     def close(self, grace: float = 10.0) -> None:
         """Stop the workers (each ends once its job is done, or is killed after
         `grace` seconds in all) and the directory."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
+        for outbox in self._outboxes:
+            outbox.put(b"")  # (the worker's end: it stops once its job is done)
+            outbox.put(None)  # (the sender's)
         deadline = time.monotonic() + grace
+        for proc, conn in zip(self._procs, self._conns, strict=True):
+            if proc is None:
+                continue
+            while proc.is_alive() and time.monotonic() < deadline:
+                # Answers nobody collected are read (and dropped): a worker
+                # blocked sending a large one would otherwise never end.
+                with contextlib.suppress(EOFError, OSError):
+                    while conn.poll(0):
+                        conn.recv_bytes()
+                proc.join(min(0.05, max(0.0, deadline - time.monotonic())))
         for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
+            if proc is not None and proc.is_alive():
                 proc.kill()
                 proc.join(5)
         for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
+            if conn is not None:
+                conn.close()
+        for sender in self._senders:
+            if sender is not None:
+                sender.join(5)
+        self._procs, self._conns, self._outboxes, self._senders = [], [], [], []
+        self._jobs = []
         self._stop_directory()
 
     # ------------------------------------------------------------- work ---
     def submit(self, worker: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Start `fn(*args, **kwargs)` on a worker; collect it with `result`."""
+        self._submit(worker, fn, args, kwargs)
+
+    def _submit(self, worker: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
         self._check_worker(worker)
+        if not self._procs[worker].is_alive():
+            raise WorkerError(f"worker {worker} died (exit code {self._exitcode(worker)})")
         seq = next(self._seq)
-        try:
-            self._conns[worker].send((seq, fn, args, kwargs))
-        except OSError:
-            raise WorkerError(f"worker {worker} died (exit code "
-                              f"{self._procs[worker].exitcode})") from None
+        payload = pickle.dumps((fn, args, kwargs))  # (what cannot be pickled fails here)
         self._jobs[worker].append(seq)
+        self._outboxes[worker].put(pickle.dumps((seq, payload)))
+        return seq
+
+    def _exitcode(self, worker: int) -> int | None:
+        proc = self._procs[worker]
+        proc.join(1)  # (reaped first: a process that just ended has no code before)
+        return proc.exitcode
 
     def _check_worker(self, worker: int) -> None:
         if not (isinstance(worker, int) and 0 <= worker < len(self._conns)):
@@ -216,26 +274,28 @@ class LocalCluster(Closing):
                                f"0 to {len(self._conns) - 1}")
 
     def result(self, worker: int, timeout: float = 300.0) -> Any:
-        return self._recv(worker, timeout)
+        return self._recv(worker, _timeout(timeout))
 
     def _recv(self, worker: int, timeout: float) -> Any:
         self._check_worker(worker)
-        conn, jobs = self._conns[worker], self._jobs[worker]
+        jobs = self._jobs[worker]
         if not jobs:
             raise HopliteError(f"worker {worker} has no job whose result is awaited")
         deadline = time.monotonic() + timeout
         while True:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
+            answer = self._next_answer(worker, deadline)
+            if answer is None:
                 jobs.popleft()  # given up: its answer, when it comes, is dropped
                 raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
-            try:
-                seq, status, value = conn.recv()
-            except (EOFError, OSError):
-                raise WorkerError(f"worker {worker} died (exit code "
-                                  f"{self._procs[worker].exitcode})") from None
+            seq, status, data = pickle.loads(answer)
             if seq == jobs[0]:
                 jobs.popleft()
                 break  # (an older one's answer came after its caller gave up)
+        try:
+            value = pickle.loads(data)
+        except Exception as exc:  # e.g. an exception class this process cannot rebuild
+            raise WorkerError(f"worker {worker} answered a value this process cannot "
+                              f"unpickle: {type(exc).__name__}: {exc}") from None
         if status == "err":
             what, trace, ours = value
             err = WorkerError(f"worker {worker} raised {what}" + ("" if ours else f"\n{trace}"))
@@ -243,24 +303,65 @@ class LocalCluster(Closing):
             raise err
         return value
 
+    def _next_answer(self, worker: int, deadline: float) -> bytes | None:
+        """The worker's next answer, or None at the deadline."""
+        conn = self._conns[worker]
+        try:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return None
+            return conn.recv_bytes()
+        except (EOFError, OSError):
+            raise WorkerError(f"worker {worker} died (exit code "
+                              f"{self._exitcode(worker)})") from None
+
     def run(self, worker: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
             **kwargs: Any) -> Any:
+        timeout = _timeout(timeout)  # (before anything is sent)
         self.submit(worker, fn, *args, **kwargs)
-        return self.result(worker, timeout)
+        return self._recv(worker, timeout)
 
     def map(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]], *,
             workers: Sequence[int] | None = None, timeout: float = 300.0) -> list[Any]:
         """Run ``fn(*args[i])`` on ``workers[i]`` (default: worker i), all at once."""
+        timeout = _timeout(timeout)
         workers = list(range(len(args))) if workers is None else list(workers)
-        for w, a in zip(workers, args, strict=True):
-            self.submit(w, fn, *a)
-        deadline = time.monotonic() + timeout
-        return [self._recv(w, max(0.0, deadline - time.monotonic())) for w in workers]
+        sent: list[tuple[int, int]] = []
+        out: list[Any] = []
+        try:
+            for w, a in zip(workers, args, strict=True):
+                sent.append((w, self._submit(w, fn, tuple(a), {})))
+            deadline = time.monotonic() + timeout
+            for w, _ in sent:
+                out.append(self._recv(w, max(0.0, deadline - time.monotonic())))
+            return out
+        finally:
+            # One failed: the others' answers are not awaited any more (each
+            # is dropped when it comes, not taken for a later call's).
+            for w, seq in sent[len(out):]:
+                with contextlib.suppress(ValueError):
+                    self._jobs[w].remove(seq)
 
     def kill(self, worker: int) -> None:
+        self._check_worker(worker)
         if self._procs[worker].is_alive():
             self._procs[worker].kill()
         self._procs[worker].join(5)
 
     def pid(self, worker: int) -> int | None:
+        self._check_worker(worker)
         return self._procs[worker].pid
+
+
+def _send_jobs(conn: Any, outbox: queue.SimpleQueue) -> None:
+    while (job := outbox.get()) is not None:
+        try:
+            conn.send_bytes(job)
+        except (OSError, ValueError):  # the worker is gone: its answers say so
+            return
+
+
+def _timeout(timeout: float) -> float:
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not 0 <= timeout < float("inf")):
+        raise InvalidArgument(f"timeout must be a finite number of seconds >= 0; got {timeout!r}")
+    return float(timeout)

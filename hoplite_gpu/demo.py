@@ -16,6 +16,7 @@ from rich.table import Table
 from . import api
 from .cluster import LocalCluster
 from .config import available_memory, format_size
+from .errors import InvalidArgument
 from .ids import ObjectID
 
 
@@ -49,7 +50,8 @@ def checksum(name: str) -> int:
 
 
 # ---------------------------------------------------------- the driver ---
-def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, console: Console) -> None:
+def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, console: Console,
+           received: threading.Event) -> None:
     """Poll the directory for each receiver's bytes and draw one bar each (no
     speed column: a broadcast here may end between two polls; the table
     after it has each receiver's rate)."""
@@ -67,6 +69,9 @@ def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, co
                 if h["node"] in bars:
                     progress.update(bars[h["node"]], completed=h["nbytes"])
             stop.wait(0.1)
+        if received.is_set():  # every receiver has it all (the last poll may
+            for bar in bars.values():  # have come before the last bytes)
+                progress.update(bar, completed=size)
 
 
 def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
@@ -75,6 +80,9 @@ def run_demo(num_workers: int = 8, size: int = 256 << 20, repeats: int = 1,
     errors = Console(stderr=True)  # (usage errors go where argparse's go)
     if num_workers < 2:
         errors.print("[red]the demo needs at least 2 workers (1 sender, 1 receiver)")
+        return 2
+    if repeats < 1:
+        errors.print("[red]the demo needs at least 1 repeat")
         return 2
     free = available_memory()
     if size * 2 > free:  # (at least the sender's array and its store copy)
@@ -103,6 +111,8 @@ def measure_broadcast(cluster: LocalCluster, size: int, repeats: int = 1, *,
     Returns times in seconds, per-receiver (start, end) of the last broadcast,
     the directory's view of it, and whether every copy was byte-identical.
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidArgument(f"repeats must be an int >= 1; got {repeats!r}")
     p2p, bcast, ok = [], [], True
     for r in range(-1 if warmup else 0, repeats):
         label = "warm-up" if r < 0 else f"{r + 1}/{repeats}"
@@ -129,15 +139,16 @@ def _broadcast_round(cluster: LocalCluster, size: int, name: str, console: Conso
                      label: str) -> tuple[list, float, bool, dict]:
     n, names = cluster.num_workers, cluster.node_ids
     crc, _ = cluster.run(0, make_and_put, size, name)
-    stop, watcher = threading.Event(), None
+    stop, received, watcher = threading.Event(), threading.Event(), None
     if console is not None:
         console.print(f"broadcast {label}: {format_size(size)} from worker 0 to {n - 1} receivers")
-        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console),
-                                   daemon=True)
+        watcher = threading.Thread(target=_watch, args=(name, names[1:], size, stop, console,
+                                                         received), daemon=True)
         watcher.start()
     start_at = time.time() + 0.2
     try:
         results = cluster.map(timed_get, [(name, start_at)] * (n - 1), workers=range(1, n))
+        received.set()
     finally:
         stop.set()
         if watcher is not None:

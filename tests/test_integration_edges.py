@@ -108,9 +108,9 @@ def test_a_cluster_start_that_fails_halfway_stops_what_it_started():
         real(*args, **kwargs)
         started.append(c._directory)
 
-    def no_worker():
+    def no_worker(worker):
         raise OSError("cannot start a worker")
-    c._start_directory, c._spawn = directory, no_worker
+    c._start_directory, c._attach = directory, no_worker
     with pytest.raises(OSError):
         c.start()
     [proc] = started

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import random
 import time
+import uuid
 
 import numpy as np
 from common import local_ray, on_host, ray, report, summary
@@ -39,11 +40,11 @@ def _expected_update(ranks, step: int) -> float:
 
 @ray.remote(num_cpus=0)
 class Worker:
-    def __init__(self, rank: int, n: int, max_delay: float) -> None:
+    def __init__(self, rank: int, n: int, max_delay: float, channel: str) -> None:
         hray.join()
         self.rank, self.n, self.max_delay = rank, n, max_delay
         self.rng = random.Random(rank)
-        self.channel = WeightChannel("sgd")
+        self.channel = WeightChannel(channel)
 
     def step_hoplite(self, step: int) -> None:
         self.channel.fetch(newer_than=step - 1, timeout=300)  # the weights of this step
@@ -56,16 +57,18 @@ class Worker:
         return gradient(self.rank, step, self.n)
 
 
-def make_workers(count: int, n: int, max_delay: float, hosts: int | None = None) -> list:
+def make_workers(count: int, n: int, max_delay: float, hosts: int | None = None,
+                 channel: str = "sgd") -> list:
     """`count` workers; with `hosts`, worker r sits on emulated host 1 + r mod (hosts - 1)."""
-    workers = [Worker.options(**on_host(1 + r % (hosts - 1) if hosts else None)).remote(r, n, max_delay)
+    workers = [Worker.options(**on_host(1 + r % (hosts - 1) if hosts else None)).remote(r, n, max_delay, channel)
                for r in range(count)]
     ray.get([w.__ray_ready__.remote() for w in workers])
     return workers
 
 
-def run_hoplite(workers, n: int, k: int, steps: int, kill_at: int | None) -> list[float]:
-    channel, w = WeightChannel("sgd"), np.zeros(n, dtype=np.float32)
+def run_hoplite(workers, n: int, k: int, steps: int, kill_at: int | None,
+                channel: str) -> list[float]:
+    channel, w = WeightChannel(channel), np.zeros(n, dtype=np.float32)
     channel.publish({"w": w}, version=0)
     times = []
     for step in range(steps):
@@ -126,9 +129,10 @@ def run(workers: int, k: int, size: int, steps: int, max_delay: float = 0.2,
     span = meter or (lambda variant: contextlib.nullcontext())
     n = size // 4
     kill_at = steps // 2 if kill else None
-    hop_workers = make_workers(workers, n, max_delay, hosts)
+    channel = f"sgd-{uuid.uuid4().hex[:8]}"  # (its versions start at 0 every run)
+    hop_workers = make_workers(workers, n, max_delay, hosts, channel)
     with span("hoplite-gpu"):
-        hop = run_hoplite(hop_workers, n, k, steps, kill_at)
+        hop = run_hoplite(hop_workers, n, k, steps, kill_at, channel)
     for wk in hop_workers:
         ray.kill(wk)
     ray_workers = make_workers(workers, n, max_delay, hosts)
@@ -152,6 +156,11 @@ def main() -> None:
     p.add_argument("--max-delay", type=float, default=0.2)
     p.add_argument("--kill", action="store_true", help="kill one worker halfway")
     args = p.parse_args()
+    if min(args.workers, args.k, args.size_mib) < 1 or args.steps < 2:
+        p.error("--workers, --k and --size-mib must be at least 1, --steps at least 2 "
+                "(step 0 warms up, untimed)")
+    if args.kill and args.workers < 2:
+        p.error("--kill needs at least 2 workers (one is killed, the others go on)")
     with local_ray():
         res = run(args.workers, args.k, args.size_mib << 20, args.steps, args.max_delay, args.kill)
     report(f"async SGD step (reduce first {args.k} of {args.workers} gradients of "

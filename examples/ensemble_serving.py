@@ -42,6 +42,10 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=10)
     p.add_argument("--kill", action="store_true", help="kill one model actor halfway")
     args = p.parse_args()
+    if min(args.models, args.batch_mib, args.queries) < 1:
+        p.error("--models, --batch-mib and --queries must be at least 1")
+    if args.kill and args.models < 2:
+        p.error("--kill needs at least 2 models (one is killed, the others go on)")
     rows = (args.batch_mib << 20) // (DIM * 4)
     with local_ray():
         models = [Model.remote(s) for s in range(args.models)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+import uuid
 
 import numpy as np
 from common import crc, local_ray, on_host, ray, report, summary
@@ -29,10 +30,10 @@ def make_weights(version: int, size: int) -> dict[str, np.ndarray]:
 
 @ray.remote(num_cpus=0)
 class Learner:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, channel: str) -> None:
         hray.join()
         self.size = size
-        self.channel = WeightChannel("policy")
+        self.channel = WeightChannel(channel)
 
     def publish_hoplite(self, version: int) -> int:
         return self.channel.publish(make_weights(version, self.size), version=version)
@@ -46,9 +47,9 @@ class Rollout:
     """Each fetch returns when this actor held the weights (wall clock, taken before
     the checksum, so the time measured is the broadcast's), and their checksum."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: str) -> None:
         hray.join()
-        self.channel = WeightChannel("policy")
+        self.channel = WeightChannel(channel)
 
     def fetch_hoplite(self, version: int) -> tuple[int, float, int]:
         got, weights = self.channel.fetch(newer_than=version - 1, timeout=300)
@@ -69,8 +70,9 @@ def run(actors: int, size: int, iterations: int, kill: bool = False,
     1 + j mod (hosts - 1). `meter(variant)`, a context manager, wraps each
     variant's broadcasts (benchmarks/rayemu.py counts the bytes on every link)."""
     span = meter or (lambda variant: contextlib.nullcontext())
-    learner = Learner.options(**on_host(0 if hosts else None)).remote(size)
-    rollouts = [Rollout.options(**on_host(1 + j % (hosts - 1) if hosts else None)).remote()
+    channel = f"policy-{uuid.uuid4().hex[:8]}"  # (its versions start at 0 every run)
+    learner = Learner.options(**on_host(0 if hosts else None)).remote(size, channel)
+    rollouts = [Rollout.options(**on_host(1 + j % (hosts - 1) if hosts else None)).remote(channel)
                 for j in range(actors)]
     ray.get([a.__ray_ready__.remote() for a in [learner, *rollouts]])
     hop, base = [], []
@@ -114,6 +116,10 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--kill", action="store_true", help="kill one rollout actor halfway")
     args = p.parse_args()
+    if min(args.actors, args.size_mib, args.iterations) < 1:
+        p.error("--actors, --size-mib and --iterations must be at least 1")
+    if args.kill and args.actors < 2:
+        p.error("--kill needs at least 2 actors (one is killed, the others go on)")
     with local_ray():
         res = run(args.actors, args.size_mib << 20, args.iterations, args.kill)
     report(f"broadcast of {args.size_mib} MiB of weights to {res['actors']} rollout actors "

@@ -127,12 +127,25 @@ def join(*, name: str = DEFAULT_NAME, namespace: str | None = None, timeout: flo
         info = ray.get(actor.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
         raise _unavailable(name, exc) from exc
-    current = api._runtime
-    if current is not None and not current.closed:
-        if current.address == info["address"]:
-            return current
-        api.shutdown()
-    return api.init(info["address"], token=info["token"], **settings)
+    return _adopt(info, settings)
+
+
+#: Held while a process joins: concurrent joins (an actor with
+#: max_concurrency > 1, an async actor's overlapping methods) share one runtime.
+_joining = threading.Lock()
+
+
+def _adopt(info: dict[str, Any], settings: dict[str, Any]) -> api.Runtime:
+    """This process's runtime for the directory `info` describes: the current
+    one if it is that directory's (same address and token: a directory
+    started again on the same port has a new token), else a new one."""
+    with _joining:
+        current = api._runtime
+        if current is not None and not current.closed:
+            if current.address == info["address"] and current.token == info["token"]:
+                return current
+            api.shutdown()
+        return api.init(info["address"], token=info["token"], **settings)
 
 
 async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
@@ -144,12 +157,7 @@ async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
         info = await asyncio.wait_for(actor.info.remote(), max(0.0, deadline - time.monotonic()))
     except (ray.exceptions.RayActorError, TimeoutError) as exc:
         raise _unavailable(name, exc) from exc
-    current = api._runtime
-    if current is not None and not current.closed:
-        if current.address == info["address"]:
-            return current
-        await asyncio.to_thread(api.shutdown)  # another directory now: as `join` does
-    return await asyncio.to_thread(api.init, info["address"], token=info["token"], **settings)
+    return await asyncio.to_thread(_adopt, info, settings)
 
 
 def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) -> None:

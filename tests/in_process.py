@@ -103,3 +103,41 @@ def run_nodes(configs: list[Config], body: Callable[..., Awaitable[Any]],
             await directory.close()
 
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def two_nodes_short_lease():
+    """(directory server, node a, node b) on loopback with a 1 s lease and
+    0.2 s heartbeats (TCP only), all closed at the end."""
+    from hoplite_gpu.directory.server import DirectoryServer
+    from hoplite_gpu.node.node import Node
+
+    server = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
+    address = await server.start()
+    config = Config(heartbeat_interval_s=0.2, node_lease_s=1.0, timeout_s=5.0,
+                    shared_memory=False)
+    started: list[Any] = []
+    try:
+        for _ in range(2):
+            node = Node(config, "tok", address)
+            await node.start()
+            started.append(node)
+        yield server, started[0], started[1]
+    finally:
+        for node in reversed(started):
+            await node.close()
+        await server.close()
+
+
+async def miss_the_lease(server: Any, node: Any) -> None:
+    """`node` stops beating while alive (its sockets open) until the directory
+    declares it dead and it reconnects; then it beats again, and its
+    re-announcements are in when this returns."""
+    assert node._heartbeat is not None
+    first = node.client
+    node._heartbeat.cancel()
+    assert await eventually(lambda: node.client is not first, 4.0)
+    node._heartbeat = asyncio.get_running_loop().create_task(node._beat())
+    assert await eventually(lambda: node._connected.is_set()
+                            and node.node_id in server.state.nodes, 4.0)
+    await node._request({"op": "nodes"}, 2.0)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from in_process import eventually, run_nodes
+from in_process import eventually, miss_the_lease, run_nodes, two_nodes_short_lease
 
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory import state as s
-from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.errors import HopliteError
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node.node import Node
@@ -76,29 +75,12 @@ def test_a_declared_dead_node_s_copy_of_a_surviving_object_blocks_a_later_put():
     telling the directory: the new value is never registered, and b's get of
     x waits until its deadline."""
     async def main() -> None:
-        server = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
-        address = await server.start()
-        config = Config(heartbeat_interval_s=0.2, node_lease_s=1.0, timeout_s=5.0,
-                        shared_memory=False)
-        a, b = Node(config, "tok", address), Node(config, "tok", address)
-        started: list[Node] = []
-        try:
-            for node in (a, b):
-                await node.start()
-                started.append(node)
+        async with two_nodes_short_lease() as (server, a, b):
             x = ObjectID.from_name("review-session/survivor")
             old = np.arange(40_000, dtype=np.float64)  # 320 KB: not inline
             await a.put(old, x)
             await b.get(x, 3.0, "numpy")
-            assert a._heartbeat is not None
-            first = a.client
-            a._heartbeat.cancel()  # a stops beating for a while, its sockets open
-            assert await eventually(lambda: a.client is not first, 4.0)
-            a._heartbeat = asyncio.get_running_loop().create_task(a._beat())
-            assert await eventually(lambda: a._connected.is_set()
-                                    and a.node_id in server.state.nodes, 4.0)
-            await a._request({"op": "nodes"}, 2.0)  # its re-announcements are in
-
+            await miss_the_lease(server, a)  # declared dead, then back
             await b.delete(x)
             await a.put(old + 1, x)
             try:
@@ -107,10 +89,6 @@ def test_a_declared_dead_node_s_copy_of_a_surviving_object_blocks_a_later_put():
                 raise AssertionError(
                     f"a's put after the delete registered nothing: {exc!r}") from None
             assert np.array_equal(got, old + 1)
-        finally:
-            for node in reversed(started):
-                await node.close()
-            await server.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
 

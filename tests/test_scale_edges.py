@@ -14,13 +14,11 @@ import asyncio
 import time
 
 import numpy as np
-from in_process import eventually
+from in_process import miss_the_lease, two_nodes_short_lease
 
-from hoplite_gpu.config import Config
 from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.node.node import Node
 
 SCALAR = {"kind": "numpy", "dtype": "<f4", "shape": [1], "nbytes": 4}
 ONE = b"\x00\x00\x80?"  # float32 1.0
@@ -192,36 +190,14 @@ def test_a_node_declared_dead_while_alive_keeps_no_stale_copy():
     another node deletes the id and puts a new value under it, the node
     that was declared dead still reads its old value."""
     async def main() -> None:
-        server = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
-        address = await server.start()
-        config = Config(heartbeat_interval_s=0.2, node_lease_s=1.0, timeout_s=5.0,
-                        shared_memory=False)
-        a, b = Node(config, "tok", address), Node(config, "tok", address)
-        started: list[Node] = []
-        try:
-            for node in (a, b):
-                await node.start()
-                started.append(node)
+        async with two_nodes_short_lease() as (server, a, b):
             x = ObjectID.from_name("scale-edges/declared-dead")
             old = np.arange(40_000, dtype=np.float64)  # 320 KB: not inline
             await a.put(old, x)
-            assert a._heartbeat is not None
-            first = a.client
-            a._heartbeat.cancel()  # a stops beating for a while, its sockets open
-            # declared dead, disconnected, and connected again (as after a restart)
-            assert await eventually(lambda: a.client is not first, 4.0)
-            a._heartbeat = asyncio.get_running_loop().create_task(a._beat())  # it resumes
-            assert await eventually(lambda: a._connected.is_set()
-                                    and a.node_id in server.state.nodes, 4.0)
-            await a._request({"op": "nodes"}, 2.0)  # its re-announcements are in
-
+            await miss_the_lease(server, a)  # declared dead, then back
             await b.delete(x)
             await b.put(old + 1, x)
             got = await a.get(x, 3.0, "numpy")
             assert np.array_equal(got, old + 1), "a read the value deleted before the re-put"
-        finally:
-            for node in reversed(started):
-                await node.close()
-            await server.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -169,8 +169,8 @@ async def _sliced_allreduce_async(value: np.ndarray, name: str, rank: int, size:
 def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
             timeout: float | None) -> tuple[Callable, float, list[ObjectID], Callable]:
     """(run on the loop, its time limit, the lent slices, what makes the
-    result of run's answer) of the allreduce as `size` reduces and broadcasts of slices, a ring's traffic
-    with the directory's trees.
+    result of run's answer) of the allreduce as `size` reduces and broadcasts
+    of slices, a ring's traffic with the directory's trees.
 
     1. Every rank lends its slices (views of `value`, no copy).
     2. A barrier (a tiny marker object per rank, each fetched by every rank):
@@ -214,7 +214,8 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
         prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
         try:
             async with asyncio.timeout(limit):
-                await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True) for j in range(size)])
+                await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True)
+                                       for j in range(size)])
                 await node.put(shape, ready[rank])
                 shapes = await asyncio.gather(*[node.get(oid, limit) for oid in ready])
                 odd = {r: bytes(s).decode() for r, s in enumerate(shapes) if bytes(s) != shape}
@@ -335,8 +336,9 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
     their results. Each starts in order (so the directory sees e.g. a reduce
     request before the put of an input, on the one ordered connection), and a
     call of small objects costs one round trip instead of one per step. If one
-    fails, the others are cancelled and its error is raised; `timeout` bounds the whole call. `lent`: inputs put
-    with ``lend=True``, reclaimed before the call returns, however it ends."""
+    fails, the others are cancelled and its error is raised; `timeout` bounds
+    the whole call. `lent`: inputs put with ``lend=True``, reclaimed before the
+    call returns, however it ends."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
     return rt.call(_joint(rt, steps, limit, lent), limit)

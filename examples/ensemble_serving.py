@@ -73,8 +73,10 @@ def main() -> None:
             if q > 0:
                 hop.append(t_h)
                 base.append(t_r)
-        report(f"ensemble query: {args.batch_mib} MiB batch to {len(models)} models, answers "
-               "gathered", hop, base)
+        to = (f"{args.models} models ({len(models)} after one was killed)"
+              if len(models) != args.models else f"{args.models} models")
+        report(f"ensemble query: {args.batch_mib} MiB batch to {to}, answers gathered",
+               hop, base)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,9 @@ def main() -> None:
         p.error("--kill needs at least 2 actors (one is killed, the others go on)")
     with local_ray():
         res = run(args.actors, args.size_mib << 20, args.iterations, args.kill)
-    report(f"broadcast of {args.size_mib} MiB of weights to {res['actors']} rollout actors "
+    to = (f"{args.actors} rollout actors ({res['actors']} after one was killed)"
+          if res["actors"] != args.actors else f"{args.actors} rollout actors")
+    report(f"broadcast of {args.size_mib} MiB of weights to {to} "
            "(publish -> every actor holds the new version)", res["hoplite_s"], res["ray_s"])
 
 

@@ -120,6 +120,8 @@ class LocalCluster(Closing):
     def start(self) -> None:
         """Start the directory and the workers, within `start_timeout` seconds in
         all; if any of it fails, whatever had started is stopped again."""
+        if self._procs or self._directory is not None:
+            raise HopliteError("this LocalCluster is started already")
         deadline = time.monotonic() + self.start_timeout
         try:
             self._start_directory()
@@ -166,6 +168,8 @@ class LocalCluster(Closing):
     def restart_directory(self) -> None:
         """Kill the directory and start a new one on the same address: nodes must
         reconnect and re-register what they hold (the directory's state is soft)."""
+        if self._directory is None:
+            raise HopliteError("this LocalCluster is not running: start() it first")
         port = self.address.rpartition(":")[2]
         self._stop_directory(kill=True)
         self._start_directory(port=int(port))

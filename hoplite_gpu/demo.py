@@ -3,6 +3,7 @@ worker of a local cluster, with live progress and the tree the directory built."
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
@@ -61,8 +62,10 @@ def _watch(name: str, receivers: list[str], size: int, stop: threading.Event, co
         bars = {n: progress.add_task(f"receiver {i + 1}", total=size) for i, n in enumerate(receivers)}
         rt = api.runtime()
         while not stop.is_set():
-            try:  # (briefly: the directory may be gone, e.g. after Ctrl-C)
-                info = rt.call(rt.node.query(oid), 1.0)
+            try:  # (briefly: the directory may be gone, e.g. after Ctrl-C; a
+                # query waits timeout_s for it to come back, the blocking call
+                # a grace more)
+                info = rt.call(asyncio.wait_for(rt.node.query(oid), 1.0), 1.0)
             except Exception:
                 info = {"holders": []}
             for h in info.get("holders", []):

@@ -197,3 +197,17 @@ def test_the_demo_progress_bars_end_full_for_every_receiver(capsys):
     bars = re.findall(r"^receiver \d+\b.*?([\d.]+)/([\d.]+) MiB\s*$", out, re.M)
     assert len(bars) == 6, out  # (2 receivers, a warm-up and 2 rounds)
     assert all(done == total for done, total in bars), out
+
+
+def test_start_twice_and_restart_directory_after_close_are_refused():
+    """A second start() gave a confusing error; restart_directory() after
+    close() started a directory that nothing stopped."""
+    from hoplite_gpu import HopliteError
+
+    c = LocalCluster(1)
+    with c:
+        with pytest.raises(HopliteError, match="started already"):
+            c.start()
+    with pytest.raises(HopliteError, match="not running"):
+        c.restart_directory()
+    assert c._directory is None

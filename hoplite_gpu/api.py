@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from .config import MAX_TIMEOUT_S, Config
+from .config import Config, check_timeout
 from .device import AS_CHOICES
 from .direct import MISS
 from .errors import InvalidArgument, NotInitialized
@@ -68,13 +68,7 @@ def runtime() -> Runtime:
 
 
 def _timeout(rt: Runtime, timeout: float | None) -> float:
-    if timeout is None:
-        return rt.config.timeout_s
-    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-            or not 0 < timeout <= MAX_TIMEOUT_S):
-        raise InvalidArgument(f"timeout must be a positive number of seconds, at most "
-                              f"{MAX_TIMEOUT_S:g} (a year); got {timeout!r}")
-    return float(timeout)
+    return rt.config.timeout_s if timeout is None else check_timeout(timeout)
 
 
 def _new_id(object_id: ObjectID | None) -> ObjectID:

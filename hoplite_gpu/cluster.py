@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .auth import new_token
-from .config import Config
+from .config import Config, check_timeout
 from .errors import HopliteError, InvalidArgument, Timeout
 from .lifecycle import Closing, stop_process
 
@@ -278,7 +278,7 @@ class LocalCluster(Closing):
                                f"0 to {len(self._conns) - 1}")
 
     def result(self, worker: int, timeout: float = 300.0) -> Any:
-        return self._recv(worker, _timeout(timeout))
+        return self._recv(worker, check_timeout(timeout, zero=True))
 
     def _recv(self, worker: int, timeout: float) -> Any:
         self._check_worker(worker)
@@ -320,14 +320,14 @@ class LocalCluster(Closing):
 
     def run(self, worker: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
             **kwargs: Any) -> Any:
-        timeout = _timeout(timeout)  # (before anything is sent)
+        timeout = check_timeout(timeout, zero=True)  # (before anything is sent)
         self.submit(worker, fn, *args, **kwargs)
         return self._recv(worker, timeout)
 
     def map(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]], *,
             workers: Sequence[int] | None = None, timeout: float = 300.0) -> list[Any]:
         """Run ``fn(*args[i])`` on ``workers[i]`` (default: worker i), all at once."""
-        timeout = _timeout(timeout)
+        timeout = check_timeout(timeout, zero=True)
         workers = list(range(len(args))) if workers is None else list(workers)
         sent: list[tuple[int, int]] = []
         out: list[Any] = []
@@ -363,9 +363,3 @@ def _send_jobs(conn: Any, outbox: queue.SimpleQueue) -> None:
         except (OSError, ValueError):  # the worker is gone: its answers say so
             return
 
-
-def _timeout(timeout: float) -> float:
-    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or not 0 <= timeout < float("inf")):
-        raise InvalidArgument(f"timeout must be a finite number of seconds >= 0; got {timeout!r}")
-    return float(timeout)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidArgument
 
 _PREFIX = "HOPLITE_"
 #: Transports whose streams take device buffers as they are (`Stream.supports_device`).
@@ -18,6 +18,17 @@ MiB = 1024 * KiB
 #: The longest deadline a call or setting may have (a year): "forever" is
 #: not a deadline, and longer ones overflow the waits they bound.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def check_timeout(timeout: object, *, zero: bool = False) -> float:
+    """`timeout` as seconds: a number above 0 (or 0, with `zero`: poll once)
+    and at most MAX_TIMEOUT_S; anything else is InvalidArgument."""
+    low = "a number of seconds >= 0" if zero else "a positive number of seconds"
+    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+            or not (0 <= timeout if zero else 0 < timeout) or not timeout <= MAX_TIMEOUT_S):
+        raise InvalidArgument(f"timeout must be {low}, at most {MAX_TIMEOUT_S:g} (a year); "
+                              f"got {timeout!r}")
+    return float(timeout)
 
 
 @dataclass(frozen=True)

@@ -261,8 +261,9 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
                    help="seconds of call slots per launch at most (small sizes)")
     e.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
                    help="default: every system but the hoplite-gpu variants: hoplite-gpu-ucx "
-                        "(over UCX's tcp), hoplite-gpu-sliced (allreduce slicing on) and "
-                        "hoplite-gpu-loop (direct calls off)")
+                        "(over UCX's tcp), hoplite-gpu-sliced (allreduce always sliced), "
+                        "hoplite-gpu-whole (allreduce never sliced) and hoplite-gpu-loop "
+                        "(direct calls off)")
     e.add_argument("--ops", nargs="+", default=OPS, choices=[*OPS, "allreduce-dynamic"])
     e.add_argument("--gap", type=float, default=0.5,
                    help="seconds between inputs becoming ready (allreduce-dynamic)")

@@ -34,7 +34,7 @@ from .payload import holds_result, link_volume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
-           "hoplite-gpu-sliced", "hoplite-gpu-loop")
+           "hoplite-gpu-sliced", "hoplite-gpu-loop", "hoplite-gpu-whole")
 #: What `--systems` runs unless told: the hoplite-gpu variants are asked for by name.
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 #: hoplite-gpu over UCX: UCX's tcp transport on the shaped eth0 only (no shared
@@ -45,6 +45,7 @@ UCX_ENV = {"HOPLITE_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth
 #: hoplite-gpu with settings other than its defaults, run as systems of their own.
 VARIANT_ENV = {"hoplite-gpu-ucx": UCX_ENV,
                "hoplite-gpu-sliced": {"HOPLITE_ALLREDUCE_SLICING": "auto"},
+               "hoplite-gpu-whole": {"HOPLITE_ALLREDUCE_SLICING": "off"},
                "hoplite-gpu-loop": {"HOPLITE_DIRECT_CALLS": "0"}}
 
 

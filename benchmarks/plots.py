@@ -133,7 +133,8 @@ def _dynamic(data: dict, out: Path) -> Path:
 
 
 _ORDER = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
-          "hoplite-gpu-sliced", "hoplite-gpu-loop")
+          "hoplite-gpu-sliced", "hoplite-gpu-loop", "hoplite-gpu-whole",
+          "hoplite-gpu-adaptive")
 
 
 def _size(n: int) -> str:

@@ -10,6 +10,8 @@ Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -19,7 +21,7 @@ import numpy as np
 from . import api
 from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
-from .errors import InvalidArgument, Timeout
+from .errors import HopliteError, InvalidArgument, Timeout
 from .ids import ObjectID
 from .runtime import GIVE_UP_S
 
@@ -104,8 +106,11 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     rank's 1/size of it at least one chunk) of an allreduce of every rank is
     sliced: slice j is reduced on a chain rooted at rank j and sent from there
     to every rank, so each link carries 2 (size-1)/size of the object instead
-    of twice it (see `_sliced_allreduce`). The result is then a new read-only
-    array, whose memory the node serves to other ranks until `delete`."""
+    of twice it (see `_sliced`). The result is then a new read-only array,
+    whose memory the node serves to other ranks until `delete`. With
+    ``"adaptive"`` it is sliced only if every rank's input is ready within
+    ``allreduce_slicing_window_s`` of each rank's own, and reduced whole, in
+    the order the inputs arrive, if not."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
         # (a non-contiguous array is sliced from a contiguous copy, as every
@@ -113,7 +118,7 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
         return _sliced_allreduce(np.ascontiguousarray(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
-    if _slicing(size, num_objects):
+    if _marks_unsliced(size, num_objects):
         # Each rank decides alone whether to slice: one whose array is sliced
         # reads this marker at its barrier, and fails at once (see there).
         deadline = _put(_marker(value, sliced=False), _slice_ids(name, size, op)[2][rank], timeout)
@@ -127,11 +132,21 @@ def _slicing(size: int, num_objects: int | None) -> bool:
             and size > 1)
 
 
-def _marker(value: Any, sliced: bool) -> bytes:
-    """What a rank of a sliced allreduce says it passed (its barrier marker)."""
+def _marks_unsliced(size: int, num_objects: int | None) -> bool:
+    """Whether an allreduce not sliced puts a barrier marker (saying so) for
+    ranks that slice theirs. Only with "auto": there a slicing rank waits for
+    every marker. With "adaptive" it waits for them only its window, then
+    reduces whole objects, and the whole-object reduce fails at once if the
+    ranks' arrays differ; so a small allreduce costs no extra put."""
+    return _slicing(size, num_objects) and api.runtime().config.allreduce_slicing == "auto"
+
+
+def _marker(value: Any, sliced: bool, domain: str = "") -> bytes:
+    """What a rank of a sliced allreduce says it passed (its barrier marker):
+    the array's kind, and which host its node is on (`Node.host_key`)."""
     kind = f"{value.dtype.str} {value.shape}" if isinstance(value, np.ndarray) \
         else type(value).__name__
-    return (kind if sliced else f"{kind} (not sliced)").encode()
+    return (f"{kind}\n{domain}" if sliced else f"{kind} (not sliced)").encode()
 
 
 def _slices(value: Any, size: int, num_objects: int | None) -> int:
@@ -166,9 +181,14 @@ async def _sliced_allreduce_async(value: np.ndarray, name: str, rank: int, size:
     return finish((await _together_async(lambda node, _limit: [run(node)], limit, lent=mine))[0])
 
 
+def _vote_ids(name: str, size: int, op: str) -> list[ObjectID]:
+    """votes[r] of an adaptive sliced allreduce named `name` (see `_sliced`)."""
+    return [ObjectID.from_name(f"{name}/slice/vote/{op}/{r}") for r in range(size)]
+
+
 def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
             timeout: float | None) -> tuple[Callable, float, list[ObjectID], Callable]:
-    """(run on the loop, its time limit, the lent slices, what makes the
+    """(run on the loop, its time limit, the lent inputs, what makes the
     result of run's answer) of the allreduce as `size` reduces and broadcasts
     of slices, a ring's traffic with the directory's trees.
 
@@ -176,6 +196,17 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
     2. A barrier (a tiny marker object per rank, each fetched by every rank):
        all slices are ready before any reduce is asked for, so the directory
        places each chain's inputs in the order the request lists them.
+       With ``allreduce_slicing="adaptive"`` a rank waits for the markers only
+       `allreduce_slicing_window_s`, then votes (a tiny object per rank):
+       "sliced" if every marker came and not every rank is on one host (each
+       marker says which host its node is on), "whole" if not; it
+       lends its slices (step 1) just before it votes "sliced". The call is
+       sliced only if every rank votes "sliced": a rank that voted "whole"
+       knows that already, and the others read every vote, which comes soon,
+       as every rank has arrived. Otherwise every rank reduces its whole
+       input as `allreduce` does with slicing off: a chain in the order the
+       inputs arrive, the schedule for inputs ready at different times
+       (docs/cost-model.md, "Allreduce with late inputs").
     3. Slice j's chain is rank j+1, j+2, ..., j-1, ending at rank j: every rank
        starts at the leaf of one chain, at once, and sits one step further in
        each of the others, as in a ring. Its result is relayed on from rank j
@@ -189,19 +220,81 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
     flat = value.reshape(-1)
     edges = [flat.size * j // size for j in range(size + 1)]
     inputs, results, ready = _slice_ids(name, size, op)
+    votes = _vote_ids(name, size, op)
+    whole, target = _reduce_ids(name, size, op, None)
     mine = [inputs[j][rank] for j in range(size)]
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
-    api._reduce_args(inputs[0], op, None, results[0])  # a bad op: refused before any put
+    whole_args = api._reduce_args(whole, op, None, target)  # a bad op: refused before any put
+    window = (rt.config.allreduce_slicing_window_s
+              if rt.config.allreduce_slicing == "adaptive" else None)
     # The barrier's marker says what this rank passed: ranks whose arrays
     # differ fail at once, as a whole-object reduce does, instead of reducing
-    # slices that do not line up.
-    shape = _marker(value, sliced=True)
-    whole = _reduce_ids(name, size, op, None)[0]
+    # slices that do not line up. (A node whose host is unknown is a host of
+    # its own.)
+    marker = _marker(value, sliced=True, domain=rt.node.host_key or os.urandom(8).hex())
+    shape = marker.split(b"\n")[0]
     out: list[np.ndarray] = []  # filled on the loop thread, which owns the pool
     targets: list[np.ndarray] = []
 
-    async def run(node: Any) -> list[Any]:
+    async def barrier(node: Any, prepared: list[ObjectID], later: list[asyncio.Future]) -> bool:
+        """Whether the call is sliced (steps 1 and 2)."""
+        if window is None:
+            await lend_slices(node, prepared)  # before any rank can pass the barrier
+        await node.put(marker, ready[rank])
+        markers = asyncio.ensure_future(asyncio.gather(*[node.get(oid, limit) for oid in ready]))
+        if window is not None and rt.one_host_groups.get(size):
+            # As the last call of this many ranks found: no wait, and the
+            # markers are read once the call is done, for the next one.
+            later.append(markers)
+            await node.put(b"whole", votes[rank])
+            return False
+        try:
+            shapes = await (markers if window is None else asyncio.wait_for(markers, window))
+        except TimeoutError as exc:
+            if isinstance(exc, Timeout) or window is None:
+                raise  # a step's own deadline error
+            shapes = None  # (wait_for has cancelled the gets)
+        one_host = shapes is not None and await check(node, shapes)
+        if window is None:
+            return True
+        if shapes is not None:
+            rt.one_host_groups[size] = one_host
+        if shapes is None or one_host:
+            # Late inputs; or every rank on one host, where no byte crosses a
+            # link, the CPU is the limit, and slicing only adds work
+            # (docs/cost-model.md, "Sliced allreduce").
+            await node.put(b"whole", votes[rank])
+            return False
+        await lend_slices(node, prepared)  # before any rank can read our vote
+        await node.put(b"sliced", votes[rank])
+        return all(bytes(v) == b"sliced"
+                   for v in await asyncio.gather(*[node.get(oid, limit) for oid in votes]))
+
+    def hosts(shapes: list[Any]) -> int:
+        return len({bytes(s).split(b"\n")[-1] for s in shapes})
+
+    async def check(node: Any, shapes: list[Any]) -> bool:
+        """Whether every rank passed what we did (or else fail), and every
+        rank's node is on one host."""
+        kinds = [bytes(s).split(b"\n")[0] for s in shapes]
+        odd = {r: k.decode() for r, k in enumerate(kinds) if k != shape}
+        if any(s.endswith("(not sliced)") for s in odd.values()):
+            # Such a rank waits on the whole-object reduce: our whole
+            # input, whose layout differs, fails it at once there.
+            await node.put(value, whole[rank])
+        if odd:
+            raise InvalidArgument(
+                f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
+                + ", ".join(f"rank {r} {s}" for r, s in odd.items())
+                + "; every rank must pass the same dtype and shape")
+        return hosts(shapes) == 1
+
+    async def lend_slices(node: Any, prepared: list[ObjectID]) -> None:
+        """Lend our slices, and have every slice's result made, pulled or
+        relayed here, straight into its part of the output array."""
+        await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True)
+                               for j in range(size)])
         # The output is one of the store pool's buffers (plain pages, already
         # touched when reused: a fresh 256 MiB cost each rank 65,536 page
         # faults per call on the emulated hosts), lent to the caller: the pool
@@ -211,23 +304,29 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
         out.append(buffer.view(value.dtype).reshape(value.shape))
         parts = out[0].reshape(-1)
         targets.extend(parts[edges[j]:edges[j + 1]] for j in range(size))
-        prepared = [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
+        prepared += [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
+
+    async def run(node: Any) -> Any:
+        prepared: list[ObjectID] = []
+        later: list[asyncio.Future] = []
         try:
             async with asyncio.timeout(limit):
-                await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True)
-                                       for j in range(size)])
-                await node.put(shape, ready[rank])
-                shapes = await asyncio.gather(*[node.get(oid, limit) for oid in ready])
-                odd = {r: bytes(s).decode() for r, s in enumerate(shapes) if bytes(s) != shape}
-                if any(s.endswith("(not sliced)") for s in odd.values()):
-                    # Such a rank waits on the whole-object reduce: our whole
-                    # input, whose layout differs, fails it at once there.
-                    await node.put(value, whole[rank])
-                if odd:
-                    raise InvalidArgument(
-                        f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
-                        + ", ".join(f"rank {r} {s}" for r, s in odd.items())
-                        + "; every rank must pass the same dtype and shape")
+                if not await barrier(node, prepared, later):
+                    for oid in prepared:
+                        node.unreceived(oid)
+                    prepared.clear()
+                    out.clear()  # (the pool takes the buffer back)
+                    targets.clear()
+                    # The whole-object allreduce (`_reduce_steps`' steps, in order).
+                    got = (await asyncio.gather(node.reduce(*whole_args),
+                                                node.put(value, whole[rank], lend=True),
+                                                node.get(target, limit)))[2]
+                    for markers in later:
+                        # Every rank put its marker before its input: here by now.
+                        with contextlib.suppress(TimeoutError, HopliteError):
+                            rt.one_host_groups[size] = \
+                                hosts(await asyncio.wait_for(markers, 1.0)) == 1
+                    return got
                 await asyncio.gather(*[
                     node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
                                 results[j], inputs[j][j], relay=True)
@@ -240,16 +339,20 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
         finally:
             for oid in prepared:
                 node.unreceived(oid)  # only those that did not complete
+            for markers in later:
+                markers.cancel()
 
-    def finish(got: list[Any]) -> np.ndarray:
-        for target, part in zip(targets, got, strict=True):
-            if not np.may_share_memory(target, part):  # pulled again elsewhere (a reduce restarted)
-                target[...] = part
+    def finish(got: Any) -> Any:
+        if not out:
+            return got  # reduced whole
+        for part_target, part in zip(targets, got, strict=True):
+            if not np.may_share_memory(part_target, part):  # pulled again elsewhere (a reduce restarted)
+                part_target[...] = part
         result = out[0]
         result.flags.writeable = False
         return result
 
-    return run, limit, mine, finish
+    return run, limit, [*mine, whole[rank]], finish
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
@@ -402,7 +505,8 @@ def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[Obje
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
     if _slicing(size, num_objects):  # a sliced allreduce's, or its markers
         inputs, results, ready = _slice_ids(name, size, op)
-        doomed += [oid for row in inputs for oid in row] + results + ready
+        doomed += [oid for row in inputs for oid in row] + results + ready \
+            + _vote_ids(name, size, op)
     return doomed
 
 
@@ -457,14 +561,14 @@ async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int
 
 async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
                           num_objects: int | None = None, timeout: float | None = None) -> Any:
-    """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing="auto"``)."""
+    """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing`` on)."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
         return await _sliced_allreduce_async(np.ascontiguousarray(value), name, rank, size, op,
                                              timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
-    if _slicing(size, num_objects):
+    if _marks_unsliced(size, num_objects):
         deadline = await _put_async(_marker(value, sliced=False),
                                     _slice_ids(name, size, op)[2][rank], timeout)
         timeout = api.time_left(deadline)

@@ -97,11 +97,18 @@ class Config:
     link_bytes_per_s: float = 1.25e9
     #: Log level name for the "hoplite_gpu" logger (DEBUG, INFO, WARNING, ...).
     log_level: str = "WARNING"
-    #: "auto" slices a large allreduce of NumPy arrays into one piece per rank
-    #: (a ring's traffic, 2(N-1)/N of the object per link instead of 2x); "off"
-    #: (the default) reduces whole objects, which measured as fast or faster on
-    #: the 8-host emulated cluster (docs/cost-model.md, "Sliced allreduce").
-    allreduce_slicing: str = "off"
+    #: "adaptive" (the default) slices a large allreduce of NumPy arrays into
+    #: one piece per rank (a ring's traffic, 2(N-1)/N of the object per link
+    #: instead of 2x) when every rank's input is ready within
+    #: `allreduce_slicing_window_s` of its own and the ranks are on more than
+    #: one host, and otherwise reduces whole objects in the order the inputs
+    #: arrive, the better schedule for late inputs and on one host; "auto"
+    #: always slices, after waiting for every rank's input; "off" never does
+    #: (docs/cost-model.md, "Sliced allreduce"). Every rank needs the same value.
+    allreduce_slicing: str = "adaptive"
+    #: With ``allreduce_slicing="adaptive"``: how long, in seconds, a rank waits
+    #: for the other ranks' inputs before it gives up on slicing.
+    allreduce_slicing_window_s: float = 0.05
     #: Pull from nodes on the same host (the same network namespace) through
     #: shared memory: the sender's buffer is mapped and copied, not sent
     #: through sockets (see `hoplite_gpu.node.shm`). Host objects only.
@@ -113,8 +120,9 @@ class Config:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
                               f"got {self.log_level!r}")
-        if self.allreduce_slicing not in ("off", "auto"):
-            raise ConfigError(f"allreduce_slicing must be 'off' or 'auto'; got {self.allreduce_slicing!r}")
+        if self.allreduce_slicing not in ("off", "auto", "adaptive"):
+            raise ConfigError("allreduce_slicing must be 'off', 'auto' or 'adaptive'; "
+                              f"got {self.allreduce_slicing!r}")
         for name in ("chunk_size", "device_chunk_size"):
             if getattr(self, name) < 4 * KiB:
                 raise ConfigError(f"{name} must be at least 4096 bytes; got {getattr(self, name)}")
@@ -131,7 +139,8 @@ class Config:
                 f"got {self.max_receivers_per_sender}"
             )
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
-                     "heartbeat_interval_s", "node_lease_s", "link_latency_s", "link_bytes_per_s"):
+                     "allreduce_slicing_window_s", "heartbeat_interval_s", "node_lease_s",
+                     "link_latency_s", "link_bytes_per_s"):
             bound = 1e30 if name == "link_bytes_per_s" else MAX_TIMEOUT_S  # (seconds: a year)
             if not 0 < getattr(self, name) <= bound:
                 raise ConfigError(f"{name} must be > 0 and at most {bound:g}; "

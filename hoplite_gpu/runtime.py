@@ -77,6 +77,9 @@ class Runtime:
         self.directory: DirectoryServer | None = None
         self.node: Node | None = None
         self.direct: DirectCalls | None = None
+        #: group size -> whether the last adaptive sliced allreduce of that many
+        #: ranks found every rank on one host
+        self.one_host_groups: dict[int, bool] = {}
         #: set when `close` starts: calls submitted from then on are refused
         self._closing = False
         try:

@@ -337,10 +337,16 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
 
 def test_config_names_the_allreduce_slicing_choices(monkeypatch):
     monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "on")
-    with pytest.raises(hg.ConfigError, match="allreduce_slicing must be 'off' or 'auto'"):
+    with pytest.raises(hg.ConfigError,
+                       match="allreduce_slicing must be 'off', 'auto' or 'adaptive'"):
         hg.Config.from_env()
-    monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "auto")
-    assert hg.Config.from_env().allreduce_slicing == "auto"
+    monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "adaptive")
+    monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING_WINDOW_S", "0.2")
+    config = hg.Config.from_env()
+    assert (config.allreduce_slicing, config.allreduce_slicing_window_s) == ("adaptive", 0.2)
+    monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING_WINDOW_S", "0")
+    with pytest.raises(hg.ConfigError, match="allreduce_slicing_window_s must be > 0"):
+        hg.Config.from_env()
 
 
 def test_node_stats_counts_what_this_node_holds(local):

@@ -243,13 +243,15 @@ def test_a_sliced_allreduce_missing_a_rank_times_out_and_lets_its_slices_go():
         hg.shutdown()
 
 
-def _sliced_ranks(name, values, timeout=20):
-    """A sliced allreduce with one thread per rank in this process."""
+def _sliced_ranks(name, values, timeout=20, delays=None):
+    """A sliced allreduce with one thread per rank in this process (rank r
+    starts `delays[r]` seconds late)."""
     import threading
 
     got = {}
 
     def rank(r):
+        time.sleep((delays or {}).get(r, 0))
         try:
             got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
                                            timeout=timeout)
@@ -262,6 +264,121 @@ def _sliced_ranks(name, values, timeout=20):
     for th in threads:
         th.join(timeout + 10)
     return [got[r] for r in range(len(values))]
+
+
+def _made_by(name, size):
+    """Which allreduce ran: "sliced" if slice results exist, "whole" if the
+    whole-object reduce's result does."""
+    made = set()
+    if all(_exists(oid) for oid in collectives._slice_ids(name, size, "sum")[1]):
+        made.add("sliced")
+    if _exists(collectives._reduce_ids(name, size, "sum", None)[1]):
+        made.add("whole")
+    return made
+
+
+def _exists(oid):
+    try:
+        hg.object_info(oid)
+        return True
+    except hg.ObjectNotFound:
+        return False
+
+
+def _hosts_unknown():
+    """Make the ranks of this process, threads on one node, hosts of their own."""
+    hg.api.runtime().node.host_key = ""
+
+
+@pytest.mark.parametrize("one_host", [False, True], ids=["hosts", "one-host"])
+def test_an_adaptive_allreduce_slices_inputs_ready_together_across_hosts(one_host):
+    """Inputs ready together are sliced, unless every rank is on one host:
+    there no byte crosses a link, and slicing costs CPU."""
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="adaptive",
+            allreduce_slicing_window_s=5.0)
+    try:
+        if not one_host:
+            _hosts_unknown()
+        values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
+        got = _sliced_ranks("adaptive-together", values)
+        assert all(isinstance(g, np.ndarray) for g in got), got
+        for g in got:
+            np.testing.assert_array_equal(g, np.arange(30_000.0) * 6)
+        assert _made_by("adaptive-together", 3) == {"whole" if one_host else "sliced"}
+        votes = collectives._vote_ids("adaptive-together", 3, "sum")
+        assert {bytes(hg.get(oid, timeout=5)) for oid in votes} == \
+            {b"whole" if one_host else b"sliced"}
+        assert hg.api.runtime().one_host_groups == {3: one_host}
+        collectives.delete("adaptive-together", size=3)
+        assert not any(_exists(oid) for oid in votes)
+    finally:
+        hg.shutdown()
+
+
+def test_an_adaptive_allreduce_remembers_one_host_and_learns_otherwise():
+    """After a call of this many ranks found one host, the next goes whole at
+    once, without waiting for the others, and reads their markers afterwards:
+    finding several hosts, the call after it is sliced."""
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="adaptive",
+            allreduce_slicing_window_s=5.0)
+    try:
+        _hosts_unknown()
+        rt = hg.api.runtime()
+        rt.one_host_groups[3] = True  # as if an earlier call had found one host
+        values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
+        for step, made in enumerate(["whole", "sliced"]):
+            got = _sliced_ranks(f"adaptive-learn-{step}", values)
+            for g in got:
+                np.testing.assert_array_equal(g, np.arange(30_000.0) * 6)
+            assert _made_by(f"adaptive-learn-{step}", 3) == {made}
+            assert rt.one_host_groups == {3: False}
+    finally:
+        hg.shutdown()
+
+
+def test_an_adaptive_allreduce_of_a_sliced_and_an_unsliced_array_fails_at_once():
+    """A rank whose array is too small to slice puts no marker (no extra put
+    for small allreduces): the slicing rank gives up on slicing after its
+    window, and the whole-object reduce fails for both."""
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="adaptive",
+            allreduce_slicing_window_s=0.1)
+    try:
+        start = time.monotonic()
+        got = _sliced_ranks("adaptive-odd", [np.ones(30_000), np.ones(10)])
+        assert time.monotonic() - start < 10
+        assert all(isinstance(g, hg.HopliteError) and "same dtype and shape" in str(g)
+                   for g in got), got
+    finally:
+        hg.shutdown()
+
+
+@pytest.mark.parametrize("late", [0, 2], ids=["first-late", "last-late"])
+def test_an_adaptive_allreduce_with_a_late_input_reduces_whole_objects(late):
+    """A rank whose input comes after the others' windows: every rank,
+    the late one too (it saw every marker, and votes to slice), reduces whole
+    objects, and the result is the same."""
+    hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="adaptive",
+            allreduce_slicing_window_s=0.05)
+    try:
+        _hosts_unknown()
+        values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
+        start = time.monotonic()
+        got = _sliced_ranks("adaptive-late", values, delays={late: 0.5})
+        assert time.monotonic() - start < 10
+        assert all(isinstance(g, np.ndarray) for g in got), got
+        for g in got:
+            np.testing.assert_array_equal(g, np.arange(30_000.0) * 6)
+        assert _made_by("adaptive-late", 3) == {"whole"}
+        votes = [bytes(hg.get(oid, timeout=5))
+                 for oid in collectives._vote_ids("adaptive-late", 3, "sum")]
+        assert votes[late] == b"sliced" and votes.count(b"whole") == 2, votes
+        # a rank's slices were lent only for the call
+        inputs = collectives._slice_ids("adaptive-late", 3, "sum")[0]
+        assert not any(_exists(oid) for row in inputs for oid in row)
+        collectives.delete("adaptive-late", size=3)
+        assert _made_by("adaptive-late", 3) == set()
+    finally:
+        hg.shutdown()
 
 
 def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
@@ -298,7 +415,8 @@ def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
                                                                    real(node, msg))[1])
         monkeypatch.setattr(node_module, "_DELETE_BATCH", 7)
         collectives.delete("batched-delete", size=3)
-        doomed = 2 + 3 + 9 + 3 + 3  # bcast, result, inputs, slices' inputs, results, markers
+        # bcast, result, inputs, slices' inputs, results, markers, votes
+        doomed = 2 + 3 + 9 + 3 + 3 + 3
         assert ops.count("delete_many") == -(-doomed // 7) and "delete" not in ops
         for oid in [*results, *ready, *(i for row in inputs for i in row)]:
             with pytest.raises(hg.ObjectNotFound):

@@ -85,6 +85,9 @@ class Node:
         if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
             config = self.config = config.replace(shared_memory=False)
         self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
+        #: Nodes with the same (non-empty) value run on one host, in one
+        #: network namespace: bytes between them cross no network link.
+        self.host_key = shm.domain()
         self.server = DataServer(self.store, token, config)
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None

@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     "over TCP and over UCX in each ucxx progress setting")
     _module_command(sub, "memory", "memory", "a reader getting many large objects in turn, "
                     "with and without a store limit: its peak memory and get time")
+    _module_command(sub, "allreduce", "allreduce", "a large allreduce on one host, training-loop "
+                    "style, for each allreduce_slicing setting side by side")
     _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "
                     "pages) and of Python run after a sleep, on this machine")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

@@ -505,7 +505,10 @@ def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[Obje
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
     if _slicing(size, num_objects):  # a sliced allreduce's, or its markers
         inputs, results, ready = _slice_ids(name, size, op)
-        doomed += [oid for row in inputs for oid in row] + results + ready \
+        # The slices' inputs first: N^2 ids that mostly never existed (lent
+        # slices leave with their call), so the directory's memory of removed
+        # ids (`Directory.gone`) keeps the ids that did exist longest.
+        doomed = [oid for row in inputs for oid in row] + doomed + results + ready \
             + _vote_ids(name, size, op)
     return doomed
 

@@ -398,6 +398,26 @@ def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
         hg.shutdown()
 
 
+def test_a_collectives_delete_of_many_ranks_keeps_the_real_ids_remembered():
+    """A delete of a call of 64 ranks names 4,352 ids, mostly slice inputs that
+    never existed (or left with their call): the ids that did exist must stay
+    in the directory's memory of removed ids, which stops a pull that crossed
+    the delete from bringing the object back."""
+    hg.init(timeout_s=20)
+    try:
+        hg.put(np.ones(10), collectives.input_id("many", 3))
+        hg.put(np.ones(10), hg.ObjectID.from_name("many/bcast"))
+        collectives.delete("many", size=64)
+        gone = hg.api.runtime().directory.state.gone
+        assert collectives.input_id("many", 3).binary in gone
+        assert hg.ObjectID.from_name("many/bcast").binary in gone
+        # and a second call's delete does not push the first's out either
+        collectives.delete("many-2", size=64)
+        assert hg.ObjectID.from_name("many/bcast").binary in gone
+    finally:
+        hg.shutdown()
+
+
 def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
     """A sliced allreduce of N ranks makes about N^2 objects; `delete` frees
     them in batches (here of 7), not one request each."""

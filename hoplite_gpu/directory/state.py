@@ -348,8 +348,10 @@ class Disconnect:
 
 Command = Reply | Drop | StartReduceStep | InlineReduce | PushLocated | Disconnect
 
-#: Removed ids a directory remembers (see `Directory.gone`).
-_GONE_KEPT = 4096
+#: Removed ids a directory remembers (see `Directory.gone`): a collective's
+#: delete names up to N^2 + 4N ids (a sliced allreduce of N ranks), 4,352 at
+#: N = 64, and several such deletes must fit.
+_GONE_KEPT = 1 << 16
 
 #: Layout kinds a reduce accepts: typed arrays, folded by the NumPy kernels on a
 #: host buffer and by the CuPy kernels where a node keeps the object on a GPU.

@@ -161,3 +161,23 @@ def test_a_get_that_times_out_names_its_own_timeout():
     assert hasty.startswith("Timeout") and patient.startswith("Timeout"), (hasty, patient)
     said = [float(x) for x in re.findall(r"within ([0-9.]+) ?s", patient)]
     assert said and abs(said[0] - 3.0) < 0.3, patient
+
+
+def test_a_directory_raises_its_descriptor_soft_limit():
+    """Each node keeps a connection to the directory: under a soft limit of
+    256 descriptors, a directory would refuse nodes from about fifty busy ones."""
+    import resource
+
+    from hoplite_gpu.directory import server
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        hg.init(timeout_s=5)
+        hg.shutdown()
+        want = server.FD_WANTED if hard == resource.RLIM_INFINITY else min(hard, server.FD_WANTED)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

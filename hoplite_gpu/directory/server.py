@@ -82,6 +82,28 @@ def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
     return state.InlineReduced(cmd.target, acc.tobytes())
 
 
+#: The most file descriptors a directory asks for (`_raise_fd_limit`).
+FD_WANTED = 1 << 16
+
+
+def _raise_fd_limit() -> None:
+    """Every node keeps a connection to the directory, and each thread of it
+    that makes direct calls one more: a directory under the usual soft limit
+    of 1,024 descriptors would refuse nodes from about a hundred busy ones.
+    Raise the soft limit to the hard one (at most `FD_WANTED`), as servers do."""
+    try:
+        import resource
+    except ImportError:  # (not POSIX)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_WANTED if hard == resource.RLIM_INFINITY else min(hard, FD_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.debug("could not raise the descriptor limit from %d to %d: %s", soft, want, exc)
+
+
 class DirectoryServer:
     """Serve the directory on ``transport://host:port``; `address` is set by `start`."""
 
@@ -108,6 +130,7 @@ class DirectoryServer:
         self._listener = None
 
     async def start(self) -> str:
+        _raise_fd_limit()
         backend = get_backend(self.transport)
         self._listener = await backend.listen(self.host, self.port, self._serve)
         self.address = self._listener.address

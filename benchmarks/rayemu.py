@@ -560,7 +560,7 @@ def run_workloads(args: argparse.Namespace) -> dict:
             return RayOnEmulated(cluster, object_store_bytes=args.store_mib * MiB,
                                  head_object_store_bytes=args.head_store_mib * MiB, ray_config=config)
 
-        tuned = dict(kv.split("=", 1) for kv in args.set) if args.set else TUNED
+        tuned = dict(args.set) if args.set else TUNED
         if "sweep" in names:
             configs = [("ray" if not c else "ray " + " ".join(f"{k}={v}" for k, v in c.items()), c)
                        for c in SWEEP]
@@ -635,6 +635,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _setting(text: str) -> tuple[str, str]:
+    """A `--set` argument: NAME=VALUE, NAME a Ray setting without RAY_."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_driver"]:
@@ -661,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--configs", nargs="+", default=["default", "tuned"], choices=["default", "tuned"],
                    help="collectives: Ray as installed, and/or with the --set settings")
-    p.add_argument("--set", nargs="+", metavar="NAME=VALUE",
+    p.add_argument("--set", nargs="+", metavar="NAME=VALUE", type=_setting,
                    help=f"collectives: the tuned Ray settings (RAY_NAME in every node's "
                         f"environment); default {' '.join(f'{k}={v}' for k, v in TUNED.items())}")
     p.add_argument("--store-mib", type=int, default=1024, help="Ray object store per node")

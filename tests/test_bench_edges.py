@@ -78,3 +78,12 @@ def test_small_sizes_time_the_number_of_calls_asked_for(monkeypatch):
     args = p.parse_args(["--iters", "3"])
     emurun._measure(object(), "hoplite-gpu", "broadcast", 1024, "t", args)
     assert seen["iters"] == 3
+
+
+def test_rayemu_refuses_a_setting_without_a_value(capsys):
+    from benchmarks import rayemu
+
+    with pytest.raises(SystemExit) as info:
+        rayemu.main(["collectives", "--set", "object_spilling_threshold"])
+    assert info.value.code == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err

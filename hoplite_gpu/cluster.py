@@ -261,8 +261,14 @@ class LocalCluster(Closing):
         self._check_worker(worker)
         if not self._procs[worker].is_alive():
             raise WorkerError(f"worker {worker} died (exit code {self._exitcode(worker)})")
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as exc:  # (pickle raises PicklingError, AttributeError, TypeError ...)
+            raise InvalidArgument(
+                f"a LocalCluster job must be picklable, as it is sent to another process: "
+                f"a function defined at a module's top level and plain arguments; "
+                f"{getattr(fn, '__qualname__', fn)!r}: {type(exc).__name__}: {exc}") from exc
         seq = next(self._seq)
-        payload = pickle.dumps((fn, args, kwargs))  # (what cannot be pickled fails here)
         self._jobs[worker].append(seq)
         self._outboxes[worker].put(pickle.dumps((seq, payload)))
         return seq

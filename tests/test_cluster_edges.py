@@ -107,6 +107,18 @@ def test_an_answer_the_driver_cannot_unpickle_is_a_worker_error_and_the_worker_l
         assert c.run(0, str, "next", timeout=5) == "next"
 
 
+def test_a_job_that_cannot_be_pickled_is_refused_clearly_and_nothing_is_sent():
+    """A lambda, a local function or an argument such as a lock cannot go to
+    another process: an InvalidArgument that says so, not pickle's own
+    error, and the worker's next job is answered in order."""
+    with LocalCluster(2) as c:
+        with pytest.raises(hg.InvalidArgument, match="must be picklable.*lambda"):
+            c.run(0, lambda: 1, timeout=10)
+        with pytest.raises(hg.InvalidArgument, match="must be picklable"):
+            c.map(str, [("fine",), (threading.Lock(),)], timeout=10)
+        assert c.map(str, [("a",), ("b",)], timeout=10) == ["a", "b"]
+
+
 # ---------------------------------------------------- results in order ---
 def test_run_after_a_map_that_raised_returns_its_own_result():
     """map() raises at the first worker's error and leaves the other

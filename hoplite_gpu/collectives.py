@@ -108,9 +108,10 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     to every rank, so each link carries 2 (size-1)/size of the object instead
     of twice it (see `_sliced`). The result is then a new read-only array,
     whose memory the node serves to other ranks until `delete`. With
-    ``"adaptive"`` it is sliced only if every rank's input is ready within
-    ``allreduce_slicing_window_s`` of each rank's own, and reduced whole, in
-    the order the inputs arrive, if not."""
+    ``"adaptive"`` (the default) it is sliced only if every rank's input is
+    ready within ``allreduce_slicing_window_s`` of each rank's own and the
+    ranks are on more than one host, and reduced whole, in the order the
+    inputs arrive, if not."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
         # (a non-contiguous array is sliced from a contiguous copy, as every
@@ -243,6 +244,8 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
             await lend_slices(node, prepared)  # before any rank can pass the barrier
         await node.put(marker, ready[rank])
         markers = asyncio.ensure_future(asyncio.gather(*[node.get(oid, limit) for oid in ready]))
+        # (cancelled by the window or a call given up, its error is nobody's)
+        markers.add_done_callback(lambda f: f.cancelled() or f.exception())
         if window is not None and rt.one_host_groups.get(size):
             # As the last call of this many ranks found: no wait, and the
             # markers are read once the call is done, for the next one.
@@ -279,11 +282,11 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
         rank's node is on one host."""
         kinds = [bytes(s).split(b"\n")[0] for s in shapes]
         odd = {r: k.decode() for r, k in enumerate(kinds) if k != shape}
-        if any(s.endswith("(not sliced)") for s in odd.values()):
-            # Such a rank waits on the whole-object reduce: our whole
-            # input, whose layout differs, fails it at once there.
-            await node.put(value, whole[rank])
         if odd:
+            # A rank that does not slice ("(not sliced)"), or that gave up
+            # waiting for our marker, waits on the whole-object reduce: our
+            # whole input, whose layout differs, fails it at once there.
+            await node.put(value, whole[rank])
             raise InvalidArgument(
                 f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
                 + ", ".join(f"rank {r} {s}" for r, s in odd.items())
@@ -309,6 +312,7 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
     async def run(node: Any) -> Any:
         prepared: list[ObjectID] = []
         later: list[asyncio.Future] = []
+        done = False
         try:
             async with asyncio.timeout(limit):
                 if not await barrier(node, prepared, later):
@@ -326,12 +330,15 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
                         with contextlib.suppress(TimeoutError, HopliteError):
                             rt.one_host_groups[size] = \
                                 hosts(await asyncio.wait_for(markers, 1.0)) == 1
+                    done = True
                     return got
                 await asyncio.gather(*[
                     node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
                                 results[j], inputs[j][j], relay=True)
                     for j in range(size)])
-                return await asyncio.gather(*[node.get(oid, limit) for oid in results])
+                got = await asyncio.gather(*[node.get(oid, limit) for oid in results])
+                done = True
+                return got
         except TimeoutError as exc:
             if isinstance(exc, Timeout):
                 raise  # a step's own, more precise deadline error
@@ -341,6 +348,11 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
                 node.unreceived(oid)  # only those that did not complete
             for markers in later:
                 markers.cancel()
+            if not done:
+                # An error the caller keeps (a retry's log, a cancelled task)
+                # holds this frame: it must not hold the output buffer too.
+                out.clear()
+                targets.clear()
 
     def finish(got: Any) -> Any:
         if not out:

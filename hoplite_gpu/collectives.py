@@ -24,6 +24,7 @@ from .directory.reduce_plan import allreduce_slices
 from .errors import HopliteError, InvalidArgument, Timeout
 from .ids import ObjectID
 from .runtime import GIVE_UP_S
+from .values import encode, to_buffer
 
 
 def input_id(name: str, rank: int) -> ObjectID:
@@ -116,7 +117,7 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     if _slices(value, size, num_objects) > 1:
         # (a non-contiguous array is sliced from a contiguous copy, as every
         # rank decides alike from its size alone)
-        return _sliced_allreduce(np.ascontiguousarray(value), name, rank, size, op, timeout)
+        return _sliced_allreduce(_sliceable(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     if _marks_unsliced(size, num_objects):
@@ -155,9 +156,17 @@ def _slices(value: Any, size: int, num_objects: int | None) -> int:
     rank is sliced: with a subset (`num_objects` < size), the slices' reduces
     could each choose different inputs."""
     if (not _slicing(size, num_objects) or not isinstance(value, np.ndarray)
-            or value.size < size):
-        return 1
+            or isinstance(value, np.ma.MaskedArray) or value.size < size):
+        return 1  # (a masked array is refused by the put of the whole path)
     return allreduce_slices(value.nbytes, size, api.runtime().config.chunk_size)
+
+
+def _sliceable(value: np.ndarray) -> np.ndarray:
+    """`value` contiguous, as it is sliced; refused here, before the call
+    sends anything, if it cannot be sent at all (an object dtype...)."""
+    value = np.ascontiguousarray(value)
+    to_buffer(value)
+    return value
 
 
 def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
@@ -405,6 +414,8 @@ def _reduce_steps(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     """`_reduce_and_get`'s node operations, and the input they lend (if any)."""
     target = args[3]
     lend = fetch or wait
+    # Refused here, before the reduce request goes out, if it cannot be sent.
+    value = encode(value)
     return (lambda node, limit: [
         node.reduce(*args), node.put(value, mine, lend=lend),
         *([node.get(target, limit)] if fetch else
@@ -579,8 +590,7 @@ async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: st
     """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing`` on)."""
     _check(rank, size)
     if _slices(value, size, num_objects) > 1:
-        return await _sliced_allreduce_async(np.ascontiguousarray(value), name, rank, size, op,
-                                             timeout)
+        return await _sliced_allreduce_async(_sliceable(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target)
     if _marks_unsliced(size, num_objects):

@@ -348,7 +348,10 @@ class DirectCalls:
 
         if not self._usable() or device.is_device_array(value):
             return None
-        nbytes = len(value) if isinstance(value, bytes | bytearray) else getattr(value, "nbytes", 0)
+        try:
+            nbytes = len(value) if isinstance(value, bytes | bytearray) else getattr(value, "nbytes", 0)
+        except ValueError:  # (a released memoryview: `to_buffer` says what is wrong)
+            nbytes = 0
         if isinstance(nbytes, int) and nbytes > self._threshold:
             return None  # large: not even flattened here
         buf, layout = to_buffer(value)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.format import descr_to_dtype
 
-from .errors import InvalidArgument, ProtocolError, UnsupportedValue
+from .errors import InvalidArgument, ProtocolError, StoreFull, UnsupportedValue
 
 KINDS = ("bytes", "numpy", "torch", "device")
 ACCEPTED = (
@@ -77,14 +77,40 @@ _KNOWN_LAYOUTS: dict[tuple, Layout] = {}
 _MAX_KNOWN_LAYOUTS = 1024
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """A value already made a buffer and its layout (`encode`): `to_buffer`
+    gives them back as they are. A call that sends a request about a value
+    before it puts the value encodes it first, so that a value it cannot send
+    is refused before anything is sent, and is made bytes only once."""
+
+    buf: memoryview
+    layout: Layout
+
+
+def encode(value: Any) -> Any:
+    """`value` as an `Encoded` (see there); raises what `to_buffer` raises. A
+    device array is left as it is: its buffer is made on the node's loop
+    thread, whose stream orders every device copy (`hoplite_gpu.device`)."""
+    from . import device
+
+    if isinstance(value, Encoded) or device.is_device_array(value):
+        return value
+    return Encoded(*to_buffer(value))
+
+
 def to_buffer(value: Any) -> tuple[memoryview, Layout]:
     """Return a flat 1-D byte memoryview over `value` (zero copy when contiguous) and its Layout.
 
-    Raises UnsupportedValue for anything that is not an array or a byte buffer.
+    Raises UnsupportedValue for anything that is not an array or a byte buffer,
+    and StoreFull where the machine has no memory for a contiguous copy of a
+    non-contiguous one.
     """
     # numpy first: np.bytes_ is a bytes subclass but must come back as a 0-d array
     if isinstance(value, np.ndarray | np.generic):
         return _numpy_to_buffer(value)
+    if isinstance(value, Encoded):
+        return value.buf, value.layout
     if isinstance(value, bytes | bytearray | memoryview):
         flat = _flat_bytes(value)
         return flat, Layout("bytes", "uint8", (flat.nbytes,), flat.nbytes)
@@ -100,7 +126,7 @@ def to_buffer(value: Any) -> tuple[memoryview, Layout]:
         return _numpy_to_buffer(_from_dlpack(value))
     try:
         view = memoryview(value)
-    except TypeError:
+    except (TypeError, ValueError, BufferError):  # (ValueError: released, or closed)
         raise UnsupportedValue(_unsupported_message(value)) from None
     return _buffer_protocol_to_buffer(view)
 
@@ -156,9 +182,12 @@ def empty_buffer(nbytes: int) -> np.ndarray:
 
 
 def _flat_bytes(value: Any) -> memoryview:
-    view = memoryview(value)
+    try:
+        view = memoryview(value)
+    except (ValueError, BufferError):  # a released memoryview
+        raise UnsupportedValue(_unsupported_message(value)) from None
     if not view.c_contiguous:
-        return memoryview(view.tobytes())
+        return memoryview(_copied(view.tobytes, view.nbytes))
     if view.ndim == 1 and view.format == "B":
         return view
     # memoryview.cast only accepts native single-char formats; frombuffer takes any
@@ -192,7 +221,7 @@ def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout
     arr = np.asarray(value)
     code = _numpy_dtype_code(arr.dtype)
     if not arr.flags.c_contiguous:
-        arr = arr.copy(order="C")
+        arr = _copied(lambda: arr.copy(order="C"), arr.nbytes)
     if arr.dtype.itemsize == 0:
         flat = np.empty(0, dtype=np.uint8)  # view(uint8) cannot divide by a zero itemsize
     else:
@@ -201,6 +230,16 @@ def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout
 
 
 @functools.lru_cache(maxsize=256)
+def _copied(copy: Any, nbytes: int) -> Any:
+    """`copy()`, the contiguous copy of a value that has none; StoreFull,
+    not NumPy's own error, if the machine has no memory for it."""
+    try:
+        return copy()
+    except MemoryError:
+        raise StoreFull(f"no memory for a contiguous copy of {nbytes} bytes; pass a "
+                        "contiguous array (its memory is sent as it is)") from None
+
+
 def _numpy_layout(code: str, shape: tuple[int, ...], nbytes: int) -> Layout:
     return Layout("numpy", code, shape, nbytes)
 

@@ -40,9 +40,22 @@ def init(address: str | None = None, *, token: str | None = None, **settings: An
         if _runtime is not None and not _runtime.closed:
             raise InvalidArgument("hoplite_gpu.init() was already called; call shutdown() first")
         config = Config.from_env(token=token, **settings)
-        logging.getLogger("hoplite_gpu").setLevel(config.log_level.upper())
+        _set_log_level(config.log_level.upper())
         _runtime = Runtime(config, address)
         return _runtime
+
+
+def _set_log_level(level: str) -> None:
+    """Set the "hoplite_gpu" logger's level. A level below WARNING in a program
+    that set up no logging would show nothing (Python's last-resort handler
+    prints warnings only): the logger then gets a handler of its own, to
+    standard error."""
+    logger = logging.getLogger("hoplite_gpu")
+    logger.setLevel(level)
+    if logger.level < logging.WARNING and not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
 
 
 def shutdown() -> None:

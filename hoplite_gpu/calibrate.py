@@ -14,7 +14,7 @@ import statistics
 
 from . import demo
 from .cluster import LocalCluster
-from .config import Config
+from .config import Config, available_memory, format_size
 from .errors import HopliteError, InvalidArgument
 
 
@@ -24,6 +24,11 @@ def calibrate(large: int = 64 << 20, repeats: int = 5) -> dict[str, float]:
     if large < least:
         raise InvalidArgument(f"the large transfer must be at least {least} bytes (16 x the "
                               f"small one, and 1 MiB) to tell bandwidth from latency; got {large}")
+    free = available_memory()
+    if 3 * large > free:  # (the sender's array, its store copy, the receiver's copy)
+        raise InvalidArgument(f"a calibration with a {format_size(large)} transfer needs "
+                              f"{format_size(3 * large)} of memory; {format_size(free)} is "
+                              "free. Use a smaller --size")
     times: dict[int, list[float]] = {small: [], large: []}
     with LocalCluster(2, shared_memory=False) as cluster:
         for r in range(-1, repeats):  # round -1 warms up, untimed

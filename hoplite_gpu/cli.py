@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import platform
+import selectors
 import signal
 import sys
 import threading
@@ -24,7 +25,25 @@ def _directory(args: argparse.Namespace) -> int:
     if not token:
         token = new_token()
         print(f"no --token or HOPLITE_TOKEN given; generated token: {token}", flush=True)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=(args.log_level or config.log_level).upper(),
+                        format="%(asctime)s %(name)s %(message)s")
+    stdin = None
+    if args.until_stdin_closes:
+        # A stdin that is closed, or that epoll cannot watch (/dev/null, a
+        # regular file), can never tell us it ended: refused before we serve.
+        try:
+            stdin = sys.stdin.fileno() if sys.stdin is not None else None
+            if stdin is not None:
+                with selectors.DefaultSelector() as watch:
+                    watch.register(stdin, selectors.EVENT_READ)
+        except (OSError, ValueError) as exc:
+            stdin = None
+            reason = exc
+        else:
+            reason = "it is closed" if stdin is None else None
+        if stdin is None:
+            raise ConfigError(f"--until-stdin-closes needs a standard input that can be "
+                              f"watched, a pipe or a terminal ({reason})")
 
     async def serve() -> None:
         server = DirectoryServer(token, host=args.host, port=args.port,
@@ -35,11 +54,10 @@ def _directory(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        if args.until_stdin_closes:
+        if stdin is not None:
             # (the parent that started us holds our stdin: its end, however it
             # came, is ours too, so no directory outlives a killed parent)
-            loop.add_reader(sys.stdin.fileno(), lambda: os.read(sys.stdin.fileno(), 4096)
-                            or stop.set())
+            loop.add_reader(stdin, lambda: os.read(stdin, 4096) or stop.set())
         await stop.wait()
         await server.close()
 
@@ -190,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
     d.add_argument("--port", type=int, default=7777, help="port (0 picks a free one; default 7777)")
     d.add_argument("--token", default=None, help="cluster token (default: $HOPLITE_TOKEN, else generated)")
-    d.add_argument("--log-level", default="WARNING", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default WARNING")
+    d.add_argument("--log-level", default=None, type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="default $HOPLITE_LOG_LEVEL, else WARNING")
     d.add_argument("--until-stdin-closes", action="store_true",
                    help="also stop when standard input ends (for a parent that starts it)")
     d.set_defaults(func=_directory)
@@ -259,8 +278,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # (its options are the benchmarks', --help included)
-        return _bench(argparse.Namespace(rest=argv[1:]))
-    args = build_parser().parse_args(argv)
+        args = argparse.Namespace(rest=argv[1:], func=_bench, command="bench")
+    else:
+        args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread() and args.command != "directory":
         signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,11 +25,17 @@ def check_timeout(timeout: object, *, zero: bool = False) -> float:
     """`timeout` as seconds: a number above 0 (or 0, with `zero`: poll once)
     and at most MAX_TIMEOUT_S; anything else is InvalidArgument."""
     low = "a number of seconds >= 0" if zero else "a positive number of seconds"
-    if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-            or not (0 <= timeout if zero else 0 < timeout) or not timeout <= MAX_TIMEOUT_S):
+    if (not _real(timeout) or not (0 <= timeout if zero else 0 < timeout)
+            or not timeout <= MAX_TIMEOUT_S):
         raise InvalidArgument(f"timeout must be {low}, at most {MAX_TIMEOUT_S:g} (a year); "
                               f"got {timeout!r}")
     return float(timeout)
+
+
+def _real(value: object) -> bool:
+    """A real number, NumPy's included (np.int64, np.float32), but no bool."""
+    return isinstance(value, numbers.Real) and not (
+        isinstance(value, bool) or type(value).__name__ == "bool_")
 
 
 @dataclass(frozen=True)
@@ -174,8 +181,13 @@ class Config:
         for name, value in overrides.items():
             if name not in known:
                 raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
-            if isinstance(value, str) and _kind(known[name]) != "str":
+            kind = _kind(known[name]).split(" ")[0]
+            if isinstance(value, str) and kind != "str":
                 value = _parse(known[name], value, name)  # "8GiB", "30", "on"
+            elif kind == "float" and _real(value):
+                value = float(value)  # (np.float32(5), np.int64(30))
+            elif kind == "int" and isinstance(value, numbers.Integral) and _real(value):
+                value = int(value)
             if value is not None:
                 values[name] = value
         return cls(**values)

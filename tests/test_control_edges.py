@@ -44,7 +44,8 @@ async def registered(address: str, node: str):
     await send_msg(stream, {"op": "register", "node": node, "address": f"tcp://127.0.0.1:1{len(node)}"})
     async with asyncio.timeout(5):
         reply = await recv_msg(stream)
-    assert reply == {"ok": True, "node": node}
+    assert reply == {"ok": True, "node": node, "lease_s": reply.get("lease_s")}
+    assert reply["lease_s"] > 0
     return stream
 
 

@@ -120,3 +120,32 @@ def test_directory_restart_mid_broadcast_and_reduce(fast_cluster):
                    for s in (1, 2, 3))
     np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-4)
     assert c.run(3, t.get_summary, "dr-bcast", 30.0)[0] == crc  # a get after the restart
+
+
+def test_a_node_beats_within_the_directorys_lease_whatever_its_own_settings():
+    """Only the directory's lease counts: a node configured for 5 s beats
+    against a 1 s lease would be declared dead again and again. It beats at
+    least three times per lease the directory tells it at register."""
+    import asyncio
+
+    from hoplite_gpu.config import Config
+    from hoplite_gpu.directory.server import DirectoryServer
+    from hoplite_gpu.node.node import Node
+
+    async def main() -> None:
+        server = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
+        address = await server.start()
+        node = Node(Config(heartbeat_interval_s=5.0, node_lease_s=20.0, timeout_s=5.0,
+                           shared_memory=False), "tok", address)
+        try:
+            await node.start()
+            first = node.client
+            assert first.lease_s == 1.0
+            await asyncio.sleep(2.5)  # two and a half leases
+            assert node.client is first, "the node was declared dead and had to reconnect"
+            assert node.node_id in server.state.nodes
+        finally:
+            await node.close()
+            await server.close()
+
+    asyncio.run(main())

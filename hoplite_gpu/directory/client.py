@@ -32,6 +32,8 @@ class DirectoryClient:
         self._lost: BaseException | None = None
         self._closing = False
         self._outbox = Outbox(stream, self._fail, stall_s=stall_s)
+        #: the directory's node lease, if it said (register's answer)
+        self.lease_s: float | None = None
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -55,7 +57,7 @@ class DirectoryClient:
             async with asyncio.timeout(left):
                 await client_handshake(stream, token, left)
                 await send_msg(stream, {"op": "register", "node": node, "address": data_address})
-                raise_for_error(await recv_msg(stream))
+                answer = raise_for_error(await recv_msg(stream))
         except (TimeoutError, Timeout) as exc:
             await stream.close()
             raise Timeout(
@@ -65,7 +67,11 @@ class DirectoryClient:
         except BaseException:
             await stream.close()
             raise
-        return cls(stream, on_push, stall_s=stall_s)
+        client = cls(stream, on_push, stall_s=stall_s)
+        lease = answer.get("lease_s")
+        if isinstance(lease, int | float) and not isinstance(lease, bool) and lease > 0:
+            client.lease_s = float(lease)
+        return client
 
     async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a request and wait for its reply; errors in the reply are raised."""

@@ -220,7 +220,8 @@ class DirectoryServer:
             await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})
             return
         peer = self.peers[node] = _Peer(node, stream, self.state.lease_s)
-        peer.outbox.post({"ok": True, "node": node})
+        # (our lease, which the node beats well within, whatever its own settings)
+        peer.outbox.post({"ok": True, "node": node, "lease_s": self.state.lease_s})
         self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
             await self._read_loop(peer)

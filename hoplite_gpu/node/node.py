@@ -141,9 +141,13 @@ class Node:
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def _beat(self) -> None:
-        """Renew this node's lease; a node that stops beating is declared dead."""
+        """Renew this node's lease; a node that stops beating is declared dead.
+        Beats come at least three times per lease of the directory's (its
+        settings count, not this process's)."""
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            lease = self.client.lease_s if self.client is not None else None
+            interval = self.config.heartbeat_interval_s
+            await asyncio.sleep(interval if lease is None else min(interval, lease / 3))
             self._post({"op": "ping"})
 
     async def close(self) -> None:

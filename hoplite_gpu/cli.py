@@ -85,6 +85,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Most chunk transfers (chunks x receivers) `simulate` replays per schedule:
+#: some 30,000 a second on one core, five schedules per run.
+MAX_SIM_HOPS = 1 << 20
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from .simulator import MAX_SIM_CHUNKS, simulate_broadcast
 
@@ -93,6 +98,12 @@ def _simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"hoplite-gpu simulate: {format_size(size)} in {format_size(chunk)} chunks "
                          f"is {-(-size // chunk)} chunks; at most {MAX_SIM_CHUNKS} are simulated. "
                          "Use a larger --chunk")
+    hops = -(-size // chunk) * args.receivers
+    if hops > MAX_SIM_HOPS:
+        raise SystemExit(f"hoplite-gpu simulate: {-(-size // chunk)} chunks to {args.receivers} "
+                         f"receivers is {hops} chunk transfers per schedule; at most "
+                         f"{MAX_SIM_HOPS} are simulated (about 30 s each, five schedules). "
+                         "Use a larger --chunk or fewer --receivers")
     print(f"simulated broadcast of {format_size(size)} to {args.receivers} receivers, "
           f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
           f"{format_size(chunk)} chunks (the real directory state machine decides)")

@@ -95,3 +95,12 @@ def test_cli_simulate_with_a_one_byte_chunk_is_refused_not_a_traceback():
                        preexec_fn=_limit_memory)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr[-600:]
+
+
+def test_cli_simulate_refuses_a_run_of_hours_at_once():
+    """4 KiB chunks of 256 MiB to the default 1,000 receivers: 65 million chunk
+    transfers per schedule, about an hour of simulation; refused at once."""
+    r = subprocess.run([sys.executable, "-m", "hoplite_gpu", "simulate", "--chunk", "4KiB"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "chunk transfers per schedule" in r.stderr and "Traceback" not in r.stderr

@@ -141,3 +141,30 @@ async def miss_the_lease(server: Any, node: Any) -> None:
     assert await eventually(lambda: node._connected.is_set()
                             and node.node_id in server.state.nodes, 4.0)
     await node._request({"op": "nodes"}, 2.0)
+
+
+def allreduce_on_threads(name: str, values: list, timeout: float = 20.0,
+                         delays: dict[int, float] | None = None) -> list:
+    """`collectives.allreduce` of `values[r]` by rank r, each rank a thread of
+    this process (rank r starts `delays[r]` seconds late): each rank's result,
+    the exception it raised, or "hung"."""
+    import threading
+
+    from hoplite_gpu import collectives
+
+    got: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        time.sleep((delays or {}).get(r, 0))
+        try:
+            got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
+                                           timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout + 10)
+    return [got.get(r, "hung") for r in range(len(values))]

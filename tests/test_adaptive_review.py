@@ -6,35 +6,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 
 import numpy as np
 import pytest
+from in_process import allreduce_on_threads
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
-
-
-def _ranks(name, values, timeout, delays=None):
-    """One allreduce per rank, each on a thread of its own (rank r starts
-    `delays[r]` seconds late); each rank's result or error."""
-    got = {}
-
-    def rank(r):
-        time.sleep((delays or {}).get(r, 0))
-        try:
-            got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
-                                           timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            got[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout + 10)
-    return [got.get(r) for r in range(len(values))]
 
 
 @pytest.fixture
@@ -58,7 +37,7 @@ def test_mismatched_arrays_with_a_late_rank_fail_at_once(hosts, late, values):
     the ranks ready together; the early rank must not wait out its deadline
     on a whole-object reduce that the late rank never feeds."""
     start = time.monotonic()
-    got = _ranks(f"mismatch-{late}", values, timeout=4, delays={late: 0.5})
+    got = allreduce_on_threads(f"mismatch-{late}", values, timeout=4, delays={late: 0.5})
     elapsed = time.monotonic() - start
     assert all(isinstance(g, hg.HopliteError) and not isinstance(g, hg.Timeout)
                for g in got), got

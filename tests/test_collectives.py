@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from in_process import allreduce_on_threads
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
@@ -243,29 +244,6 @@ def test_a_sliced_allreduce_missing_a_rank_times_out_and_lets_its_slices_go():
         hg.shutdown()
 
 
-def _sliced_ranks(name, values, timeout=20, delays=None):
-    """A sliced allreduce with one thread per rank in this process (rank r
-    starts `delays[r]` seconds late)."""
-    import threading
-
-    got = {}
-
-    def rank(r):
-        time.sleep((delays or {}).get(r, 0))
-        try:
-            got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
-                                           timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            got[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout + 10)
-    return [got[r] for r in range(len(values))]
-
-
 def _made_by(name, size):
     """Which allreduce ran: "sliced" if slice results exist, "whole" if the
     whole-object reduce's result does."""
@@ -300,7 +278,7 @@ def test_an_adaptive_allreduce_slices_inputs_ready_together_across_hosts(one_hos
         if not one_host:
             _hosts_unknown()
         values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
-        got = _sliced_ranks("adaptive-together", values)
+        got = allreduce_on_threads("adaptive-together", values)
         assert all(isinstance(g, np.ndarray) for g in got), got
         for g in got:
             np.testing.assert_array_equal(g, np.arange(30_000.0) * 6)
@@ -327,7 +305,7 @@ def test_an_adaptive_allreduce_remembers_one_host_and_learns_otherwise():
         rt.one_host_groups[3] = True  # as if an earlier call had found one host
         values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
         for step, made in enumerate(["whole", "sliced"]):
-            got = _sliced_ranks(f"adaptive-learn-{step}", values)
+            got = allreduce_on_threads(f"adaptive-learn-{step}", values)
             for g in got:
                 np.testing.assert_array_equal(g, np.arange(30_000.0) * 6)
             assert _made_by(f"adaptive-learn-{step}", 3) == {made}
@@ -344,7 +322,7 @@ def test_an_adaptive_allreduce_of_a_sliced_and_an_unsliced_array_fails_at_once()
             allreduce_slicing_window_s=0.1)
     try:
         start = time.monotonic()
-        got = _sliced_ranks("adaptive-odd", [np.ones(30_000), np.ones(10)])
+        got = allreduce_on_threads("adaptive-odd", [np.ones(30_000), np.ones(10)])
         assert time.monotonic() - start < 10
         assert all(isinstance(g, hg.HopliteError) and "same dtype and shape" in str(g)
                    for g in got), got
@@ -363,7 +341,7 @@ def test_an_adaptive_allreduce_with_a_late_input_reduces_whole_objects(late):
         _hosts_unknown()
         values = [np.arange(30_000.0) * (r + 1) for r in range(3)]
         start = time.monotonic()
-        got = _sliced_ranks("adaptive-late", values, delays={late: 0.5})
+        got = allreduce_on_threads("adaptive-late", values, delays={late: 0.5})
         assert time.monotonic() - start < 10
         assert all(isinstance(g, np.ndarray) for g in got), got
         for g in got:
@@ -387,11 +365,11 @@ def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
     hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="auto")
     try:
         start = time.monotonic()
-        got = _sliced_ranks("sliced-shapes", [np.ones((3, 10_000)), np.ones((10_000, 3))])
+        got = allreduce_on_threads("sliced-shapes", [np.ones((3, 10_000)), np.ones((10_000, 3))])
         assert time.monotonic() - start < 10
         assert all(isinstance(g, hg.InvalidArgument) and "same dtype and shape" in str(g)
                    for g in got), got
-        ok = _sliced_ranks("sliced-fortran", [np.ones((3, 10_000)),
+        ok = allreduce_on_threads("sliced-fortran", [np.ones((3, 10_000)),
                                               np.asfortranarray(np.ones((3, 10_000)))])
         assert all(isinstance(g, np.ndarray) and (g == 2).all() for g in ok), ok
     finally:
@@ -427,7 +405,7 @@ def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
     hg.init(timeout_s=20, chunk_size=4096, allreduce_slicing="auto")
     try:
         values = [np.ones(30_000) * (r + 1) for r in range(3)]
-        assert all((g == 6).all() for g in _sliced_ranks("batched-delete", values))
+        assert all((g == 6).all() for g in allreduce_on_threads("batched-delete", values))
         inputs, results, ready = collectives._slice_ids("batched-delete", 3, "sum")
         ops = []
         real = server.to_event

@@ -5,11 +5,11 @@ project's own error, before anything is sent, and never reduced wrongly."""
 from __future__ import annotations
 
 import mmap
-import threading
 import time
 
 import numpy as np
 import pytest
+from in_process import allreduce_on_threads
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
@@ -23,26 +23,6 @@ def local():
     hg.shutdown()
 
 
-def _ranks(name: str, values: list, timeout: float = 5.0) -> list:
-    """An allreduce with one thread per rank in this process: each rank's
-    result, or the exception it raised."""
-    got: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        try:
-            got[r] = collectives.allreduce(values[r], name=name, rank=r, size=len(values),
-                                           timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            got[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(values))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout + 5)
-    return [got.get(r, "hung") for r in range(len(values))]
-
-
 def test_a_large_masked_array_allreduce_is_refused_not_reduced_without_its_mask():
     """put() refuses a masked array ("its mask would be lost"), and so does an
     allreduce of a small one or with slicing off. A large one under the
@@ -53,7 +33,7 @@ def test_a_large_masked_array_allreduce_is_refused_not_reduced_without_its_mask(
     try:
         mask = np.arange(30_000) % 2 == 0
         value = np.ma.masked_array(np.ones(30_000), mask=mask)
-        got = _ranks("review-masked", [value, value])
+        got = allreduce_on_threads("review-masked", [value, value])
         assert all(isinstance(g, hg.UnsupportedValue) for g in got), \
             [type(g).__name__ for g in got]
     finally:

@@ -377,7 +377,7 @@ def test_a_sliced_allreduce_of_different_shapes_fails_at_once():
 
 
 def test_a_collectives_delete_of_many_ranks_keeps_the_real_ids_remembered():
-    """A delete of a call of 64 ranks names 4,352 ids, mostly slice inputs that
+    """A delete of a call of 64 ranks names 4,354 ids, mostly slice inputs that
     never existed (or left with their call): the ids that did exist must stay
     in the directory's memory of removed ids, which stops a pull that crossed
     the delete from bringing the object back."""

@@ -34,7 +34,7 @@ class _Peer:
         self.directs: set[_Direct] = set()
 
     def _lost(self, exc: HopliteError) -> None:
-        log.info("cannot write to node %s: %s", self.node, exc)
+        log.warning("cannot write to node %s: %s", self.node, exc)
 
     async def disconnect(self) -> None:
         """A lease expired: send what is queued (briefly), then close, which

@@ -349,7 +349,7 @@ class Disconnect:
 Command = Reply | Drop | StartReduceStep | InlineReduce | PushLocated | Disconnect
 
 #: Removed ids a directory remembers (see `Directory.gone`): a collective's
-#: delete names up to N^2 + 4N ids (a sliced allreduce of N ranks), 4,352 at
+#: delete names up to N^2 + 4N + 2 ids (a sliced allreduce of N ranks), 4,354 at
 #: N = 64, and several such deletes must fit.
 _GONE_KEPT = 1 << 16
 
@@ -1032,8 +1032,12 @@ class Directory:
             if refused:
                 return f"input {oid.hex()}: {refused}"
             task.size, task.layout, task.inline = entry.size, entry.layout, entry.inline is not None
-            task.degree = choose_degree(task.size, task.k, self.latency_s, self.bytes_per_s,
-                                        self.chunk_size)
+            # A relayed reduce is one slice of an allreduce: a chain, so that
+            # every slice moves from rank r to rank r+1 only, as in a ring (a
+            # tree that is best for one reduce alone loads its inner nodes'
+            # links twice while every other slice runs too).
+            task.degree = 1 if task.relay else choose_degree(
+                task.size, task.k, self.latency_s, self.bytes_per_s, self.chunk_size)
             return None
         if entry.size != task.size or entry.layout != task.layout:
             first = task.slots[0][0].hex() if task.slots else "?"

@@ -445,3 +445,17 @@ class ReduceMachine(RuleBasedStateMachine):
 ReduceMachine.TestCase.settings = settings(max_examples=200, deadline=None,
                                            stateful_step_count=50, derandomize=True)
 TestReduceMachine = ReduceMachine.TestCase
+
+
+def test_a_relayed_reduce_restarting_sends_no_drop_to_the_node_lost():
+    """Found by ReduceMachine once relayed reduces became chains: a restart
+    told the lost node itself to drop its step's output."""
+    m = ReduceMachine()
+    m.setup(fan=1, relay=True, k=3, root=False, latency=1e-4)
+    m.put_input(done=False, i=0, j=0)
+    m.put_input(done=False, i=0, j=1)
+    m.complete_put(i=0)
+    m.complete_put(i=0)
+    m.join(n="n0")
+    m.lose(i=0)  # asserts that no command goes to a node not alive
+    m.teardown()

@@ -969,8 +969,9 @@ class Directory:
         self._answer_confirms(task, False, out)  # copies of this tree are superseded
         parent, _ = inorder_tree(task.k, task.degree)
         for pos in task.started:
-            if parent[pos] is not None:
-                out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), reason))
+            node = task.slot(pos)[1]
+            if parent[pos] is not None and node in self.nodes:  # (not to the node lost)
+                out.append(Drop(node, step_id(task.target, pos, task.tag), reason))
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:

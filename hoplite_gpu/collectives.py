@@ -330,10 +330,9 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
                     prepared.clear()
                     out.clear()  # (the pool takes the buffer back)
                     targets.clear()
-                    # The whole-object allreduce (`_reduce_steps`' steps, in order).
-                    got = (await asyncio.gather(node.reduce(*whole_args),
-                                                node.put(value, whole[rank], lend=True),
-                                                node.get(target, limit)))[2]
+                    # The whole-object allreduce, as `allreduce` runs it.
+                    steps, _ = _reduce_steps(whole_args, value, whole[rank], True, False)
+                    got = (await asyncio.gather(*steps(node, limit)))[2]
                     for markers in later:
                         # Every rank put its marker before its input: here by now.
                         with contextlib.suppress(TimeoutError, HopliteError):

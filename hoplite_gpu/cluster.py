@@ -88,10 +88,11 @@ class LocalCluster(Closing):
                  **settings: Any) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise InvalidArgument(f"num_workers must be an int >= 0; got {num_workers!r}")
-        # Checked here, where the error can be read (a worker's or the
-        # directory's would only say that it exited); None: the default.
+        # Checked here, with the HOPLITE_* variables the processes inherit,
+        # where the error can be read (a worker's or the directory's would
+        # only say that it exited); None: the default.
         settings = {k: v for k, v in settings.items() if v is not None}
-        Config.from_env({}, **settings)
+        Config.from_env(None, **settings)
         self.num_workers = num_workers
         self.token = token or new_token()
         self.settings = settings

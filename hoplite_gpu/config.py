@@ -8,6 +8,7 @@ import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
 
 from .errors import ConfigError, InvalidArgument
 
@@ -241,10 +242,11 @@ def parse_size(text: str) -> int:
         if t[-1:] in _UNITS:
             unit, t = _UNITS[t[-1]], t[:-1].strip()
     try:
-        size = (int(t, 16) if t.startswith("0x") else float(t)) * unit
-    except ValueError:
-        size = -1.0
-    if not (0 <= size < 1 << 63) or size != int(size):
+        # (exact: a float would round sizes above 2**53 to a neighbour)
+        size = (int(t, 16) if t.startswith("0x") else Fraction(t)) * unit
+    except (ValueError, ZeroDivisionError):
+        size = Fraction(-1)
+    if "/" in t or not (0 <= size < 1 << 63) or size != int(size):
         raise ConfigError(f"not a size in whole bytes: {text!r} (examples: 4096, 64KiB, "
                           "256MiB, 1.5GiB)")
     return int(size)

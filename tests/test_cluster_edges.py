@@ -68,6 +68,27 @@ def test_a_bad_setting_is_a_config_error_that_names_it(settings):
         assert name in str(exc), str(exc)
 
 
+def test_a_bad_hoplite_variable_is_refused_before_any_process_starts(monkeypatch):
+    """The directory and the workers inherit the HOPLITE_* variables; one
+    they refuse used to surface only as "the directory exited with code 1
+    before listening", after the directory's own message."""
+    monkeypatch.setenv("HOPLITE_CHUNK_SIZE", "banana")
+    with pytest.raises(ConfigError, match="HOPLITE_CHUNK_SIZE"):
+        LocalCluster(1, start_timeout=30)
+
+
+def test_sizes_are_parsed_exactly():
+    """A float rounds 2**53 + 1 to 2**53: a size was silently another."""
+    from hoplite_gpu.config import parse_size
+
+    assert parse_size(str(2**53 + 1)) == 2**53 + 1
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("1e3") == 1000
+    for bad in ("1/2", "0.5", "nan", "inf", "8EiB", "-1"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
 # ------------------------------------------------------------ timeouts ---
 @pytest.mark.parametrize("timeout", [None, float("inf")], ids=["none", "inf"])
 def test_an_unbounded_run_timeout_waits_or_is_refused_and_leaves_the_worker_in_step(timeout):

@@ -22,12 +22,14 @@ _runtime: Runtime | None = None
 # it for ever: the child starts with it free.
 
 
-def _fresh_lock() -> None:
+def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()
+    if _runtime is not None:
+        _runtime.let_go_in_child()
 
 
-os.register_at_fork(after_in_child=_fresh_lock)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def init(address: str | None = None, *, token: str | None = None, **settings: Any) -> Runtime:

@@ -152,6 +152,9 @@ class DirectLink:
         except OSError:
             pass
 
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
     def interrupt(self) -> None:
         """Wake a thread blocked on this link (from another thread): its
         receive ends as if the directory had closed the connection."""
@@ -456,6 +459,10 @@ class DirectCalls:
         with self._lock:
             self._busy.discard(link)
         link.close()
+
+    def descriptors(self) -> list[int]:
+        """The links' socket descriptors (for a forked child to let go of)."""
+        return [link.fileno() for link in [*self._idle, *self._busy]]
 
     def close(self) -> None:
         """Close every link; a thread waiting on one is woken and its call

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -116,6 +117,36 @@ class Runtime:
     def forked(self) -> bool:
         """This is a forked child's copy of its parent's runtime."""
         return os.getpid() != self.pid
+
+    def let_go_in_child(self) -> None:
+        """In a forked child: let go of the parent's connections and listeners.
+
+        A forked child shares every socket of its parent, and a connection
+        ends only once every process holding it has closed it. So while a
+        child lived (a data-loader worker, a pool process), the parent's
+        death went unseen: the directory waited out the node's lease instead
+        of seeing its connection end, and a peer pulling from it waited out
+        its stall timeout; a peer connecting got into the dead listener's
+        backlog instead of being refused. Each such descriptor becomes
+        /dev/null here, not closed: the child's copies of the socket objects
+        still hold the number, and closing it later must not close whatever
+        the child opened under the same number meanwhile."""
+        fds: set[int] = set()
+        selector = getattr(self._loop, "_selector", None)
+        with contextlib.suppress(Exception):  # (a loop without one: nothing registered)
+            fds.update(key.fd for key in selector.get_map().values())
+        if self.direct is not None:
+            fds.update(self.direct.descriptors())
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            for fd in fds - {null}:
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coro` on the loop thread; its future is settled by the task's own

@@ -167,3 +167,52 @@ def test_a_thread_that_outlives_the_main_thread_can_still_pull():
     proc = subprocess.run([sys.executable, "-c", _OUTLIVING_MAIN], capture_output=True,
                           text=True, timeout=30)
     assert "GOT 299999.0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+_FORKS_THEN_DIES = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    import hoplite_gpu as hg
+
+    hg.init(sys.argv[1], token=sys.argv[2], timeout_s=10)
+    oid = hg.put(np.ones(1 << 20, np.uint8))  # (not inline: held by this node alone)
+    pid = os.fork()
+    if pid == 0:  # a data-loader worker, say: outlives its parent a while
+        time.sleep(30)
+        os._exit(0)
+    print(oid.hex(), pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_forked_child_does_not_hide_its_parents_death():
+    """A child forked after `init` shared the parent's directory connection,
+    so when the parent died the connection lived on in the child: the
+    directory saw the node go only when its lease ran out (here 30 s), and
+    every get of its objects waited that long to fail over or be told."""
+    from hoplite_gpu.cluster import LocalCluster
+    from hoplite_gpu.errors import ObjectNotFound
+
+    with LocalCluster(0, node_lease_s=30, heartbeat_interval_s=1) as c:
+        proc = subprocess.Popen([sys.executable, "-c", _FORKS_THEN_DIES, c.address, c.token],
+                                stdout=subprocess.PIPE, text=True)
+        oid_hex, child = proc.stdout.readline().split()  # (the child holds the pipe open)
+        proc.wait(30)
+        proc.stdout.close()
+        try:
+            hg.init(c.address, token=c.token, timeout_s=10)
+            oid = hg.ObjectID(bytes.fromhex(oid_hex))
+            start, holders = time.monotonic(), None
+            while time.monotonic() - start < 10:
+                try:
+                    holders = hg.object_info(oid).get("holders")
+                except ObjectNotFound:
+                    holders = []
+                if not holders:
+                    break
+                time.sleep(0.1)
+            assert not holders, (f"the directory still lists the dead node as holding the object "
+                                 f"{time.monotonic() - start:.1f}s after it died: {holders}")
+        finally:
+            os.kill(int(child), signal.SIGKILL)
+            hg.shutdown()

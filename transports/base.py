@@ -219,7 +219,8 @@ def split_address(address: str, default_scheme: str = "tcp") -> tuple[str, str, 
     if not sep:
         scheme, rest = default_scheme, address
     host, colon, port = rest.rpartition(":")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
+    if not colon or not host or not (port.isascii() and port.isdigit()) \
+            or int(port) > 65535:
         raise InvalidArgument(f"expected an address like 'host:port' or 'tcp://host:port' "
                               f"(port 0-65535); got {address!r}")
     return scheme, host.strip("[]"), int(port)

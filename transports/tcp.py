@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,6 +19,8 @@ from typing import TypeVar
 from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
 
 from .base import Backend, Buffer, Handler, Listener, Stream, split_address
+
+log = logging.getLogger("hoplite_gpu.transports.tcp")
 
 _SOCKBUF = 4 * 1024 * 1024
 #: A large receive wakes the loop only when this much has arrived (SO_RCVLOWAT).
@@ -280,10 +283,15 @@ class TCPListener(Listener):
             try:
                 conn, addr = await loop.sock_accept(self._sock)
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
-                    await asyncio.sleep(0.05)
-                    continue
-                return
+                if self._sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                # Out of descriptors or buffers, or a new connection's own
+                # error passed on (accept(2): retry those): the listener
+                # lives on, or no node could ever connect again.
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
+                    log.warning("accept on %s failed (%s); retrying", self._address, exc)
+                await asyncio.sleep(0.05)
+                continue
             stream = TCPStream(conn, f"{addr[0]}:{addr[1]}")
             self._streams.add(stream)
             task = loop.create_task(self._serve(stream))

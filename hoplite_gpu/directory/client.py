@@ -80,7 +80,11 @@ class DirectoryClient:
         try:
             body = await until(fut, time.monotonic() + timeout)
         except Expired:
+            self.post({"op": "cancel", "request": rid})  # (one that waits would wait on)
             raise Timeout(f"the directory did not answer {msg.get('op')!r} within {timeout:g}s") from None
+        except asyncio.CancelledError:
+            self.post({"op": "cancel", "request": rid})
+            raise
         finally:
             self._pending.pop(rid, None)
         return raise_for_error(body)

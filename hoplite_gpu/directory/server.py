@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -193,8 +194,10 @@ class DirectoryServer:
             peer.outbox.post(drop)
 
     async def _serve(self, stream: Stream) -> None:
+        authenticated = False
         try:
             await server_handshake(stream, self.token, self.handshake_timeout)
+            authenticated = True
             try:
                 async with asyncio.timeout(self.handshake_timeout):
                     hello = await recv_msg(stream, SMALL_MESSAGE)
@@ -210,11 +213,15 @@ class DirectoryServer:
             try:
                 split_address(address)  # (other nodes will dial it)
             except InvalidArgument as exc:
-                await send_msg(stream, {"error": "ProtocolError",
-                                        "message": f"bad data address: {exc}"})
-                raise ProtocolError(f"{stream.peer} registered a bad data address: {exc}") from None
+                raise ProtocolError(f"bad data address: {exc}") from None
         except HopliteError as exc:
             log.warning("refused connection from %s: %s", stream.peer, exc)
+            if authenticated:
+                # Say why (a handshake that failed has said so already), or the
+                # peer sees only that the connection closed.
+                with contextlib.suppress(HopliteError, OSError, TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await send_msg(stream, {"error": type(exc).__name__, "message": str(exc)})
             return
         if node in self.peers:
             await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})

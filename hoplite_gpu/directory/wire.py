@@ -21,33 +21,42 @@ def _id(msg: dict[str, Any], name: str) -> bytes:
     return value
 
 
+def _optional(msg: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """An optional field: `default` when absent or nil, else of type `kind`
+    (a mistyped one is refused, as a required one is: read as its default,
+    a put's `inline: "abc"` registered an object whose bytes nobody had)."""
+    value = msg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(f"field {name!r} of {msg.get('op', '?')!r} should be "
+                            f"{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def _tag(msg: dict[str, Any]) -> bytes | None:
     """A reduce tree's tag, where a message carries one."""
-    tag = msg.get("tag")
-    return tag if isinstance(tag, bytes) else None
+    return _optional(msg, "tag", bytes)
 
 
 def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     """Translate one message from `node`; None for ops the server answers itself."""
     op = field(msg, "op", str)
     if op == "put":
-        inline = msg.get("inline")
         return state.Put(node, field(msg, "rid", int), _id(msg, "oid"),
                          field(msg, "size", int), field(msg, "layout", dict),
-                         inline if isinstance(inline, bytes) else None)
+                         _optional(msg, "inline", bytes))
     if op == "locate":
         return state.Locate(node, field(msg, "rid", int), _id(msg, "oid"),
-                            bool(msg.get("direct", False)))
+                            _optional(msg, "direct", bool, False))
     if op == "cancel":
         return state.CancelLocate(node, field(msg, "request", int))
     if op == "progress":
         return state.Progress(node, _id(msg, "oid"), field(msg, "nbytes", int))
     if op == "complete":
-        size, layout = msg.get("size", -1), msg.get("layout")
-        return state.Completed(node, _id(msg, "oid"),
-                               size if isinstance(size, int) else -1,
-                               layout if isinstance(layout, dict) else None,
-                               msg.get("own") is True, _tag(msg))
+        return state.Completed(node, _id(msg, "oid"), _optional(msg, "size", int, -1),
+                               _optional(msg, "layout", dict), _optional(msg, "own", bool, False),
+                               _tag(msg))
     if op == "failed":
         return state.TransferFailed(node, _id(msg, "oid"), field(msg, "sender", str),
                                     field(msg, "have", int))
@@ -72,7 +81,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
                                     field(msg, "version", int))
     if op == "channel_head":
         return state.ChannelHead(node, field(msg, "rid", int), field(msg, "name", str),
-                                 field(msg, "newer_than", int), bool(msg.get("wait", True)))
+                                 field(msg, "newer_than", int), _optional(msg, "wait", bool, True))
     if op == "reduce":
         inputs = field(msg, "inputs", list)
         if not all(isinstance(i, bytes) and len(i) == 20 for i in inputs):
@@ -80,9 +89,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         root_input = msg.get("root_input")
         if root_input is not None and not (isinstance(root_input, bytes) and len(root_input) == 20):
             raise ProtocolError("reduce root_input must be a 20-byte object id")
-        relay = msg.get("relay", False)
-        if not isinstance(relay, bool):
-            raise ProtocolError("reduce relay must be a bool")
+        relay = _optional(msg, "relay", bool, False)
         op_name = field(msg, "op_name", str)
         if op_name not in OPS:  # (else it would fail only later, inside a step)
             raise ProtocolError(f"unknown reduce op {op_name!r}; expected one of {', '.join(OPS)}")

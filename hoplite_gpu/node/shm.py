@@ -129,6 +129,15 @@ def shared_buffer(nbytes: int) -> np.ndarray | None:
     if 2 * (_live + 1) > _fd_budget():
         return None
     try:
+        # A memfd's pages are not reserved when it is sized or mapped, so a
+        # size the machine cannot give would be found out only when written
+        # (the OOM killer). A private map of the size is checked against the
+        # kernel's overcommit rules, touches nothing, and is dropped at once;
+        # if refused, the caller's plain map is refused alike: StoreFull.
+        mmap.mmap(-1, nbytes).close()
+    except (OSError, ValueError, OverflowError):
+        return None
+    try:
         fd = os.memfd_create("hoplite-gpu", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
         return None

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -426,14 +427,15 @@ class PeerPool:
         `shm`), else through the transport (device objects keep UCX's own
         paths, e.g. CUDA IPC)."""
         local = local and self.config.shared_memory and address not in self._remote
-        for key in ((address, True), (address, False)) if local else ((address, False),):
-            idle = self._idle.get(key)
-            while idle:
-                stream = idle.pop()
-                stream.unwatch_idle()
-                self._idle_order.pop(stream, None)
-                if not stream.closed:
-                    return stream
+        # (an idle transport connection to a peer here, left by a device pull,
+        # must not carry a host object: only a Unix socket's can be mapped)
+        idle = self._idle.get((address, local))
+        while idle:
+            stream = idle.pop()
+            stream.unwatch_idle()
+            self._idle_order.pop(stream, None)
+            if not stream.closed:
+                return stream
         scheme, _, _ = split_address(address)
         # A peer that cannot finish connecting within the stall timeout is as
         # good as a stalled sender: fail over instead of waiting out the whole
@@ -445,6 +447,8 @@ class PeerPool:
             stream = await _connect_local(address)
             if stream is None:
                 self._remote.add(address)
+            elif stream is BUSY:
+                stream = None
         if stream is None:
             stream = await get_backend(scheme).connect(address, timeout)
         try:
@@ -495,30 +499,46 @@ class PeerPool:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-async def _connect_local(address: str) -> Stream | None:
+#: What `_connect_local` returns when the peer's Unix socket is here but its
+#: backlog stays full: this pull goes through the transport, later ones try again.
+BUSY = object()
+#: Seconds to retry a same-host connect whose peer's backlog is full.
+_BUSY_S = 0.5
+
+
+async def _connect_local(address: str) -> Stream | object | None:
     """A connection to the data server at `address` through this host's Unix
-    socket, or None where there is none (the peer is on another host or in
-    another network namespace, or runs without shared memory)."""
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    except OSError as exc:  # e.g. no file descriptor left: the transport would fail alike
-        raise ConnectionRefused(f"cannot open a socket to {address}: "
-                                f"{exc.strerror or exc}") from exc
-    sock.setblocking(False)
-    try:
-        await asyncio.get_running_loop().sock_connect(sock, shm.socket_name(address))
-        # Only our own user's node: any user may bind the name first, and a
-        # node of another user refuses us (both then use the transport).
-        mine = shm.same_user(sock)
-    except OSError:
-        mine = False
-    except BaseException:  # cancelled: the socket goes too
-        sock.close()
-        raise
-    if not mine:
-        sock.close()
-        return None
-    return shm.LocalStream(sock, f"{address} (same host)")
+    socket; None where there is none (the peer is on another host or in
+    another network namespace, or runs without shared memory); BUSY if the
+    peer's backlog stayed full (a burst of pulls at once)."""
+    name = shm.socket_name(address)
+    give_up, pause = time.monotonic() + _BUSY_S, 0.001
+    while True:
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # e.g. no file descriptor left: the transport would fail alike
+            raise ConnectionRefused(f"cannot open a socket to {address}: "
+                                    f"{exc.strerror or exc}") from exc
+        sock.setblocking(False)
+        try:
+            # (a Unix socket connects at once or fails: no asyncio wait, which
+            # takes a full backlog's EAGAIN for "in progress", then "connected")
+            sock.connect(name)
+            # Only our own user's node: any user may bind the name first, and a
+            # node of another user refuses us (both then use the transport).
+            if shm.same_user(sock):
+                return shm.LocalStream(sock, f"{address} (same host)")
+            sock.close()
+            return None
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() >= give_up:
+                return BUSY
+        except OSError:
+            sock.close()
+            return None
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def _settle(mapped: shm.SharedMap, done: bool) -> None:

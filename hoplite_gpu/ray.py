@@ -22,9 +22,9 @@ import ray
 
 from . import api
 from .auth import new_token
-from .config import Config
+from .config import Config, check_timeout
 from .directory.server import DirectoryServer
-from .errors import DirectoryUnavailable
+from .errors import DirectoryUnavailable, InvalidArgument
 
 DEFAULT_NAME = "hoplite-directory"
 #: A non-detached actor dies with its last handle: the driver keeps one.
@@ -43,8 +43,13 @@ class DirectoryActor:
         self._server = DirectoryServer(token, host=host, port=port, **config.directory_settings())
         self._address = asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
         if host in ("0.0.0.0", "::"):
+            # The address that routes here, in the scheme the directory serves
+            # (nodes dial that scheme: a UCX directory announced as tcp:// is
+            # dialled over TCP and never answers).
             ip = ray.util.get_node_ip_address()
-            self._address = f"tcp://{ip}:{self._address.rpartition(':')[2]}"
+            scheme, _, rest = self._address.rpartition("://")
+            where = f"[{ip}]" if ":" in ip else ip
+            self._address = f"{scheme or 'tcp'}://{where}:{rest.rpartition(':')[2]}"
 
     def info(self) -> dict[str, str]:
         return {"address": self._address, "token": self._token}
@@ -61,6 +66,7 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     returns its address and token. `actor_options` go to the actor's
     ``.options()``, e.g. ``resources`` or ``scheduling_strategy`` to place the
     directory on a chosen node of a multi-node cluster."""
+    _check_name(name, namespace)
     key = _key(name, namespace)
     try:
         actor = ray.get_actor(name, namespace=namespace)  # attach to a running one
@@ -92,6 +98,15 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
         raise DirectoryUnavailable(f"the directory actor {name!r} did not start: {exc}") from exc
 
 
+def _check_name(name: object, namespace: object) -> None:
+    """Refused here: Ray's own ValueError for an empty name reads as "no such
+    actor", and a join would wait out its timeout to say so."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"name must be a non-empty str; got {name!r}")
+    if namespace is not None and (not isinstance(namespace, str) or not namespace):
+        raise InvalidArgument(f"namespace must be a non-empty str or None; got {namespace!r}")
+
+
 def _key(name: str, namespace: str | None) -> tuple[str, str]:
     """The driver's handle of a directory actor, by name and namespace (None:
     this job's own namespace, as Ray reads it)."""
@@ -116,11 +131,17 @@ def _unavailable(name: str, exc: BaseException) -> DirectoryUnavailable:
                                 f"{type(exc).__name__}: {exc}")
 
 
-def join(*, name: str = DEFAULT_NAME, namespace: str | None = None, timeout: float = 60.0,
-         **settings: Any) -> api.Runtime:
+#: Seconds a join waits for the directory actor by default.
+_JOIN_TIMEOUT_S = 60.0
+
+
+def join(*, name: str = DEFAULT_NAME, namespace: str | None = None,
+         timeout: float | None = _JOIN_TIMEOUT_S, **settings: Any) -> api.Runtime:
     """Join the cluster of the directory actor `name` as a node (idempotent);
     finding the actor and asking it where the directory listens take at most
-    `timeout` seconds together."""
+    `timeout` seconds together (None: the default)."""
+    _check_name(name, namespace)
+    timeout = _JOIN_TIMEOUT_S if timeout is None else check_timeout(timeout)
     deadline = time.monotonic() + timeout
     actor = _find(name, namespace, timeout)
     try:
@@ -149,8 +170,10 @@ def _adopt(info: dict[str, Any], settings: dict[str, Any]) -> api.Runtime:
 
 
 async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
-                     timeout: float = 60.0, **settings: Any) -> api.Runtime:
+                     timeout: float | None = _JOIN_TIMEOUT_S, **settings: Any) -> api.Runtime:
     """`join` for async actors: never blocks their event loop."""
+    _check_name(name, namespace)
+    timeout = _JOIN_TIMEOUT_S if timeout is None else check_timeout(timeout)
     deadline = time.monotonic() + timeout
     actor = await asyncio.to_thread(_find, name, namespace, timeout)
     try:
@@ -162,6 +185,7 @@ async def join_async(*, name: str = DEFAULT_NAME, namespace: str | None = None,
 
 def stop_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None) -> None:
     """Stop and remove the directory actor (nodes then reconnect until their deadline)."""
+    _check_name(name, namespace)
     try:
         actor = ray.get_actor(name, namespace=namespace)
     except ValueError:

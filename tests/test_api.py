@@ -297,9 +297,20 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
     """A drop with retry (a reduce restarted) can land between a get's fetch and
     its return; the get asks again instead of failing, while a plain drop
     (deleted) still fails it."""
+    from hoplite_gpu.node.node import Node
+
     rt = hg.api.runtime()
     node = rt.node
-    oid = hg.put(np.arange(300_000, dtype=np.int32))
+
+    async def start_other():
+        other = Node(rt.config, rt.token, rt.address)
+        await other.start()
+        return other
+
+    # Put by another node: this node's dropped copy is not the last one (a
+    # dropped last copy is lost, and a get then learns so at once).
+    other = rt.call(start_other(), 10)
+    oid = rt.call(other.put(np.arange(300_000, dtype=np.int32), hg.ObjectID.random()), 10)
     real_fetch = node.fetch
     calls = []
 
@@ -314,10 +325,6 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
     hg_put_again = []
     node.fetch = fetch_then_drop
     try:
-        async def again_soon():
-            await asyncio.sleep(0.2)
-            await node.put(np.arange(300_000, dtype=np.int32), oid)
-        rt.submit(again_soon())
         got = hg.get(oid, timeout=10)
         assert len(calls) == 2 and got[-1] == 299_999
         calls.clear()
@@ -333,6 +340,7 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
             hg.get(oid2, timeout=5)
     finally:
         node.fetch = real_fetch
+        rt.call(other.close(), 10)
 
 
 def test_config_names_the_allreduce_slicing_choices(monkeypatch):

@@ -334,9 +334,15 @@ def test_losing_the_only_origin_loses_the_object():
     assert all(c.oid == K and "lost" in c.reason for c in out if isinstance(c, Drop))
     assert len(out) == 2
     assert K not in d.objects
-    assert locate(d, "n5", 5) is None and list(d.pending[K]) == [("n5", 5)]
+    # A locate after the loss is told so at once, not left waiting for a put
+    [reply] = d.handle(Locate("n5", 5, K))
+    assert reply.body["error"] == "ObjectNotFound" and "lost" in reply.body["message"]
+    assert K not in d.pending
     assert d.handle(NodeLost("n4")) == []
-    assert K2 not in d.pending and list(d.pending[K]) == [("n5", 5)]
+    assert K2 not in d.pending
+    # ... until it is put again
+    put(d, "n6", complete=True)
+    assert locate(d, "n5", 6) == "n6"
 
 
 def test_dropping_the_last_complete_copy_loses_the_object():

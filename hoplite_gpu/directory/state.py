@@ -280,6 +280,12 @@ class Reply:
     body: dict[str, Any]
 
 
+def _lost_reason(oid: Key) -> str:
+    return (f"object {oid.hex()} was lost: every node holding a complete copy (or still "
+            "putting it) died, left or dropped it (an object lives only as long as a "
+            "process that holds it); put it again")
+
+
 def _unreducible_dtype(layout: dict) -> str:
     """Why the element type of arrays of `layout` cannot be reduced ("" if it can),
     so a reduce fails when its first input arrives, not inside a step."""
@@ -676,6 +682,13 @@ class Directory:
         entry = self.objects.get(ev.oid)
         if entry is None and ev.oid in self.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", self.failed[ev.oid])))
+            return
+        if entry is None and self.gone.get(ev.oid):
+            # Lost, not deleted: a get asked after the loss is told so too,
+            # at once, as the gets waiting then were, instead of waiting out
+            # its deadline for a put (e.g. the put's process exited: a Ray
+            # task's worker). A put of the id again makes it available.
+            out.append(Reply(ev.node, ev.request, error_body("ObjectNotFound", _lost_reason(ev.oid))))
             return
         if ev.direct:
             if entry is not None and _held(entry, ev.node):
@@ -1201,8 +1214,7 @@ class Directory:
         if task is not None and not task.done and not task.failed:
             return  # the result of a reduce in flight: the reduce restarts and rebuilds it
         self._remove_entry(oid, lost=True)
-        reason = (f"object {oid.hex()} was lost: every node holding a complete copy "
-                  "(or still putting it) died or dropped it; put it again")
+        reason = _lost_reason(oid)
         for node in entry.holders:
             out.append(Drop(node, oid, reason))
         for node, request in entry.waiting:

@@ -24,7 +24,7 @@ from . import api
 from .auth import new_token
 from .config import Config, check_timeout
 from .directory.server import DirectoryServer
-from .errors import DirectoryUnavailable, InvalidArgument
+from .errors import DirectoryUnavailable, InvalidArgument, NotInitialized
 
 DEFAULT_NAME = "hoplite-directory"
 #: A non-detached actor dies with its last handle: the driver keeps one.
@@ -100,7 +100,12 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
 
 def _check_name(name: object, namespace: object) -> None:
     """Refused here: Ray's own ValueError for an empty name reads as "no such
-    actor", and a join would wait out its timeout to say so."""
+    actor", and a join would wait out its timeout to say so. And Ray must be
+    up: Ray's calls below would start a local Ray of their own, in which no
+    directory is found (and the program's own ray.init then fails)."""
+    if not ray.is_initialized():
+        raise NotInitialized("Ray is not initialised in this process: call ray.init() first "
+                             "(hoplite_gpu.ray joins the directory actor of a Ray cluster)")
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"name must be a non-empty str; got {name!r}")
     if namespace is not None and (not isinstance(namespace, str) or not namespace):

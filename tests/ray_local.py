@@ -16,9 +16,9 @@ def local_ray(namespace: str, num_cpus: int) -> Iterator[None]:
     import ray
 
     tmp = tempfile.mkdtemp(prefix="hgray", dir="/tmp")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             namespace=namespace, configure_logging=False)
     try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+                 namespace=namespace, configure_logging=False)
         yield
     finally:
         ray.shutdown()

@@ -187,3 +187,25 @@ def test_start_directory_with_an_empty_name_is_invalid_argument(ray_session):
     InvalidArgument up front, as for the package's other bad arguments."""
     with pytest.raises(hg.InvalidArgument):
         hray.start_directory(name="")
+
+
+def test_joining_before_ray_init_is_refused_and_starts_no_ray():
+    """Before ray.init(), Ray's get_actor started a local Ray of its own: the
+    join then waited out its timeout to find no directory there, and the
+    program's own ray.init(address=...) afterwards failed ("called ray.init
+    twice")."""
+    import subprocess
+    import sys
+
+    code = ("import ray, hoplite_gpu as hg, hoplite_gpu.ray as hray\n"
+            "for call in (lambda: hray.join(timeout=5), hray.start_directory):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except hg.NotInitialized as exc:\n"
+            "        assert 'ray.init()' in str(exc), exc\n"
+            "    else:\n"
+            "        raise SystemExit('not refused')\n"
+            "assert not ray.is_initialized(), 'a Ray was started'\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]

@@ -9,16 +9,17 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def local_ray(namespace: str, num_cpus: int) -> Iterator[None]:
+def local_ray(namespace: str, num_cpus: int, **options: object) -> Iterator[None]:
     """`ray.init` on this machine, in `namespace`, with `num_cpus` (tests
     oversubscribe: their actors wait on I/O, and a pending actor would hang
-    a test); its temp dir, where Ray keeps its sockets, short and ours."""
+    a test) and `options` (e.g. num_gpus); its temp dir, where Ray keeps its
+    sockets, short and ours."""
     import ray
 
     tmp = tempfile.mkdtemp(prefix="hgray", dir="/tmp")
     try:
         ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-                 namespace=namespace, configure_logging=False)
+                 namespace=namespace, configure_logging=False, **options)
         yield
     finally:
         ray.shutdown()

@@ -13,40 +13,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # (in_process, as test_cancellation imports it)
 
+from raw_directory import TOKEN, authenticated, registered, run
+
 import tests.transport_checks as tc
-from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.errors import ConfigError, HopliteError, TransportClosed
 from hoplite_gpu.protocol import recv_msg, send_msg
 from hoplite_gpu.transports import get_backend
 
-TOKEN = "tok"
 OID = b"o" * 20
-
-
-def run(coro_fn, bound: float = 30.0) -> None:
-    async def main():
-        async with asyncio.timeout(bound):
-            await coro_fn()
-    asyncio.run(main())
-
-
-async def authenticated(address: str):
-    """A raw TCP stream to the directory, past the handshake."""
-    stream = await get_backend("tcp").connect(address, 5)
-    await client_handshake(stream, TOKEN, 5)
-    return stream
-
-
-async def registered(address: str, node: str):
-    stream = await authenticated(address)
-    await send_msg(stream, {"op": "register", "node": node, "address": f"tcp://127.0.0.1:1{len(node)}"})
-    async with asyncio.timeout(5):
-        reply = await recv_msg(stream)
-    assert reply == {"ok": True, "node": node, "lease_s": reply.get("lease_s")}
-    assert reply["lease_s"] > 0
-    return stream
 
 
 async def closed_within(stream, seconds: float) -> bool:

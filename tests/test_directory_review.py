@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # (in_process, as test_control_edges does)
 
 from in_process import run_nodes
+from raw_directory import TOKEN, authenticated, registered, run
 
-from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.errors import Timeout, TransportClosed
@@ -23,32 +23,8 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import recv_msg, send_msg
 from hoplite_gpu.transports import get_backend
 
-TOKEN = "tok"
 OID = b"r" * 20
 TARGET = b"T" * 20
-
-
-def run(coro_fn, bound: float = 20.0) -> None:
-    async def main():
-        async with asyncio.timeout(bound):
-            await coro_fn()
-    asyncio.run(main())
-
-
-async def authenticated(address: str):
-    """A raw TCP stream to the directory, past the handshake."""
-    stream = await get_backend("tcp").connect(address, 5)
-    await client_handshake(stream, TOKEN, 5)
-    return stream
-
-
-async def registered(address: str, node: str):
-    stream = await authenticated(address)
-    await send_msg(stream, {"op": "register", "node": node, "address": "tcp://127.0.0.1:9"})
-    async with asyncio.timeout(5):
-        reply = await recv_msg(stream)
-    assert reply.get("ok") is True, reply
-    return stream
 
 
 async def reply_to(stream, rid: int, seconds: float = 2.0) -> dict | None:

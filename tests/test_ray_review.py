@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 
@@ -20,6 +18,8 @@ import pytest
 # Single-machine Ray on loopback (read when ray is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
+
+from ray_local import local_ray  # noqa: E402
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hray  # noqa: E402
@@ -31,17 +31,13 @@ def ray_session():
     """A local Ray (as tests/ray_local.py starts it) that also declares one
     GPU, so that a `@ray.remote(num_gpus=1)` task is scheduled here as on a
     GPU machine; with the default directory actor."""
-    tmp = tempfile.mkdtemp(prefix="hgray", dir="/tmp")
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _temp_dir=tmp,
-             log_to_driver=False, namespace="hoplite-ray-review", configure_logging=False)
-    try:
+    with local_ray("hoplite-ray-review", 8, num_gpus=1):
         hray.start_directory()
-        yield
-    finally:
-        hg.shutdown()
-        hray.stop_directory()
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            yield
+        finally:
+            hg.shutdown()
+            hray.stop_directory()
 
 
 def _bounded(fn, limit: float):

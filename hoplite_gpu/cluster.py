@@ -96,7 +96,7 @@ class LocalCluster(Closing):
         self.num_workers = num_workers
         self.token = token or new_token()
         self.settings = settings
-        self.start_timeout = start_timeout
+        self.start_timeout = check_timeout(start_timeout)
         self.directory_args = list(directory_args)
         self.address = ""
         self.node_ids: list[str] = []
@@ -112,6 +112,9 @@ class LocalCluster(Closing):
         #: its start); a job given up at its deadline leaves, and its late
         #: answer is dropped when it comes
         self._jobs: list[collections.deque[int]] = []
+        #: per worker, answers that came while another job's was awaited
+        #: (job number -> answer), each taken by its own job's `_recv`
+        self._early: list[dict[int, list]] = []
         self._seq = itertools.count(1)
 
     # ------------------------------------------------------------ set-up ---
@@ -132,6 +135,7 @@ class LocalCluster(Closing):
                 self._outboxes.append(queue.SimpleQueue())
                 self._senders.append(None)  # type: ignore[arg-type]
                 self._jobs.append(collections.deque([0]))
+                self._early.append({})
                 self._attach(len(self._procs) - 1)
             self.node_ids = [self._recv(i, max(0.0, deadline - time.monotonic()))
                              for i in range(self.num_workers)]
@@ -162,6 +166,7 @@ class LocalCluster(Closing):
         self._senders[worker].join(5)
         self._conns[worker].close()
         self._jobs[worker] = collections.deque([0])
+        self._early[worker] = {}
         self._attach(worker)
         self.node_ids[worker] = self._recv(worker, self.start_timeout)
         return self.node_ids[worker]
@@ -250,7 +255,7 @@ class LocalCluster(Closing):
             if sender is not None:
                 sender.join(5)
         self._procs, self._conns, self._outboxes, self._senders = [], [], [], []
-        self._jobs = []
+        self._jobs, self._early = [], []
         self._stop_directory()
 
     # ------------------------------------------------------------- work ---
@@ -259,16 +264,22 @@ class LocalCluster(Closing):
         self._submit(worker, fn, args, kwargs)
 
     def _submit(self, worker: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> int:
+        return self._send(worker, self._job(worker, fn, args, kwargs))
+
+    def _job(self, worker: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+        """The job, pickled, for a worker that is running; nothing is sent."""
         self._check_worker(worker)
         if not self._procs[worker].is_alive():
             raise WorkerError(f"worker {worker} died (exit code {self._exitcode(worker)})")
         try:
-            payload = pickle.dumps((fn, args, kwargs))
+            return pickle.dumps((fn, args, kwargs))
         except Exception as exc:  # (pickle raises PicklingError, AttributeError, TypeError ...)
             raise InvalidArgument(
                 f"a LocalCluster job must be picklable, as it is sent to another process: "
                 f"a function defined at a module's top level and plain arguments; "
                 f"{getattr(fn, '__qualname__', fn)!r}: {type(exc).__name__}: {exc}") from exc
+
+    def _send(self, worker: int, payload: bytes) -> int:
         seq = next(self._seq)
         self._jobs[worker].append(seq)
         self._outboxes[worker].put(pickle.dumps((seq, payload)))
@@ -280,28 +291,48 @@ class LocalCluster(Closing):
         return proc.exitcode
 
     def _check_worker(self, worker: int) -> None:
+        if not self._procs:
+            raise HopliteError("this LocalCluster is not running: start() it (or use it in "
+                               "a `with` block) first")
         if not (isinstance(worker, int) and 0 <= worker < len(self._conns)):
             raise HopliteError(f"no worker {worker!r}: this cluster has workers "
                                f"0 to {len(self._conns) - 1}")
 
     def result(self, worker: int, timeout: float = 300.0) -> Any:
+        """The answer of the oldest job submitted to `worker` and not yet
+        collected. A result given up (its timeout, Ctrl-C) gives that job
+        up: its answer, when it comes, is dropped."""
         return self._recv(worker, check_timeout(timeout, zero=True))
 
-    def _recv(self, worker: int, timeout: float) -> Any:
+    def _recv(self, worker: int, timeout: float, seq: int | None = None) -> Any:
+        """The answer of job `seq` (None: the oldest awaited) of `worker`;
+        answers of its other awaited jobs that come first are kept for them."""
         self._check_worker(worker)
-        jobs = self._jobs[worker]
+        jobs, early = self._jobs[worker], self._early[worker]
         if not jobs:
             raise HopliteError(f"worker {worker} has no job whose result is awaited")
+        seq = jobs[0] if seq is None else seq
         deadline = time.monotonic() + timeout
-        while True:
-            answer = self._next_answer(worker, deadline)
-            if answer is None:
-                jobs.popleft()  # given up: its answer, when it comes, is dropped
-                raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
-            seq, status, data = pickle.loads(answer)
-            if seq == jobs[0]:
-                jobs.popleft()
-                break  # (an older one's answer came after its caller gave up)
+        try:
+            answer = early.pop(seq, None)
+            while answer is None:
+                got = self._next_answer(worker, deadline)
+                if got is None:
+                    raise Timeout(f"worker {worker} did not answer within {timeout:g}s")
+                number, *rest = pickle.loads(got)
+                if number == seq:
+                    answer = rest
+                elif number in jobs:
+                    early[number] = rest  # another caller's, still awaited
+                # else: the answer of a job given up, dropped
+        except BaseException:
+            # Given up (its deadline, Ctrl-C): its answer, when it comes, is
+            # dropped, not taken for a later call's.
+            with contextlib.suppress(ValueError):
+                jobs.remove(seq)
+            raise
+        jobs.remove(seq)
+        status, data = answer
         try:
             value = pickle.loads(data)
         except Exception as exc:  # e.g. an exception class this process cannot rebuild
@@ -328,22 +359,26 @@ class LocalCluster(Closing):
     def run(self, worker: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
             **kwargs: Any) -> Any:
         timeout = check_timeout(timeout, zero=True)  # (before anything is sent)
-        self.submit(worker, fn, *args, **kwargs)
-        return self._recv(worker, timeout)
+        return self._recv(worker, timeout, self._submit(worker, fn, args, kwargs))
 
     def map(self, fn: Callable[..., Any], args: Sequence[Sequence[Any]], *,
             workers: Sequence[int] | None = None, timeout: float = 300.0) -> list[Any]:
-        """Run ``fn(*args[i])`` on ``workers[i]`` (default: worker i), all at once."""
+        """Run ``fn(*args[i])`` on ``workers[i]`` (default: worker i), all at
+        once; a call that cannot run whole (a worker that does not exist or
+        died, a job that cannot be pickled) runs none of it."""
         timeout = check_timeout(timeout, zero=True)
+        args = list(args)
         workers = list(range(len(args))) if workers is None else list(workers)
-        sent: list[tuple[int, int]] = []
+        if len(workers) != len(args):
+            raise InvalidArgument(f"map got {len(args)} argument tuples for {len(workers)} "
+                                  "workers; give one worker per tuple")
+        jobs = [(w, self._job(w, fn, tuple(a), {})) for w, a in zip(workers, args, strict=True)]
+        sent = [(w, self._send(w, payload)) for w, payload in jobs]
         out: list[Any] = []
         try:
-            for w, a in zip(workers, args, strict=True):
-                sent.append((w, self._submit(w, fn, tuple(a), {})))
             deadline = time.monotonic() + timeout
-            for w, _ in sent:
-                out.append(self._recv(w, max(0.0, deadline - time.monotonic())))
+            for w, seq in sent:
+                out.append(self._recv(w, max(0.0, deadline - time.monotonic()), seq))
             return out
         finally:
             # One failed: the others' answers are not awaited any more (each
@@ -351,6 +386,7 @@ class LocalCluster(Closing):
             for w, seq in sent[len(out):]:
                 with contextlib.suppress(ValueError):
                     self._jobs[w].remove(seq)
+                self._early[w].pop(seq, None)
 
     def kill(self, worker: int) -> None:
         self._check_worker(worker)

@@ -45,6 +45,9 @@ from .ids import ObjectID
 
 #: How long a reader waits for one array before checking whether its version was freed.
 _PROBE_S = 1.0
+#: Versions are below this: the wire carries them as 64-bit signed ints (and
+#: the next one is chosen as the head + 1).
+_MAX_VERSION = (1 << 63) - 1
 
 
 def _oid(name: str, version: int, part: str) -> ObjectID:
@@ -101,8 +104,8 @@ class WeightChannel:
         if not all(isinstance(k, str) for k in tensors):
             raise InvalidArgument("weight names must be str")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)
-                                    or version < 0):
-            raise InvalidArgument(f"version must be an int >= 0; got {version!r}")
+                                    or not 0 <= version < _MAX_VERSION):
+            raise InvalidArgument(f"version must be an int in [0, 2**63 - 1); got {version!r}")
         rt = api.runtime()
         return rt, api._timeout(rt, timeout)
 
@@ -133,7 +136,10 @@ class WeightChannel:
         try:
             for key in keys:
                 done.append(await node.put(tensors[key], _oid(self.name, version, "t/" + key)))
-            manifest = msgpack.packb({"version": version, "keys": keys}, use_bin_type=True)
+            # (`held`: the versions this publisher has not freed, which a
+            # publisher that restarts takes over, whatever their numbers)
+            manifest = msgpack.packb({"version": version, "keys": keys,
+                                      "held": sorted(self._published)}, use_bin_type=True)
             await node.put(manifest, _oid(self.name, version, "manifest"))
         except BaseException:
             # None of this version may stay: a later publish of it would find
@@ -154,12 +160,19 @@ class WeightChannel:
         """Take over the newest versions an earlier publisher left (a learner
         restarted): they are freed as this publisher's own are, instead of
         staying with every reader that fetched them."""
-        for old in range(max(0, latest - self.keep + 1), latest + 1):
+        candidates = set(range(max(0, latest - self.keep + 1), latest + 1))
+        done: set[int] = set()
+        while candidates - done:
+            old = max(candidates - done)  # (the head first: its manifest names the rest)
+            done.add(old)
             oid = _oid(self.name, old, "manifest")
             try:
                 if old not in self._published and await _exists(node, oid):
-                    manifest = await node.get(oid, node.config.connect_timeout_s)
-                    self._published[old] = msgpack.unpackb(manifest, raw=False)["keys"]
+                    manifest = msgpack.unpackb(
+                        await node.get(oid, node.config.connect_timeout_s), raw=False)
+                    self._published[old] = manifest["keys"]
+                    candidates.update(v for v in manifest.get("held", ())
+                                      if isinstance(v, int) and 0 <= v < old)
             except (HopliteError, ValueError, KeyError, TypeError):
                 continue  # (freed meanwhile, or not a manifest of ours: left as it is)
         self._adopted = True  # (only now: a publish cut short here adopts at the next one)
@@ -175,7 +188,13 @@ class WeightChannel:
             self._tried = max(self._tried, chosen)
             try:
                 await node.put(np.empty(shape, dtype=np.uint8), _oid(self.name, chosen, "claim"))
-                return chosen
+                if not await _exists(node, _oid(self.name, chosen, "manifest")):
+                    return chosen
+                # Published before, by a publisher that is gone, to a
+                # directory that restarted since (it knows no head then):
+                # readers still hold that version, and a put of its ids with
+                # new bytes would be taken for more copies of the old ones.
+                raise ObjectExists
             except ObjectExists:
                 if version is not None:
                     raise ObjectExists(f"channel {self.name!r}: version {version} was published "
@@ -222,9 +241,10 @@ class WeightChannel:
 
     @staticmethod
     def _check_fetch(newer_than: int, timeout: float | None) -> tuple[Any, float]:
-        if not isinstance(newer_than, int) or isinstance(newer_than, bool):
-            raise InvalidArgument(f"newer_than must be an int (-1: any version); got "
-                                  f"{newer_than!r}")
+        if (not isinstance(newer_than, int) or isinstance(newer_than, bool)
+                or not -1 <= newer_than < _MAX_VERSION):
+            raise InvalidArgument(f"newer_than must be an int in [-1, 2**63 - 1) (-1: any "
+                                  f"version); got {newer_than!r}")
         rt = api.runtime()
         return rt, api._timeout(rt, timeout)
 
@@ -236,7 +256,11 @@ class WeightChannel:
             got = await self._fetch_version(node, head, deadline)
             if got is not None:
                 return head, got
-            newer_than = max(newer_than, head - 1)  # that version was freed: take a newer one
+            # That version was freed (a newer one is out) or lost with its
+            # publisher: wait for a newer one. (Asking again for `head` would
+            # get it back at once, and a lost one's get fails at once: a
+            # loop hammering the directory until the deadline.)
+            newer_than = max(newer_than, head)
 
     async def _fetch_version(self, node: Any, version: int,
                              deadline: float) -> dict[str, Any] | None:
@@ -283,7 +307,8 @@ class WeightChannel:
         while the directory is away (a restart): then not, as far as we know."""
         left = max(0.001, min(deadline - time.monotonic(), node.config.timeout_s))
         try:
-            head = await node.channel_head(self.name, -1, left, wait=False)
-            return head > version and not await _exists(node, oid)
-        except (DirectoryUnavailable, Timeout):
+            async with asyncio.timeout(left):  # (both requests within the fetch's deadline)
+                head = await node.channel_head(self.name, -1, left, wait=False)
+                return head > version and not await _exists(node, oid)
+        except (DirectoryUnavailable, TimeoutError):  # (Timeout is a TimeoutError)
             return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import os
 import threading
 import time
@@ -184,8 +185,9 @@ def _reduce_args(object_ids, op, num_objects, object_id, root_input=None):
     if len(set(inputs)) != len(inputs):
         raise InvalidArgument("reduce inputs must be distinct ObjectIDs")
     k = len(inputs) if num_objects is None else num_objects
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(inputs):
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= len(inputs):
         raise InvalidArgument(f"num_objects must be an int from 1 to {len(inputs)}; got {num_objects!r}")
+    k = int(k)  # (a NumPy integer does not go on the wire)
     if root_input is not None:
         root_input = as_object_id(root_input)
         if root_input not in inputs:

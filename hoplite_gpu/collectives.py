@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import numbers
 import os
 import time
 from collections.abc import Callable, Coroutine
@@ -32,10 +33,15 @@ def input_id(name: str, rank: int) -> ObjectID:
 
 
 def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # (True is no rank)
+    # (NumPy's integers too, as from np.ceil(...).astype(int); True is no rank)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _check(rank: int, size: int, root: int = 0) -> None:
+def _check(name: str, rank: int, size: int, root: int = 0) -> None:
+    # Every object id of the call is made from the name: None or b"x" would
+    # silently meet other calls (every name None) or miss the ranks passing "x".
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"name must be a non-empty str naming this one call; got {name!r}")
     if not (_int(size) and size >= 1):
         raise InvalidArgument(f"size must be a positive int; got {size!r}")
     for what, r in (("rank", rank), ("root", root)):
@@ -60,7 +66,7 @@ def broadcast(value: Any, *, name: str, rank: int, size: int, root: int = 0,
               timeout: float | None = None) -> Any:
     """Root's value on every rank (receiver-driven, pipelined); `timeout`
     bounds the call on every rank, the root's put included."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     oid = ObjectID.from_name(f"{name}/bcast")
     if rank == root:
         _put(value, oid, timeout)
@@ -84,7 +90,7 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     later); with `wait`, it returns only once the reduce is done, as
     MPI_Reduce does, and its input is read in place too: no copy, and S less
     memory per rank."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     ids, target = _reduce_ids(name, size, op, num_objects)
     # Idempotent across ranks; the root's own input takes the tree's root, so
     # the result is produced where it is wanted (no extra hop to fetch it).
@@ -113,7 +119,7 @@ def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
     ready within ``allreduce_slicing_window_s`` of each rank's own and the
     ranks are on more than one host, and reduced whole, in the order the
     inputs arrive, if not."""
-    _check(rank, size)
+    _check(name, rank, size)
     if _slices(value, size, num_objects) > 1:
         # (a non-contiguous array is sliced from a contiguous copy, as every
         # rank decides alike from its size alone)
@@ -425,7 +431,7 @@ def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
            timeout: float | None = None) -> list[Any] | None:
     """Every rank's value, in rank order, on `root` (None elsewhere). The root
     pulls all of them at once; `timeout` bounds the whole call."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     deadline = _put(value, input_id(name, rank), timeout)
     if rank != root:
         return None
@@ -521,7 +527,7 @@ def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = N
 
 def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[ObjectID]:
     """Every object a call named `name` may have made (see `delete`)."""
-    _check(0, size)
+    _check(name, 0, size)
     ids, target = _reduce_ids(name, size, op, num_objects)
     api._reduce_args(ids, op, num_objects, target)  # (an op or count no call could have used)
     doomed = [ObjectID.from_name(f"{name}/bcast"), target, *ids]
@@ -539,7 +545,7 @@ def allgather(value: Any, *, name: str, rank: int, size: int,
               timeout: float | None = None) -> list[Any]:
     """Every rank's value, in rank order, on every rank (pulled at once;
     `timeout` bounds the whole call)."""
-    _check(rank, size)
+    _check(name, rank, size)
     deadline = _put(value, input_id(name, rank), timeout)
     return _get_all([input_id(name, r) for r in range(size)], api.time_left(deadline))
 
@@ -566,7 +572,7 @@ async def _get_all_async(ids: list[ObjectID], timeout: float | None) -> list[Any
 async def broadcast_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
                           timeout: float | None = None) -> Any:
     """`broadcast`, awaitable."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     oid = ObjectID.from_name(f"{name}/bcast")
     if rank == root:
         await _put_async(value, oid, timeout)
@@ -578,7 +584,7 @@ async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int
                        op: str = "sum", num_objects: int | None = None,
                        timeout: float | None = None, wait: bool = False) -> Any:
     """`reduce`, awaitable."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     ids, target = _reduce_ids(name, size, op, num_objects)
     args = api._reduce_args(ids, op, num_objects, target, ids[root])
     return await _reduce_and_get_async(args, value, ids[rank], rank == root, timeout, wait)
@@ -587,7 +593,7 @@ async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int
 async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
                           num_objects: int | None = None, timeout: float | None = None) -> Any:
     """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing`` on)."""
-    _check(rank, size)
+    _check(name, rank, size)
     if _slices(value, size, num_objects) > 1:
         return await _sliced_allreduce_async(_sliceable(value), name, rank, size, op, timeout)
     ids, target = _reduce_ids(name, size, op, num_objects)
@@ -602,7 +608,7 @@ async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: st
 async def gather_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
                        timeout: float | None = None) -> list[Any] | None:
     """`gather`, awaitable."""
-    _check(rank, size, root)
+    _check(name, rank, size, root)
     deadline = await _put_async(value, input_id(name, rank), timeout)
     if rank != root:
         return None
@@ -613,7 +619,7 @@ async def gather_async(value: Any, *, name: str, rank: int, size: int, root: int
 async def allgather_async(value: Any, *, name: str, rank: int, size: int,
                           timeout: float | None = None) -> list[Any]:
     """`allgather`, awaitable."""
-    _check(rank, size)
+    _check(name, rank, size)
     deadline = await _put_async(value, input_id(name, rank), timeout)
     return await _get_all_async([input_id(name, r) for r in range(size)],
                                 api.time_left(deadline))

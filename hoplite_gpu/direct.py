@@ -338,9 +338,11 @@ class DirectCalls:
             raise_for_error(reply)
         self._keep(put, since)
         result = self._value(replies[2], "cupy") if then == "get" else None
-        if result is PULL or then != "get":
+        if result is PULL or then is None:
             # Asked again of a restarted directory until the result is in
             # hand, as the node's own reduces are (a result here inline is).
+            # Not once "wait" is answered: the reduce is done, and its
+            # result's holder announces it to a restarted directory.
             self._on_loop(self._node.remember_reduce, target, request, since)
         self._count(puts=1, gets=then == "get" and result is not PULL)
         return result

@@ -485,6 +485,9 @@ class Directory:
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
         self.pending: dict[Key, deque[tuple[NodeId, int]]] = {}
+        #: `reduced_inputs` asked of a target no reduce produces yet: they
+        #: wait for its reduce (as a get of it waits), then on it
+        self.reduce_pending: dict[Key, list[tuple[NodeId, int]]] = {}
         self.reduces: dict[Key, ReduceTask] = {}
         #: input -> targets of reduces waiting for it
         self.watching: dict[Key, set[Key]] = {}
@@ -570,6 +573,10 @@ class Directory:
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
         self.direct = {w for w in self.direct if w[0] != ev.node}
+        for key, waiters in list(self.reduce_pending.items()):
+            self.reduce_pending[key] = [w for w in waiters if w[0] != ev.node]
+            if not self.reduce_pending[key]:
+                del self.reduce_pending[key]
         for task in self.reduces.values():  # (its next connection numbers requests anew)
             task.waiters = [w for w in task.waiters if w[0] != ev.node]
             task.confirms = [w for w in task.confirms if w[0] != ev.node]
@@ -718,11 +725,14 @@ class Directory:
             return
         entry, task = self.objects.get(key), self.reduces.get(key)
         for queue in (self.pending.get(key), entry and entry.waiting,
-                      task and task.confirms, task and task.waiters):
+                      task and task.confirms, task and task.waiters,
+                      self.reduce_pending.get(key)):
             if queue and request in queue:
                 queue.remove(request)
         if key in self.pending and not self.pending[key]:
             del self.pending[key]
+        if key in self.reduce_pending and not self.reduce_pending[key]:
+            del self.reduce_pending[key]
 
     # ----------------------------------------------------------- channels ---
     def _on_ChannelPublish(self, ev: ChannelPublish, out: list[Command]) -> None:
@@ -823,6 +833,9 @@ class Directory:
                 self._fail_reduce(task, f"object {oid.hex()} was deleted while a reduce "
                                   "was making it", out, kind="ObjectNotFound")
             self.failed.pop(oid, None)
+        for node, request in self.reduce_pending.pop(oid, ()):
+            out.append(Reply(node, request, error_body(
+                "ObjectNotFound", f"object {oid.hex()} was deleted before a reduce made it")))
         if entry is None:
             return False
         reason = f"object {oid.hex()} was deleted"
@@ -859,7 +872,11 @@ class Directory:
     def _on_ReduceRequested(self, ev: ReduceRequested, out: list[Command]) -> None:
         old = self.reduces.get(ev.target)
         if old is not None:
-            if (old.inputs, old.op, old.k) == (ev.inputs, ev.op, ev.num_objects):
+            # The same reduce, its inputs in any order (a relayed one's order
+            # is its chain's: that must match).
+            same = (old.inputs == ev.inputs or (not old.relay and not ev.relay
+                                                 and sorted(old.inputs) == sorted(ev.inputs)))
+            if same and (old.op, old.k) == (ev.op, ev.num_objects):
                 if old.root_input is None and ev.root_input in old.inputs:
                     old.root_input = ev.root_input  # still honoured if the root is free
                 out.append(Reply(ev.node, ev.request, {"ok": True}))  # same reduce asked twice
@@ -877,6 +894,7 @@ class Directory:
         task.relay = ev.relay
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
+        task.waiters.extend(self.reduce_pending.pop(ev.target, ()))
         out.append(Reply(ev.node, ev.request, {"ok": True}))
         for oid in ev.inputs:
             self.watching.setdefault(oid, set()).add(ev.target)
@@ -902,9 +920,14 @@ class Directory:
 
     def _on_ReducedInputs(self, ev: ReducedInputs, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
-        if task is None:
+        if task is None and (ev.target in self.gone or ev.target in self.objects):
             out.append(Reply(ev.node, ev.request, error_body(
-                "ObjectNotFound", f"no reduce produces {ev.target.hex()}")))
+                "ObjectNotFound", f"no reduce produces {ev.target.hex()}"
+                + (" (it was deleted or lost)" if ev.target in self.gone else
+                   " (it is an object that was put)"))))
+        elif task is None:  # (its reduce not asked for yet: waits for it, as a get does)
+            self.reduce_pending.setdefault(ev.target, []).append((ev.node, ev.request))
+            self._wait(ev.node, ev.request, "reduce", ev.target)
         elif task.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
         elif task.done:

@@ -955,6 +955,10 @@ class Node:
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
         body = await self._request({"op": "reduced_inputs", "target": target.binary}, timeout)
+        # Done: its result's holder announces it to a restarted directory, so
+        # it need not be asked for again (a non-root rank of a collective
+        # reduce never holds the result, and is not the one that deletes it).
+        self._my_reduces.pop(target, None)
         return [ObjectID(i) for i in body["inputs"]]
 
     async def _reduce_step(self, step: dict) -> None:

@@ -1,0 +1,149 @@
+"""Review of the collectives other than allreduce slicing (gather, allgather,
+reduce, broadcast, delete, their asyncio twins) and of `api.reduce` /
+`api.reduced_inputs`: each test fails on the code it was written against;
+every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hoplite_gpu as hg
+from hoplite_gpu import collectives
+
+
+@pytest.fixture
+def local():
+    hg.init(timeout_s=5)
+    yield hg.api.runtime()
+    hg.shutdown()
+
+
+# --------------------------------------------- api.reduce asked by several ---
+
+
+def test_the_same_reduce_asked_with_its_inputs_in_another_order_is_accepted(local):
+    """`reduce` is meant to be asked by every task that wants the result (the
+    collectives do exactly that: "idempotent across ranks"), with the target
+    named by agreement (`ObjectID.from_name`). The directory compares the
+    input *lists* (`state.py` `_on_ReduceRequested`: `old.inputs ==
+    ev.inputs`), so a second task that lists the very same inputs in
+    another order (its own first, as `root_input` invites, or a set) gets
+    `ObjectExists: a different reduce already produces ...` although it
+    asked for the same reduce. Even `hg.reduce({a, b, c})` twice in one
+    process fails whenever the two sets iterate differently."""
+    ids = [hg.ObjectID.from_name(f"review-order-{r}") for r in range(3)]
+    target = hg.ObjectID.from_name("review-order-sum")
+    assert hg.reduce(ids, object_id=target) == target
+    # a second worker lists them its own way, its own input first
+    assert hg.reduce([ids[2], ids[0], ids[1]], object_id=target, root_input=ids[2]) == target
+    for r, oid in enumerate(ids):
+        hg.put(np.full(4, float(r + 1)), oid)
+    assert hg.get(target, timeout=5).tolist() == [6.0] * 4
+    assert set(hg.reduced_inputs(target, timeout=5)) == set(ids)
+
+
+def test_reduced_inputs_asked_before_the_reduce_waits_for_it(local):
+    """`reduced_inputs` "waits until the reduce is done" (api.py) and takes a
+    `timeout`; a `get` of the same target asked before the reduce request
+    waits for it too. But a `reduced_inputs` that reaches the directory
+    before the reduce request (another worker checking whether its input was
+    used, racing the driver's `reduce`) is answered at once with
+    `ObjectNotFound: no reduce produces ...`: its timeout is never used."""
+    a, b = (hg.ObjectID.from_name(f"review-early-{x}") for x in "ab")
+    target = hg.ObjectID.from_name("review-early-sum")
+    got: dict = {}
+
+    def worker() -> None:
+        start = time.monotonic()
+        try:
+            got["inputs"] = hg.reduced_inputs(target, timeout=5)
+        except hg.HopliteError as exc:
+            got["inputs"] = exc
+        got["after"] = time.monotonic() - start
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.3)  # the driver asks a moment later
+    hg.reduce([a, b], object_id=target)
+    hg.put(np.ones(3), a)
+    hg.put(np.ones(3), b)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(got["inputs"], list), \
+        f"{got['inputs']!r} after {got['after']:.3f}s of a 5 s timeout"
+    assert set(got["inputs"]) == {a, b}
+
+
+# ------------------------------------------------------------ arguments ---
+
+
+NAMED_CALLS = {
+    "allgather": lambda name: collectives.allgather(np.ones(3), name=name, rank=0, size=1,
+                                                    timeout=1),
+    "broadcast": lambda name: collectives.broadcast(np.ones(3), name=name, rank=0, size=1,
+                                                    timeout=1),
+    "reduce_async": lambda name: asyncio.run(collectives.reduce_async(
+        np.ones(3), name=name, rank=0, size=1, timeout=1)),
+    "delete": lambda name: collectives.delete(name, size=1),
+}
+
+
+@pytest.mark.parametrize("name", [None, "", b"grads-1"], ids=["None", "empty", "bytes"])
+def test_a_collective_refuses_a_name_that_is_not_a_non_empty_str(local, name):
+    """`ObjectID.from_name` refuses anything but a non-empty str
+    (InvalidArgument), but the collectives build their ids with an f-string
+    (`f"{name}/bcast"`, `input_id`), so any name is taken: `name=None` (a
+    config lookup that found nothing) makes every step the same call, whose
+    later steps silently return the first step's objects; `b"grads-1"` is
+    the call "b'grads-1'", which a rank passing "grads-1" never meets (both
+    wait out their timeout); "" names ids like "/in/0"."""
+    taken = []
+    for call, run in NAMED_CALLS.items():
+        try:
+            run(name)
+        except hg.InvalidArgument:
+            continue
+        taken.append(call)
+    assert not taken, f"name={name!r} taken by {taken}"
+
+
+def test_numpy_integers_are_ranks_sizes_and_counts(local):
+    """A NumPy integer is a timeout and a setting (config.check_timeout,
+    "NumPy numbers are timeouts and settings"), and the reduce kernels take
+    an `np.integer` count, but `_check` and `_reduce_args` refuse one as a
+    rank, size, root or num_objects, with a message that contradicts
+    itself: "rank must be an int in [0, 2); got np.int64(0)". Such values
+    come straight from NumPy code (`np.ceil(0.75 * size).astype(int)`, an
+    index from `np.argsort`)."""
+    refused = {}
+    for what, value in (("rank", np.int64(0)), ("size", np.int64(2)),
+                        ("num_objects", np.int64(1)), ("root", np.int32(0))):
+        args = dict(rank=0, size=2, num_objects=1) | {what: value}  # (its own input is enough)
+        try:
+            got = collectives.reduce(np.ones(3), name=f"review-np-{what}", timeout=1, **args)
+        except hg.InvalidArgument as exc:
+            refused[what] = str(exc)
+            continue
+        assert got.tolist() == [1.0] * 3
+    assert not refused, refused
+
+
+def test_a_reduce_known_done_is_not_asked_again_of_a_restarted_directory(local):
+    """A node asks its reduces again of a restarted directory until it sees
+    the result. A rank that never reads the result (a non-root of
+    `collectives.reduce(wait=True)`, which learns the reduce is done from
+    `reduced_inputs`) kept every one: up to 4096 per node, each asked again
+    after a restart, and each a task the new directory kept for good once
+    the inputs were deleted."""
+    ids = [hg.ObjectID.from_name(f"review-done-{r}") for r in range(2)]
+    target = hg.ObjectID.from_name("review-done-sum")
+    hg.reduce(ids, object_id=target)
+    for oid in ids:
+        hg.put(np.ones(4), oid)
+    assert set(hg.reduced_inputs(target, timeout=5)) == set(ids)
+    assert target not in local.node._my_reduces

@@ -67,6 +67,10 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     ``.options()``, e.g. ``resources`` or ``scheduling_strategy`` to place the
     directory on a chosen node of a multi-node cluster."""
     _check_name(name, namespace)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgument(f"port must be an int in [0, 65535] (0: any free one); got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise InvalidArgument(f"host must be a non-empty str; got {host!r}")
     key = _key(name, namespace)
     try:
         actor = ray.get_actor(name, namespace=namespace)  # attach to a running one

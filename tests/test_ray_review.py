@@ -205,3 +205,11 @@ def test_joining_before_ray_init_is_refused_and_starts_no_ray():
             "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("port", [70000, -1, "8000", None])
+def test_start_directory_with_a_bad_port_is_refused_before_any_actor(ray_session, port):
+    """A port the actor cannot bind killed it in its __init__: the caller got
+    DirectoryUnavailable wrapping Ray's traceback, colour codes included."""
+    with pytest.raises(hg.InvalidArgument, match="port"):
+        hray.start_directory(name="review-bad-port", port=port)

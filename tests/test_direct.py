@@ -237,11 +237,12 @@ def test_small_collectives_run_from_the_callers_thread(local):
     # the result is in hand: nothing to ask a restarted directory again (as on
     # the loop's path once a get has the result)
     assert collectives._reduce_ids("ar", 3, "sum", None)[1] not in local.node._my_reduces
-    # a rank that only waits for the reduce is remembered until it ends
+    # a rank that waited for the reduce to be done asks nothing again either:
+    # the result's holder announces it to a restarted directory
     hg.put(np.ones(2), collectives.input_id("w1", 0))
     assert collectives.reduce(np.ones(2), name="w1", rank=1, size=2, wait=True) is None
     hg.node_stats()  # (a call through the loop: what the direct call handed it is done)
-    assert collectives._reduce_ids("w1", 2, "sum", None)[1] in local.node._my_reduces
+    assert collectives._reduce_ids("w1", 2, "sum", None)[1] not in local.node._my_reduces
 
     got = collectives.allgather(b"r0", name="ag", rank=0, size=1, timeout=10)
     assert got == [b"r0"] and hg.node_stats()["direct_gets"] == 2

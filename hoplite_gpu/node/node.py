@@ -89,6 +89,10 @@ class Node:
         #: network namespace: bytes between them cross no network link.
         self.host_key = shm.domain()
         self.server = DataServer(self.store, token, config)
+        # (a pull of an id this node dropped is refused at once, unless the
+        # node is making it again: see `DataServer.making`)
+        self.server.making = lambda oid: oid in self._pulls or oid in self._steps \
+            or oid in self._puts
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
         self._pulls: dict[ObjectID, asyncio.Task] = {}
@@ -575,7 +579,13 @@ class Node:
                     raise
                 # back off a little: the directory may hand us the same sender again
                 failures += 1
-                await asyncio.sleep(min(0.01 * 2 ** failures, 0.5, max(0.0, deadline - time.monotonic())))
+                try:
+                    await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
+                                            max(0.0, deadline - time.monotonic())))
+                except BaseException:  # given up here: the partial copy goes, as below
+                    if self.store.get(oid) is obj and not obj.own:
+                        self._let_go(oid)
+                    raise
                 continue
             except BaseException:
                 if self.store.get(oid) is obj and not obj.own:  # (a put's copy stays)
@@ -771,6 +781,7 @@ class Node:
         """`oid` left the store: a pull of it being served stops at its next
         frame, and one whose puller does not read (its send blocked) is cut
         off after a second, so the freed buffer is not held or read on."""
+        self.server.dropped_here(oid)
         if self.server.serving(oid) and self._closed is None:
             self.in_background(self.server.release(oid, min(1.0, self.config.stall_timeout_s)))
 

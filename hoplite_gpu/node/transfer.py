@@ -75,6 +75,8 @@ SHM_STEP = 1 << 20
 #: from that peer, but not every one that was ever open at once.
 IDLE_PER_PEER = 4
 IDLE_TOTAL = 64
+#: Ids a data server remembers as dropped here (see `DataServer.dropped_here`).
+_DROPPED_KEPT = 4096
 
 
 class DataServer:
@@ -93,6 +95,19 @@ class DataServer:
         #: when a failed same-host accept was last logged (loop time)
         self._accept_warned = float("-inf")
         self._local_tasks: set[asyncio.Task] = set()
+        #: ids that left this node's store lately (at most `_DROPPED_KEPT`)
+        self._dropped: collections.OrderedDict[ObjectID, None] = collections.OrderedDict()
+        #: whether this node is making `oid` now (a pull, a reduce step, a
+        #: put): set by the node
+        self.making: Callable[[ObjectID], bool] = lambda oid: True
+
+    def dropped_here(self, oid: ObjectID) -> None:
+        """`oid` left the store: a pull of it that comes later is refused at
+        once, not kept waiting with keepalives for bytes that never come."""
+        self._dropped[oid] = None
+        self._dropped.move_to_end(oid)
+        while len(self._dropped) > _DROPPED_KEPT:
+            self._dropped.popitem(last=False)
 
     async def start(self) -> str:
         backend = get_backend(self.config.transport)
@@ -192,6 +207,10 @@ class DataServer:
                 await stream.send_mode(b"B", None, self.config.stall_timeout_s)
                 moded = False
             try:
+                if oid in self._dropped and not self.making(oid):
+                    # The directory sent the puller here just before our copy
+                    # went: at once, so it fails over to another sender.
+                    raise ObjectNotFound(f"object {oid.hex()} was dropped by this node")
                 obj = await self._await_object(stream, oid)
             except HopliteError as exc:
                 await send_error_frame(stream, type(exc).__name__, str(exc))

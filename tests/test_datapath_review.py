@@ -125,7 +125,7 @@ def test_a_receiver_sent_to_a_copy_that_was_just_dropped_fails_over_within_the_s
             raise AssertionError(
                 f"C's get timed out after {loop.time() - started:.1f}s on B, which had "
                 f"dropped its copy, while A held a complete one: {exc}") from None
-        assert senders[:1] == [b.server.address], f"C was not sent to B: nothing tested"
+        assert senders[:1] == [b.server.address], "C was not sent to B: nothing tested"
         assert int(got[0]) == 5 and int(got[-1]) == 5
         assert loop.time() - started < 3.5, "C did not fail over within the stall timeout"
 

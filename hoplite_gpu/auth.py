@@ -47,6 +47,7 @@ async def server_handshake(stream: Stream, token: str, timeout: float) -> None:
                 await send_msg(stream, {"ok": False, "error": "wrong cluster token"})
                 raise AuthenticationFailed(f"peer {stream.peer} presented a wrong cluster token")
             await send_msg(stream, {"ok": True, "mac": _mac(token, b"server", c_nonce, s_nonce)})
+            stream.authenticated()
     except TimeoutError as exc:
         raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
 
@@ -66,6 +67,7 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
                 raise TransportClosed(
                     f"{stream.peer} closed the connection during the handshake") from exc
             check_verdict(verdict, token, s_nonce, c_nonce, stream.peer)
+            stream.authenticated()
     except TimeoutError as exc:
         raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
 

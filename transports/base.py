@@ -35,6 +35,11 @@ class Stream(abc.ABC):
     #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
     bare_messages: bool = False
 
+    def authenticated(self) -> None:
+        """The peer proved the cluster token (the handshake's end): from now
+        on it may send what makes this side allocate more (see UCXStream)."""
+        return None  # (a byte stream allocates nothing on a peer's word)
+
     @abc.abstractmethod
     async def send(self, *buffers: Buffer) -> None:
         """Send every byte of each buffer, in order. Raises TransportClosed."""

@@ -94,6 +94,9 @@ _HEAD_MAX = _HEAD.size + _MAX_RECORDS * _RECORD.size + _INLINE_BUDGET
 #: The largest message a receive stages on the host when it straddles the
 #: receive (a control message is at most MAX_MESSAGE; frames arrive whole).
 _MAX_STAGED = 64 << 20
+#: The same, before the peer proved the cluster token: the handshake's own
+#: messages travel inline and are never staged.
+_MAX_STAGED_UNPROVEN = 64 << 10
 #: The message of close()'s cancels (for whoever reads them).
 _CLOSED = "hoplite: stream closed"
 
@@ -201,6 +204,12 @@ def _flat(buf: Any) -> Any:
 
         return cupy.asarray(buf).view(cupy.uint8).reshape(-1)
     view = memoryview(buf)
+    if not view.c_contiguous:
+        # UCX moves `nbytes` contiguous bytes from the first element: a strided
+        # view would send its parent's bytes, or receive over memory between
+        # its elements. Refused, as the TCP transport's socket calls do.
+        raise InvalidArgument("the UCX transport moves contiguous buffers only; got a "
+                              "strided view (copy it into a contiguous one first)")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -267,6 +276,8 @@ class UCXStream(Stream):
         self._head = bytearray(_HEAD_MAX)
         #: Records received but not yet consumed: [kind, size, inline bytes or None, offset].
         self._pending: list[list] = []
+        #: the largest straddling message staged on the host (see `authenticated`)
+        self._max_staged = _MAX_STAGED_UNPROVEN
         self._busy: set[asyncio.Task] = set()
         #: tasks that close() woke (cancelled) while they waited on UCX
         self._woken: set[asyncio.Task] = set()
@@ -299,6 +310,11 @@ class UCXStream(Stream):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def authenticated(self) -> None:
+        # A peer that has proved nothing cannot make us allocate the 64 MiB a
+        # later message may be staged in (docs/protocol.md).
+        self._max_staged = _MAX_STAGED
 
     # ------------------------------------------------------------- send ---
     def _encode(self, buffers: tuple) -> tuple[bytes, list]:
@@ -455,7 +471,7 @@ class UCXStream(Stream):
                     self._pending.pop(0)
                     continue
                 if data is None:  # straddles this call: stage it on the host
-                    if size > _MAX_STAGED:  # (our own messages that straddle are small)
+                    if size > self._max_staged:  # (our own messages that straddle are small)
                         raise self._bad_head(f"a message of {size} bytes straddling a receive")
                     staged = bytearray(size)
                     await self._guard("receive", self._recv(staged, _LANE_DATA))

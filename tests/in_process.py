@@ -168,3 +168,15 @@ def allreduce_on_threads(name: str, values: list, timeout: float = 20.0,
     for th in threads:
         th.join(timeout + 10)
     return [got.get(r, "hung") for r in range(len(values))]
+
+
+def channel_object_exists(channel: str, version: int, part: str = "manifest") -> bool:
+    """Whether the directory knows object `part` of `channel`'s `version`."""
+    import hoplite_gpu as hg
+    from hoplite_gpu.channel import _oid
+
+    try:
+        hg.object_info(_oid(channel, version, part))
+    except hg.ObjectNotFound:
+        return False
+    return True

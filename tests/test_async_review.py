@@ -9,20 +9,12 @@ import time
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import channel_object_exists, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import api, collectives
 from hoplite_gpu.channel import WeightChannel, _oid
 from hoplite_gpu.channel import _exists as channel_exists
-
-
-def _exists(channel: str, version: int, part: str = "manifest") -> bool:
-    try:
-        hg.object_info(_oid(channel, version, part))
-    except hg.ObjectNotFound:
-        return False
-    return True
 
 
 def _directory_dies_before(name: str, key: str):
@@ -156,7 +148,7 @@ def test_a_restarted_publisher_whose_first_publish_times_out_still_adopts(short,
     v1 = restarted.publish({"w": np.ones(10)})
     v2 = restarted.publish({"w": np.ones(10)})
     assert v2 > v1 > 0
-    assert not _exists("adopt-cut", 0), "the predecessor's version 0 was never freed"
+    assert not channel_object_exists("adopt-cut", 0), "the predecessor's version 0 was never freed"
 
 
 def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_it_put(
@@ -187,7 +179,7 @@ def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_i
     left = ["t/a", "t/b", "claim"]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [p for p in left if _exists("cut-clean", 0, p)]
+        left = [p for p in left if channel_object_exists("cut-clean", 0, p)]
     assert not left, f"the failed publish left {left} of version 0"
 
 

@@ -12,19 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from in_process import eventually, local_mode, run_nodes
+from in_process import channel_object_exists, eventually, local_mode, run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu.channel import WeightChannel, _oid
+from hoplite_gpu.channel import WeightChannel
 from hoplite_gpu.cluster import LocalCluster
-
-
-def _exists(channel: str, version: int, part: str = "manifest") -> bool:
-    try:
-        hg.object_info(_oid(channel, version, part))
-    except hg.ObjectNotFound:
-        return False
-    return True
 
 
 # ------------------------------------------------------- worker functions ---
@@ -55,11 +47,11 @@ def test_a_restarted_publisher_frees_its_predecessors_versions_with_explicit_num
         old = WeightChannel("steps-restart", keep=2)
         for v in (0, 10, 20):
             old.publish({"w": np.full(1000, v, dtype=np.float32)}, version=v)
-        assert [v for v in (0, 10, 20) if _exists("steps-restart", v)] == [10, 20]
+        assert [v for v in (0, 10, 20) if channel_object_exists("steps-restart", v)] == [10, 20]
         restarted = WeightChannel("steps-restart", keep=2)  # the learner, restarted
         for v in (30, 40):
             restarted.publish({"w": np.full(1000, v, dtype=np.float32)}, version=v)
-        left = [v for v in (10, 20, 30, 40) if _exists("steps-restart", v)]
+        left = [v for v in (10, 20, 30, 40) if channel_object_exists("steps-restart", v)]
         assert left == [30, 40], f"keep=2, head 40: versions {left} are still held"
 
 

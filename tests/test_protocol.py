@@ -230,6 +230,7 @@ def test_reader_and_outbox_over_a_real_transport(scheme):
         echoed = asyncio.get_running_loop().create_future()
 
         async def handler(stream):
+            stream.authenticated()  # (no handshake here: its large messages may be staged)
             out = Outbox(stream, lambda exc: None)
             echo = asyncio.get_running_loop().create_task(read_messages(stream, out.post))
             await asyncio.sleep(0)
@@ -242,6 +243,7 @@ def test_reader_and_outbox_over_a_real_transport(scheme):
         listener = await backend.listen(tc.HOST, 0, handler)
         try:
             stream = await backend.connect(listener.address, tc.CONNECT_TIMEOUT)
+            stream.authenticated()
             out = Outbox(stream, lambda exc: None)
             got: list[dict] = []
 

@@ -583,13 +583,11 @@ class Node:
                     await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
                                             max(0.0, deadline - time.monotonic())))
                 except BaseException:  # given up here: the partial copy goes, as below
-                    if self.store.get(oid) is obj and not obj.own:
-                        self._let_go(oid)
+                    self._drop_partial(obj)
                     raise
                 continue
             except BaseException:
-                if self.store.get(oid) is obj and not obj.own:  # (a put's copy stays)
-                    self._let_go(oid)
+                self._drop_partial(obj)
                 raise
             self._post(self._complete_msg(obj))
             log.debug("pull %s: complete", oid.hex())
@@ -895,6 +893,11 @@ class Node:
             busy.add(ObjectID(step["input"]))
             busy.update(ObjectID(child["oid"]) for child in step["children"])
         return busy
+
+    def _drop_partial(self, obj: StoredObject) -> None:
+        """A pull given up: its copy goes if it is still ours (a put's stays)."""
+        if self.store.get(obj.oid) is obj and not obj.own:
+            self._let_go(obj.oid)
 
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""

@@ -424,6 +424,8 @@ class ReduceTask:
     relay: bool = False
     inline_data: list[bytes] = field(default_factory=list)
     backups: list[Key] = field(default_factory=list)
+    #: every input in `slots` or `backups` (membership in O(1) at thousands of inputs)
+    placed: set[Key] = field(default_factory=set)
     started: set[int] = field(default_factory=set)
     failed: str | None = None
     done: bool = False
@@ -1016,6 +1018,7 @@ class Directory:
                 self.pending.setdefault(task.target, deque()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
         task.slots, task.at, task.backups, task.started = [], {}, [], set()
+        task.placed = set()
         task.tag = self._next_tag()
         for oid in order:
             holder = self._ready_holder(oid)
@@ -1039,18 +1042,21 @@ class Directory:
                 self._add_input(task, oid, node, out)
 
     def _add_input(self, task: ReduceTask, oid: Key, node: NodeId, out: list[Command]) -> None:
-        if task.failed or oid in task.chosen or oid in task.backups:
+        if task.failed or oid in task.placed:
             return
         if len(task.slots) >= task.k:
             task.backups.append(oid)
+            task.placed.add(oid)
             return
         entry = self.objects[oid]
         problem = self._check_input(task, oid, entry)
         if problem:
             self._fail_reduce(task, problem, out)
             return
-        task.at[task.place(oid)] = len(task.slots)
+        pos = task.place(oid)
+        task.at[pos] = len(task.slots)
         task.slots.append((oid, node))
+        task.placed.add(oid)
         if task.inline:
             task.inline_data.append(entry.inline or b"")
         if len(task.slots) == task.k:
@@ -1058,7 +1064,9 @@ class Directory:
                 out.append(InlineReduce(task.target, task.op, task.layout or {},
                                         tuple(task.inline_data)))
         if not task.inline:
-            self._start_ready_steps(task, out)
+            # Only the new position and its parent can have become startable.
+            parent = inorder_tree(task.k, task.degree)[0][pos]
+            self._start_ready_steps(task, out, (pos,) if parent is None else (pos, parent))
 
     def _check_input(self, task: ReduceTask, oid: Key, entry: Entry) -> str | None:
         if task.layout is None:
@@ -1085,11 +1093,14 @@ class Directory:
             return f"input {oid.hex()} was put with a different inline threshold than the others"
         return None
 
-    def _start_ready_steps(self, task: ReduceTask, out: list[Command]) -> None:
-        """Start every tree position whose input and children's inputs have arrived."""
+    def _start_ready_steps(self, task: ReduceTask, out: list[Command],
+                           candidates: tuple[int, ...]) -> None:
+        """Start each of `candidates` (tree positions) whose input and children's
+        inputs have arrived."""
         parent, children = inorder_tree(task.k, task.degree)
-        for pos in sorted(task.at):
-            if pos in task.started or any(c not in task.at for c in children[pos]):
+        for pos in sorted(candidates):
+            if (pos not in task.at or pos in task.started
+                    or any(c not in task.at for c in children[pos])):
                 continue
             is_root = parent[pos] is None
             if children[pos] or is_root:

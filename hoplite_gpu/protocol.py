@@ -144,6 +144,10 @@ class _Framer:
 #: The most an outbox holds for a peer that does not take its messages; past
 #: it the peer is cut off, so one stuck peer cannot grow its sender for ever.
 MAX_QUEUED = 4 * MAX_MESSAGE
+#: A queued message is written in pieces of at most this many bytes, each
+#: within the stall deadline: a slow but steady reader of a large reply (a
+#: 16 MiB inline object) makes progress and is not cut off, a stuck one is.
+STALL_PIECE = 256 << 10
 
 
 class Outbox:
@@ -152,7 +156,7 @@ class Outbox:
     control connection so costs no task switch per message. `on_lost` hears
     of a failed write, once.
 
-    A peer that takes nothing for `stall_s` seconds while messages wait, or
+    A peer that takes no bytes for `stall_s` seconds while messages wait, or
     lets more than `limit` bytes pile up while it takes nothing for a second
     (a burst to a peer that reads is not cut), is cut off: the outbox fails
     and closes the stream, which ends its reader too."""
@@ -231,11 +235,10 @@ class Outbox:
                     if self._stall_s is None:
                         await self._stream.send(data)
                     else:
-                        async with asyncio.timeout(self._stall_s):
-                            await self._stream.send(data)
+                        await self._send_steadily(data, self._stall_s)
                     self._progress_at = asyncio.get_running_loop().time()
                 except TimeoutError:
-                    self._cut(Timeout(f"{self._stream.peer} took no message for "
+                    self._cut(Timeout(f"{self._stream.peer} took no bytes for "
                                       f"{self._stall_s:g}s; cut off"))
                     return
                 except HopliteError as exc:
@@ -243,6 +246,14 @@ class Outbox:
                     return
                 finally:
                     self._writing = False
+
+    async def _send_steadily(self, data: bytes | memoryview, stall_s: float) -> None:
+        """Send `data`; TimeoutError if one piece of it waits more than `stall_s`."""
+        view = memoryview(data)
+        for start in range(0, max(len(view), 1), STALL_PIECE):
+            async with asyncio.timeout(stall_s):
+                await self._stream.send(view[start:start + STALL_PIECE])
+            self._progress_at = asyncio.get_running_loop().time()
 
     def _fail(self, exc: HopliteError) -> None:
         if self.failed is None:

@@ -80,7 +80,7 @@ class _Unwritable:
     peer = "tcp://127.0.0.1:1"
 
     def send_nowait(self, data: bytes) -> int:
-        raise TransportError("took no message for 5s; cut off")
+        raise TransportError("took no bytes for 5s; cut off")
 
     async def close(self) -> None:
         pass

@@ -203,6 +203,38 @@ def test_an_outbox_cuts_off_a_peer_that_takes_nothing_for_stall_s():
     assert stream.closed, "the stream of a peer cut off is closed, so its reader ends too"
 
 
+class Slow(Scripted):
+    """A peer that reads steadily at `rate` bytes a second."""
+
+    rate = 8 << 20
+
+    async def send(self, *buffers) -> None:
+        for b in buffers:
+            await asyncio.sleep(len(b) / self.rate)
+            self.sent += bytes(b)
+
+
+def test_an_outbox_keeps_a_slow_but_steady_reader_of_a_large_message():
+    """A 4 MiB reply read at 8 MiB/s takes 0.5 s, longer than the 0.2 s stall
+    deadline, but bytes flow all along: the peer is not stuck, and used to be
+    cut off (the deadline timed the whole message)."""
+    big = {"big": b"q" * (4 << 20)}
+
+    async def go():
+        stream = Slow(takes=0)
+        lost = []
+        out = Outbox(stream, lost.append, stall_s=0.2)
+        out.post(big)
+        out.post({"after": 1})
+        out.finish()
+        await out.drain(5)
+        await out.close()
+        return stream, lost
+    stream, lost = asyncio.run(go())
+    assert not lost, lost
+    assert bytes(stream.sent) == pack(big) + pack({"after": 1})
+
+
 def test_an_outbox_cuts_off_a_peer_that_lets_too_much_pile_up():
     async def go():
         stream = Stuck(takes=0)
@@ -231,7 +263,8 @@ def test_reader_and_outbox_over_a_real_transport(scheme):
 
         async def handler(stream):
             stream.authenticated()  # (no handshake here: its large messages may be staged)
-            out = Outbox(stream, lambda exc: None)
+            # (a stall deadline: large messages go out in pieces, each timed)
+            out = Outbox(stream, lambda exc: None, stall_s=30.0)
             echo = asyncio.get_running_loop().create_task(read_messages(stream, out.post))
             await asyncio.sleep(0)
             await echoed

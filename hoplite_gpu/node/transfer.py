@@ -3,8 +3,10 @@ objects as their bytes become ready, and the client side that pulls a range
 straight into the destination buffer.
 
 Wire: after the handshake the puller sends ``{"op": "pull", "oid", "offset",
-"end"}``; the server answers with frames (see `protocol.FRAME`): data frames
-in order until ``end``, or one error frame. A connection serves one pull at a
+"end", "stall"}``; the server answers with frames (see `protocol.FRAME`): data frames
+in order until ``end``, or one error frame. ``stall`` is the puller's stall
+timeout: the server's keepalives come at least three times within it, even
+where the server's own is longer. A connection serves one pull at a
 time and goes back to the pool afterwards.
 
 Between nodes on one host (`shm`) the pull goes over a Unix socket and may
@@ -194,11 +196,12 @@ class DataServer:
     async def _serve_pull(self, stream: Stream, req: dict) -> None:
         oid = ObjectID(field(req, "oid", bytes))
         offset, end = field(req, "offset", int), field(req, "end", int)
+        stall = self._stall_for(req)
         bare = req.get("bare")  # the puller's message size, for an answer in bare messages
         # A same-host puller asked for the mode byte first (see the module doc).
         moded = bool(req.get("shm")) and getattr(stream, "local", False)
         if moded and req.get("map"):
-            await self._offer_map(stream, oid)
+            await self._offer_map(stream, oid, stall)
             return
         obj = self.store.get(oid)
         if obj is None:
@@ -211,7 +214,7 @@ class DataServer:
                     # The directory sent the puller here just before our copy
                     # went: at once, so it fails over to another sender.
                     raise ObjectNotFound(f"object {oid.hex()} was dropped by this node")
-                obj = await self._await_object(stream, oid)
+                obj = await self._await_object(stream, oid, stall)
             except HopliteError as exc:
                 await send_error_frame(stream, type(exc).__name__, str(exc))
                 return
@@ -244,9 +247,10 @@ class DataServer:
                     await send_error_frame(stream, "ProtocolError",
                                            f"cannot answer in bare messages of {bare!r} bytes")
                     return
-                await self._stream_bare(stream, obj, offset, end, bare)
+                await self._stream_bare(stream, obj, offset, end, bare, stall)
                 return
-            sent = await self._stream_range(stream, obj, offset, end, announce=mapped is not None)
+            sent = await self._stream_range(stream, obj, offset, end, stall,
+                                            announce=mapped is not None)
             if sent and mapped is not None:
                 await self._await_ack(stream, "copied")
                 done = True
@@ -257,14 +261,23 @@ class DataServer:
             if not serving and self._serving.get(oid) is serving:
                 del self._serving[oid]
 
-    async def _offer_map(self, stream: Stream, oid: ObjectID) -> None:
+    def _stall_for(self, req: dict) -> float:
+        """The stall timeout a pull is served under: the shorter of ours and
+        the puller's (a puller that gives up sooner must hear from us sooner)."""
+        theirs = req.get("stall")
+        own = self.config.stall_timeout_s
+        if type(theirs) in (int, float) and 0.01 <= theirs < own:
+            return float(theirs)
+        return own
+
+    async def _offer_map(self, stream: Stream, oid: ObjectID, stall: float) -> None:
         """Hand a same-host puller our complete copy of `oid` to keep mapped as
         its own (mode ``M``), or say no (``N``): then it pulls as usual."""
         try:
             # We may be a receiver ourselves that has just been asked to relay:
             # one that keeps a mapping creates its copy complete, at once.
             # (Answered before the puller's own wait for the mode runs out.)
-            obj = await self.store.wait_for(oid, self.config.stall_timeout_s / 2)
+            obj = await self.store.wait_for(oid, stall / 2)
         except HopliteError:
             obj = None
         mapped = shm.shared_map(obj.buffer) if obj is not None and obj.complete else None
@@ -321,7 +334,7 @@ class DataServer:
             await asyncio.wait(stuck)
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int,
-                            announce: bool = False) -> bool:
+                            stall: float, announce: bool = False) -> bool:
         """Send bytes [pos, end) of `obj` as they become ready; with `announce`
         (the puller maps our buffer) only how many more are ready. False if it
         ended with an error frame instead."""
@@ -334,7 +347,7 @@ class DataServer:
         # for each chunk, so it allows one send at a time).
         async with SendWindow(stream, 1 if staging is not None else None) as out:
             while pos < end:
-                if not await self._wait_or_keepalive(out, obj, min(pos + step, end)):
+                if not await self._wait_or_keepalive(out, obj, min(pos + step, end), stall):
                     return False
                 # Send everything that is ready, in chunk-sized frames.
                 upto = min(obj.ready, end)
@@ -358,7 +371,7 @@ class DataServer:
         return True
 
     async def _stream_bare(self, stream: Stream, obj: StoredObject, pos: int, end: int,
-                           size: int) -> bool:
+                           size: int, stall: float) -> bool:
         """Send bytes [pos, end) of `obj` as bare messages of `size` bytes (the
         last one the rest), each once it is ready, then a data frame header
         whose length is the bytes sent: the end of the answer. Heads in
@@ -368,7 +381,7 @@ class DataServer:
         async with SendWindow(stream) as out:
             while pos < end:
                 upto = min(pos + size, end)
-                if not await self._wait_or_keepalive(out, obj, upto):
+                if not await self._wait_or_keepalive(out, obj, upto, stall):
                     return False
                 if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
                     await send_error_frame(out, "ObjectNotFound", str(obj.removed))
@@ -381,13 +394,14 @@ class DataServer:
             await out.send(FRAME.pack(FRAME_DATA, end - start))
         return True
 
-    async def _await_object(self, stream: Stream, oid: ObjectID) -> StoredObject:
+    async def _await_object(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject:
         """Wait up to `timeout_s` for `oid` to be made here, with keepalives: the
         puller would give up at its stall timeout long before."""
         return await self._keepalive(stream.send, lambda t: self.store.wait_for(oid, t),
-                                     ObjectNotFound)
+                                     ObjectNotFound, stall)
 
-    async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int) -> bool:
+    async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int,
+                                 stall: float) -> bool:
         """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
 
         A partial copy can be slow for good reasons (its own upstream, or a reduce
@@ -396,20 +410,21 @@ class DataServer:
         error frame) if the bytes never came.
         """
         try:
-            await self._keepalive(out.send, lambda t: obj.wait_ready(need, t), Timeout)
+            await self._keepalive(out.send, lambda t: obj.wait_ready(need, t), Timeout, stall)
         except HopliteError as exc:
             await send_error_frame(out, type(exc).__name__, str(exc))
             return False
         return True
 
     async def _keepalive(self, send: Callable[[bytes], Awaitable[None]],
-                         wait: Callable[[float], Awaitable[T]], expired: type[Exception]) -> T:
+                         wait: Callable[[float], Awaitable[T]], expired: type[Exception],
+                         stall: float) -> T:
         """`wait(seconds)` again and again until it returns, for up to
-        `timeout_s` in all, with an empty frame every third of the stall
-        timeout while it raises `expired`."""
+        `timeout_s` in all, with an empty frame every third of `stall` while
+        it raises `expired`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
-        beat = self.config.stall_timeout_s / 3
+        beat = stall / 3
         while True:
             try:
                 return await wait(min(beat, max(0.001, deadline - loop.time())))
@@ -580,7 +595,7 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
     ok = False
     try:
         await send_msg(stream, {"op": "pull", "oid": oid.binary, "offset": 0, "end": nbytes,
-                                "shm": True, "map": True})
+                                "shm": True, "map": True, "stall": config.stall_timeout_s})
         mode, fd = await stream.recv_mode(config.stall_timeout_s)
         if mode not in (b"M", b"N"):
             if fd is not None:
@@ -624,7 +639,8 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         # One message per chunk, no frame headers (UCX, opt-in): docs/protocol.md.
         bare = (config.chunk_bytes(not host) if config.bare_pulls and not moded
                 and stream.bare_messages and view is not None and pos < end else None)
-        req = {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end}
+        req = {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end,
+               "stall": config.stall_timeout_s}
         if moded:
             req["shm"] = True
         elif bare is not None:

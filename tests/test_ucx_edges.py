@@ -72,3 +72,49 @@ def test_a_cancelled_receive_stays_cancelled_when_its_stream_is_closed_too(schem
     assert task.cancelled(), \
         f"the cancelled receive ended with {task.exception()!r} instead of its cancellation"
 
+
+
+@ucx_only
+def test_connect_keeps_one_deadline_for_the_endpoint_and_the_welcome(scheme, monkeypatch):
+    """`connect(address, timeout)` waited up to `timeout` for UCX's endpoint
+    and then up to `timeout` again for the listener's welcome, so a slow
+    peer held the caller for nearly twice its deadline (and the late answer
+    was then called a refusal). Now one deadline covers both, and running
+    out is Timeout."""
+    import time
+
+    from hoplite_gpu.errors import Timeout
+    from hoplite_gpu.transports import get_backend, ucx
+
+    real_connect = ucx._connect_endpoint
+
+    async def slow_endpoint(ucxx, host, port, timeout):
+        ep = await real_connect(ucxx, host, port, timeout)
+        await asyncio.sleep(0.6)  # UCX's handshake took most of the deadline
+        return ep
+
+    real_accept = ucx.UCXListener._accept
+
+    async def slow_welcome(self, endpoint):
+        await asyncio.sleep(1.2)  # the listener is slow to answer too
+        await real_accept(self, endpoint)
+
+    monkeypatch.setattr(ucx, "_connect_endpoint", slow_endpoint)
+    monkeypatch.setattr(ucx.UCXListener, "_accept", slow_welcome)
+
+    async def main() -> tuple[type | None, float]:
+        backend = get_backend(scheme)
+        listener = await backend.listen("127.0.0.1", 0, lambda stream: asyncio.sleep(5))
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(10):
+                stream = await backend.connect(listener.address, 1.0)
+                await stream.close()
+                return None, time.monotonic() - t0
+        except Timeout:
+            return Timeout, time.monotonic() - t0
+        finally:
+            await listener.close()
+
+    raised, took = asyncio.run(main())
+    assert raised is Timeout and took < 1.15, (raised, took)

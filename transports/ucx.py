@@ -655,7 +655,9 @@ class UCXBackend(Backend):
     async def connect(self, address: str, timeout: float) -> Stream:
         _, host, port = split_address(address, "ucx")
         ucxx = _load()
-        _event_progress(ucxx, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        _event_progress(ucxx, loop)
+        deadline = loop.time() + timeout  # one deadline for the endpoint and the welcome
         try:
             ep = await _connect_endpoint(ucxx, host, port, timeout)
         except TimeoutError as exc:
@@ -668,9 +670,13 @@ class UCXBackend(Backend):
         # closed listener dropped right after UCX's own handshake.
         welcome = bytearray(len(_WELCOME))
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 await stream.recv_into(memoryview(welcome))
-        except (TransportClosed, TimeoutError) as exc:
+        except TimeoutError as exc:
+            await stream.close()
+            raise Timeout(f"connecting to {host}:{port} over UCX took longer than {timeout:g}s "
+                          "(no welcome from the listener)") from exc
+        except TransportClosed as exc:
             await stream.close()
             raise ConnectionRefused(f"{host}:{port} refused the UCX connection") from exc
         if welcome != _WELCOME:

@@ -404,3 +404,21 @@ def test_a_put_cancelled_while_copying_leaves_nothing_behind(local):
     hg.put(np.full(8 << 20, 2, np.uint8), oid)
     got = hg.get(oid, timeout=5)
     assert got.min() == got.max() == 2
+
+
+def test_a_failed_reduce_asked_again_says_so_at_once_and_how_to_ask_anew(local):
+    """The same reduce asked again after it failed used to be accepted and
+    fail only at the get, with the first failure's words and no way out
+    named. Now the second ask fails at once (a late rank of a collective
+    fails fast) and says to delete the target; after that the id is free."""
+    a = hg.put(np.ones(4, np.float32))
+    b = hg.put(np.ones(5, np.float32))
+    target = hg.reduce([a, b], op="sum", num_objects=2)
+    with pytest.raises(hg.ReduceFailed, match="same dtype and shape"):
+        hg.get(target, timeout=5)
+    with pytest.raises(hg.ReduceFailed, match="delete the target id to ask for it again"):
+        hg.reduce([b, a], op="sum", num_objects=2, object_id=target)
+    hg.delete(target)
+    c = hg.put(np.full(4, 2, np.float32))
+    again = hg.reduce([a, c], op="sum", num_objects=2, object_id=target)
+    np.testing.assert_array_equal(hg.get(again, timeout=5), np.full(4, 3, np.float32))

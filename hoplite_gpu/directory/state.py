@@ -878,7 +878,13 @@ class Directory:
             # is its chain's: that must match).
             same = (old.inputs == ev.inputs or (not old.relay and not ev.relay
                                                  and sorted(old.inputs) == sorted(ev.inputs)))
-            if same and (old.op, old.k) == (ev.op, ev.num_objects):
+            if same and (old.op, old.k) == (ev.op, ev.num_objects) and old.failed:
+                # Said now, not at the get: a late rank of a collective fails
+                # fast, and a user sees how to ask again.
+                out.append(Reply(ev.node, ev.request, error_body(
+                    "ReduceFailed", f"{old.failed} (this reduce into {ev.target.hex()} failed "
+                    "before; delete the target id to ask for it again)")))
+            elif same and (old.op, old.k) == (ev.op, ev.num_objects):
                 if old.root_input is None and ev.root_input in old.inputs:
                     old.root_input = ev.root_input  # still honoured if the root is free
                 out.append(Reply(ev.node, ev.request, {"ok": True}))  # same reduce asked twice

@@ -91,6 +91,11 @@ def test_peer_closes_early(scheme):
 
 
 @by_scheme
+def test_watch_idle_hears_the_peer_close(scheme):
+    run(tc.check_watch_idle_hears_the_peer_close, scheme)
+
+
+@by_scheme
 def test_close_semantics(scheme):
     run(tc.check_close_semantics, scheme)
 

@@ -385,6 +385,28 @@ async def check_peer_closes_early(scheme: str) -> None:
 
 
 @deadline(10)
+async def check_watch_idle_hears_the_peer_close(scheme: str) -> None:
+    """An idle stream that is watched hears its peer close (a pool of idle
+    connections lets go of dead peers); one unwatched again does not."""
+    loop = asyncio.get_running_loop()
+    async with connected_pair(scheme) as (client, server):
+        ended = asyncio.Event()
+        client.watch_idle(ended.set)
+        await asyncio.sleep(0.05)
+        assert not ended.is_set(), "a live idle peer is not an ended one"
+        await server.close()
+        async with asyncio.timeout(5):
+            await ended.wait()
+    async with connected_pair(scheme) as (client, server):
+        calls: list[float] = []
+        client.watch_idle(lambda: calls.append(loop.time()))
+        client.unwatch_idle()
+        await server.close()
+        await asyncio.sleep(0.5)
+        assert not calls, "an unwatched stream is not told of its peer's close"
+
+
+@deadline(10)
 async def check_close_semantics(scheme: str) -> None:
     """`closed` flips on close; close is idempotent; send/recv after close raise TransportClosed."""
     async with connected_pair(scheme) as (client, server):

@@ -281,8 +281,15 @@ class UCXStream(Stream):
         self._busy: set[asyncio.Task] = set()
         #: tasks that close() woke (cancelled) while they waited on UCX
         self._woken: set[asyncio.Task] = set()
+        #: called once if the peer closes while the stream lies idle (`watch_idle`)
+        self._on_idle_end: Callable[[], None] | None = None
+        self._loop = asyncio.get_running_loop()
+        # UCX reports a peer's close through the endpoint's error callback
+        # (endpoints made with error handling; others never call it).
+        with contextlib.suppress(Exception):
+            endpoint.set_close_callback(self._endpoint_closed)
         #: Event-driven request waits (None: ucxx's own, which spin; see ucx_progress).
-        self._driver = ucx_progress.installed(asyncio.get_running_loop())
+        self._driver = ucx_progress.installed(self._loop)
         self._tags = None
         if self._driver is not None:
             tags = tuple(ucx_progress.endpoint_tags(endpoint, tag) for tag in _TAGS)
@@ -310,6 +317,22 @@ class UCXStream(Stream):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def watch_idle(self, on_end: Callable[[], None]) -> None:
+        if self._closed or not getattr(self._ep, "alive", True):
+            on_end()
+        else:
+            self._on_idle_end = on_end
+
+    def unwatch_idle(self) -> None:
+        self._on_idle_end = None
+
+    def _endpoint_closed(self) -> None:
+        """ucxx's close callback: the peer went (or the endpoint is being freed)."""
+        on_end, self._on_idle_end = self._on_idle_end, None
+        if on_end is not None and not self._closed:
+            with contextlib.suppress(RuntimeError):  # (a loop already closed)
+                self._loop.call_soon_threadsafe(on_end)
 
     def authenticated(self) -> None:
         # A peer that has proved nothing cannot make us allocate the 64 MiB a

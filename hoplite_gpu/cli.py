@@ -91,13 +91,22 @@ MAX_SIM_HOPS = 1 << 20
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulator import MAX_SIM_CHUNKS, simulate_broadcast
+    from .simulator import MAX_SIM_CHUNKS
 
-    size, bw, chunk = _parse_size(args.size), float(args.bandwidth), _parse_size(args.chunk)
+    size, chunk = _parse_size(args.size), _parse_size(args.chunk)
     if -(-size // chunk) > MAX_SIM_CHUNKS:
         raise SystemExit(f"hoplite-gpu simulate: {format_size(size)} in {format_size(chunk)} chunks "
                          f"is {-(-size // chunk)} chunks; at most {MAX_SIM_CHUNKS} are simulated. "
                          "Use a larger --chunk")
+    if args.op == "reduce":
+        return _simulate_reduce(args, size, chunk)
+    return _simulate_broadcast(args, size, chunk)
+
+
+def _simulate_broadcast(args: argparse.Namespace, size: int, chunk: int) -> int:
+    from .simulator import simulate_broadcast
+
+    bw = float(args.bandwidth)
     hops = -(-size // chunk) * args.receivers
     if hops > MAX_SIM_HOPS:
         raise SystemExit(f"hoplite-gpu simulate: {-(-size // chunk)} chunks to {args.receivers} "
@@ -114,6 +123,43 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
               f"{r.makespan / (size / bw):7.3f} x S/B, tree depth {r.depth()}")
     return 0
+
+
+def _simulate_reduce(args: argparse.Namespace, size: int, chunk: int) -> int:
+    """Two schedules: every input at once, and (with --gap) one input every gap
+    seconds; the directory picks the tree's degree in both."""
+    from .simulator import simulate_reduce
+
+    bw, k = float(args.bandwidth), args.inputs
+    if size % 4:
+        raise SystemExit(f"hoplite-gpu simulate: --op reduce sums float32 arrays; "
+                         f"--size must be a multiple of 4 bytes, got {size}")
+    if not args.gap * k < float("inf"):
+        raise SystemExit(f"hoplite-gpu simulate: --gap {args.gap:g} for {k} inputs puts the last "
+                         "input past any time a float holds")
+    hops = -(-size // chunk) * k
+    if hops > MAX_SIM_HOPS:
+        # (some 80,000 chunk transfers a second on one core)
+        raise SystemExit(f"hoplite-gpu simulate: {-(-size // chunk)} chunks from each of {k} "
+                         f"inputs is {hops} chunk transfers per schedule; at most "
+                         f"{MAX_SIM_HOPS} are simulated (about 15 s each, two schedules). "
+                         "Use a larger --chunk or fewer --inputs")
+    print(f"simulated reduce (sum) of {k} float32 inputs of {format_size(size)}, "
+          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
+          f"{format_size(chunk)} chunks (the real directory state machine decides)")
+    for gap in sorted({0.0, args.gap}):
+        r = simulate_reduce(k, size, bandwidth=bw, latency=args.latency, chunk=chunk,
+                            arrivals=[i * gap for i in range(k)])
+        label = "all at once" if gap == 0 else f"{gap:g} s apart"
+        model = f" (model {_duration(r.model)})" if gap == 0 else ""
+        print(f"  inputs {label:<14s} time {_duration(r.makespan)}{model}, after the last input "
+              f"{_duration(r.makespan - r.last_arrival)} = {r.after_last:.3f} x S/B; "
+              f"degree {r.degree}, depth {r.depth}")
+    return 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -243,10 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed gets of each size (default 5)")
     c.set_defaults(func=_calibrate)
 
-    s = sub.add_parser("simulate", help="simulate a broadcast at any scale with the real scheduler")
-    s.add_argument("--receivers", type=_at_least_one, default=1000, help="default 1000")
+    s = sub.add_parser("simulate", help="simulate a broadcast or a reduce at any scale with the "
+                                         "real scheduler")
+    s.add_argument("--op", choices=["broadcast", "reduce"], default="broadcast",
+                   help="what to simulate (default broadcast)")
+    s.add_argument("--receivers", type=_at_least_one, default=1000,
+                   help="broadcast: receivers (default 1000)")
+    s.add_argument("--inputs", type=_at_least_one, default=1000,
+                   help="reduce: inputs, one per node (default 1000)")
+    s.add_argument("--gap", type=_positive(float, "a number of seconds", zero=True), default=0.0,
+                   help="reduce: also simulate inputs arriving this many seconds apart "
+                        "(default 0: only all at once)")
     s.add_argument("--size", type=_positive_size, default="256MiB",
-                   help="object size (default 256MiB)")
+                   help="object (or each input) size (default 256MiB)")
     s.add_argument("--bandwidth", type=_positive(float, "a number (e.g. 1.25e9)"), default=1.25e9,
                    help="bytes/s per link direction (default 1.25e9)")
     s.add_argument("--latency", type=_positive(float, "a number of seconds", zero=True),

@@ -1,5 +1,6 @@
-"""A discrete-event simulation of receiver-driven broadcast, driving the very
-same directory state machine (`directory.state.Directory`) that the server runs.
+"""Discrete-event simulations of a receiver-driven broadcast (`BroadcastSim`) and
+of a reduce (`ReduceSim`), driving the very same directory state machine
+(`directory.state.Directory`) that the server runs.
 
 Nodes have a link of `bandwidth` bytes/s in each direction and `latency`
 seconds per message; objects move in chunks of `chunk` bytes. A partial holder
@@ -17,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .directory import state as s
+from .directory.reduce_plan import reduce_time, tree_depth
 from .errors import InvalidArgument
 
 _KEY = b"\x01" * 20
@@ -148,3 +150,228 @@ class BroadcastSim:
 
 def simulate_broadcast(receivers: int, size: int, **kw: object) -> SimResult:
     return BroadcastSim(receivers, size, **kw).run()
+
+
+# ------------------------------------------------------------------ reduce ---
+_TARGET = b"\x02" * 20
+
+
+def _input_id(i: int) -> bytes:
+    return b"in" + i.to_bytes(18, "big")
+
+
+@dataclass(eq=False)
+class _Step:
+    """One started tree position: folds its own input and its children's streams."""
+    node: str
+    output: bytes
+    is_root: bool
+    tag: bytes
+    streams: list[_Stream] = field(default_factory=list)
+    scheduled: int = 0        # chunks whose fold is scheduled
+    folded: int = 0           # chunks of the output produced
+    fold_free: float = 0.0    # when this step's fold of the previous chunk ends
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A child's output (a partial result, or a leaf's input) pulled by its
+    parent's step chunk by chunk: sender uplink -> receiver downlink."""
+    source: bytes             # the object pulled: a partial result's id or an input's
+    sender: str
+    step: _Step
+    next_chunk: int = 0
+    arrived: int = 0
+
+
+@dataclass
+class ReduceResult:
+    size: int
+    inputs: int
+    num_objects: int
+    bandwidth: float
+    #: when the root folded the last chunk of the target
+    done_at: float = 0.0
+    #: arrival of the last input that went into the result
+    last_arrival: float = 0.0
+    degree: int = 0
+    depth: int = 0
+    steps: int = 0
+    #: reduce_plan.reduce_time for this degree (all inputs at once)
+    model: float = 0.0
+
+    @property
+    def makespan(self) -> float:
+        return self.done_at
+
+    @property
+    def after_last(self) -> float:
+        """Time from the last input to the result, in units of S/B."""
+        return (self.done_at - self.last_arrival) / (self.size / self.bandwidth)
+
+
+class ReduceSim:
+    """Simulate a sum of `inputs` float32 arrays of `size` bytes: input i is put
+    on node "n<i>" at `arrivals[i]` (default all at 0), and node "n<inputs>"
+    asks at time 0 for the first `num_objects` (default all) ready to be reduced.
+
+    The directory's `StartReduceStep` commands build the tree, as on a real
+    node (node/reducer.py): a step pulls each child's stream through its node's
+    one downlink (d children cost d*S/B), folds chunk i once every child's
+    chunk i is in (its own input is there: a step starts only once its input is
+    ready), and its output is what its parent pulls, chunk by chunk as it is
+    folded. Each message to or from the directory costs `latency`, as does
+    each chunk's hop. Folding is free unless `fold_bytes_per_s` is given. The
+    unit is a chunk throughout (a host really folds in 1 MiB steps), and
+    inputs are never inline (a real put under 64 KiB is reduced by the
+    directory itself).
+    """
+
+    def __init__(self, inputs: int, size: int, *, bandwidth: float = 1.25e9,
+                 latency: float = 1e-4, chunk: int = 4 << 20,
+                 arrivals: list[float] | None = None, num_objects: int | None = None,
+                 fold_bytes_per_s: float | None = None) -> None:
+        if size < 4 or size % 4:
+            raise InvalidArgument(f"a float32 input needs a positive multiple of 4 bytes; got {size}")
+        self.k = inputs if num_objects is None else num_objects
+        if not 1 <= self.k <= inputs:
+            raise InvalidArgument(f"num_objects must be 1 to {inputs}; got {num_objects}")
+        if arrivals is not None and len(arrivals) != inputs:
+            raise InvalidArgument(f"arrivals needs one time per input ({inputs}); got {len(arrivals)}")
+        self.n, self.size, self.bw, self.lat, self.chunk = inputs, size, bandwidth, latency, chunk
+        self.chunks = -(-size // chunk)
+        if self.chunks > MAX_SIM_CHUNKS:
+            raise InvalidArgument(f"{size} bytes in chunks of {chunk} is {self.chunks} chunks; "
+                                  f"at most {MAX_SIM_CHUNKS} are simulated")
+        self.arrivals = [0.0] * inputs if arrivals is None else [float(a) for a in arrivals]
+        if not all(0.0 <= a < float("inf") for a in self.arrivals):
+            raise InvalidArgument("arrival times must be finite and not negative")
+        self.fold_bps = fold_bytes_per_s
+        self.layout = {"kind": "numpy", "dtype": "<f4", "shape": [size // 4], "nbytes": size}
+        self.dir = s.Directory(latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
+        self._events: list[tuple[float, int, str, tuple]] = []
+        self._seq = itertools.count()
+        self.produced: dict[bytes, int] = {}   # object (input or partial result) -> chunks there
+        self.waiting_on: dict[tuple[bytes, int], list[_Stream]] = {}
+        self.uplink_free: dict[str, float] = {}
+        self.downlink_free: dict[str, float] = {}
+        self.steps = 0
+        self.result = ReduceResult(size, inputs, self.k, bandwidth)
+
+    def _at(self, t: float, kind: str, *args: object) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, args))
+
+    def run(self) -> ReduceResult:
+        for i in range(self.n + 1):
+            self.dir.handle(s.NodeJoined(f"n{i}", f"sim://{i}"))
+        ids = tuple(_input_id(i) for i in range(self.n))
+        self._tell(0.0, s.ReduceRequested(f"n{self.n}", 1, _TARGET, ids, "sum", self.k))
+        for i, t in enumerate(self.arrivals):
+            self._at(t, "put", i)
+        while self._events:
+            t, _, kind, args = heapq.heappop(self._events)
+            getattr(self, "_" + kind)(t, *args)
+        return self._finish()
+
+    def _finish(self) -> ReduceResult:
+        task = self.dir.reduces.get(_TARGET)
+        if task is None or not task.done or not self.result.done_at:
+            # (every input arrives and nothing fails: a reduce left unfinished
+            # is the state machine's bug, or this simulator's)
+            raise RuntimeError(f"the reduce never finished: {task and (task.failed or task.done)}")
+        r = self.result
+        r.degree, r.steps = task.degree, self.steps
+        r.depth = tree_depth(self.k, task.degree)
+        r.last_arrival = max(self.arrivals[int.from_bytes(oid[2:], "big")] for oid in task.chosen)
+        r.model = reduce_time(self.size, self.k, task.degree, self.lat, self.bw, self.chunk)
+        return r
+
+    # ------------------------------------------------- directory messages ---
+    def _tell(self, t: float, *events: object) -> None:
+        """Node -> directory: arrives one latency later."""
+        self._at(t + self.lat, "directory", events)
+
+    def _directory(self, t: float, events: tuple) -> None:
+        for ev in events:
+            for cmd in self.dir.handle(ev):
+                if isinstance(cmd, s.StartReduceStep):  # directory -> node: one latency
+                    self._at(t + self.lat, "start", cmd.node, cmd.step)
+                elif isinstance(cmd, s.Reply) and "error" in cmd.body:
+                    raise RuntimeError(f"the directory refused {ev}: {cmd.body}")
+                elif isinstance(cmd, s.InlineReduce):
+                    raise RuntimeError("an inline reduce: inputs here are never inline")
+                # (Drop: partial results freed once the target is complete; Reply ok)
+
+    def _put(self, t: float, i: int) -> None:
+        """Input i is in its node's store at once (a put's copy is not modelled)."""
+        oid, node = _input_id(i), f"n{i}"
+        self.produced[oid] = self.chunks
+        self._tell(t, s.Put(node, 1, oid, self.size, self.layout), s.Completed(node, oid))
+
+    # ------------------------------------------------------------- steps ---
+    def _start(self, t: float, node: str, step: dict) -> None:
+        """A step begins: one pull request per child, reaching it a latency later
+        (a child's partial result may not exist yet: its node serves it as it
+        is made, as a real node's data server waits for it)."""
+        self.steps += 1
+        st = _Step(node, step["output"], step["output"] == _TARGET, step["tag"])
+        for child in step["children"]:
+            sender = "n" + child["address"].removeprefix("sim://")
+            stream = _Stream(child["oid"], sender, st)
+            st.streams.append(stream)
+            self._at(t + self.lat, "send", stream)
+        self._fold_ready(t, st)  # (a root with no children: k = 1)
+
+    def _nbytes(self, i: int) -> int:
+        return min(self.chunk, self.size - i * self.chunk)
+
+    def _send(self, t: float, x: _Stream) -> None:
+        """Put the stream's next chunk on the wire once the child has made it,
+        the child's uplink is free and the parent's downlink is free (one
+        chunk at a time through each: a parent's children share its downlink)."""
+        i = x.next_chunk
+        if i >= self.chunks:
+            return
+        if self.produced.get(x.source, 0) <= i:  # not folded (or put) yet: wait for it
+            self.waiting_on.setdefault((x.source, i), []).append(x)
+            return
+        receiver = x.step.node
+        start = max(t, self.uplink_free.get(x.sender, 0.0), self.downlink_free.get(receiver, 0.0))
+        end = start + self._nbytes(i) / self.bw
+        self.uplink_free[x.sender] = self.downlink_free[receiver] = end
+        self._at(end, "sent", x)
+        self._at(end + self.lat, "arrive", x)
+
+    def _sent(self, t: float, x: _Stream) -> None:
+        x.next_chunk += 1  # (no acks: the stream goes on)
+        self._send(t, x)
+
+    def _arrive(self, t: float, x: _Stream) -> None:
+        x.arrived += 1
+        self._fold_ready(t, x.step)
+
+    def _fold_ready(self, t: float, st: _Step) -> None:
+        """Fold, in order, every chunk that has arrived from all children."""
+        ready = min((x.arrived for x in st.streams), default=self.chunks)
+        while st.scheduled < ready:
+            cost = self._nbytes(st.scheduled) / self.fold_bps if self.fold_bps else 0.0
+            st.fold_free = max(t, st.fold_free) + cost
+            st.scheduled += 1
+            self._at(st.fold_free, "folded", st)
+
+    def _folded(self, t: float, st: _Step) -> None:
+        """A chunk of the step's output exists: its parent's stream may send it."""
+        st.folded += 1
+        self.produced[st.output] = st.folded
+        for waiter in self.waiting_on.pop((st.output, st.folded - 1), []):
+            self._at(t, "send", waiter)
+        if st.folded == self.chunks and st.is_root:
+            self.result.done_at = t
+            # (as the node's `_complete_msg`: the directory then finishes the
+            # reduce; an inner step's "complete" changes nothing there)
+            self._tell(t, s.Completed(st.node, _TARGET, self.size, self.layout, own=True,
+                                      tag=st.tag))
+
+
+def simulate_reduce(inputs: int, size: int, **kw: object) -> ReduceResult:
+    return ReduceSim(inputs, size, **kw).run()

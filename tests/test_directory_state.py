@@ -754,8 +754,8 @@ TestDirectoryMachine = DirectoryMachine.TestCase
 
 
 # ------------------------------------------------------------- eviction ---
-def evicted(d: Directory, node: str, *oids: bytes, request: int = 99) -> list[bytes]:
-    (reply,) = d.handle(Evict(node, request, oids))
+def evicted(d: Directory, node: str, *oids: bytes, request: int = 99, need: int = 0) -> list[bytes]:
+    (reply,) = d.handle(Evict(node, request, oids, need))
     assert isinstance(reply, Reply) and (reply.node, reply.request) == (node, request)
     return reply.body["evicted"]
 
@@ -770,6 +770,21 @@ def test_a_pulled_idle_copy_held_elsewhere_may_be_evicted_and_is_forgotten():
     assert set(d.objects[K].holders) == {"n0"}
     # the next receiver is sent to the origin, never to the evicted copy
     assert senders(d.handle(Locate("n2", 2, K))) == {("n2", 2): "n0"}
+
+
+def test_an_eviction_with_a_need_frees_enough_or_nothing():
+    """A call that cannot get room changes nothing: with `need`, the directory
+    frees the first copies that may go until they make room, or none."""
+    d = make()
+    for origin, oid in (("n0", K), ("n3", K2)):
+        put(d, origin, oid=oid, complete=True)
+        d.handle(Locate("n1", 1, oid))
+        d.handle(Completed("n1", oid))
+    d.handle(NodeLost("n3"))  # n1's copy of K2 is the last one: it may not go
+    assert evicted(d, "n1", K, K2, need=SIZE + 1) == []  # K alone is not enough
+    assert set(d.objects[K].holders) == {"n0", "n1"}  # ... and stays counted
+    assert evicted(d, "n1", K2, K, need=SIZE) == [K]  # enough: K goes
+    assert set(d.objects[K].holders) == {"n0"}
 
 
 def test_the_last_complete_copy_a_put_and_a_busy_sender_are_never_evicted():

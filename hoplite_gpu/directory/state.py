@@ -138,11 +138,15 @@ class Evict:
     directory forgets as its copies at once. A copy may go only if nothing is
     lost and nothing breaks: it is complete and was pulled, not put; no
     receiver is assigned to it; no unfinished reduce takes it as an input; and
-    the object is inline here or another live node holds a complete copy."""
+    the object is inline here or another live node holds a complete copy.
+    With `need`, all or nothing: the first of `oids` (in order) that may go
+    and free at least `need` bytes together, else none (a call that cannot
+    get room then changes nothing)."""
 
     node: NodeId
     request: int
     oids: tuple[Key, ...]
+    need: int = 0
 
 
 @dataclass(frozen=True)
@@ -787,15 +791,21 @@ class Directory:
                 self._restart_reduce(task, why, out)
 
     def _on_Evict(self, ev: Evict, out: list[Command]) -> None:
-        freed = []
+        chosen: list[tuple[Key, Entry]] = []
+        room = 0
         for oid in dict.fromkeys(ev.oids):
+            if ev.need and room >= ev.need:
+                break
             entry = self.objects.get(oid)
-            if entry is None or not self._may_evict(oid, entry, ev.node):
-                continue
+            if entry is not None and self._may_evict(oid, entry, ev.node):
+                chosen.append((oid, entry))
+                room += entry.size
+        if room < ev.need:
+            chosen = []  # not enough: keep them all
+        for oid, entry in chosen:
             if ev.node in entry.holders:
                 self._forget_holder(oid, entry, ev.node)
-            freed.append(oid)
-        out.append(Reply(ev.node, ev.request, {"evicted": freed}))
+        out.append(Reply(ev.node, ev.request, {"evicted": [oid for oid, _ in chosen]}))
 
     def _may_evict(self, oid: Key, entry: Entry, node: NodeId) -> bool:
         holder = entry.holders.get(node)

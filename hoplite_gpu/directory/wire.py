@@ -66,7 +66,10 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
         oids = field(msg, "oids", list)
         if not all(isinstance(i, bytes) and len(i) == 20 for i in oids):
             raise ProtocolError("evict oids must be 20-byte object ids")
-        return state.Evict(node, field(msg, "rid", int), tuple(oids))
+        need = _optional(msg, "need", int, 0)
+        if need < 0:
+            raise ProtocolError(f"evict need must not be negative; got {need}")
+        return state.Evict(node, field(msg, "rid", int), tuple(oids), need)
     if op == "delete":
         return state.Delete(node, field(msg, "rid", int), _id(msg, "oid"))
     if op == "delete_many":

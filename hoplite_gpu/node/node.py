@@ -123,6 +123,8 @@ class Node:
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
         #: copies freed to make room under `store_bytes`
         self.evicted = 0
+        #: copies offered for eviction -> the directory's answer, until it comes
+        self._offered: dict[ObjectID, asyncio.Future] = {}
         #: puts under way here, each ended (set) when it has (`put`)
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
@@ -387,6 +389,13 @@ class Node:
         deadline = time.monotonic() + timeout
         while True:
             obj = self.store.get(oid)
+            offered = self._offered.get(oid) if obj is not None else None
+            if offered is not None:
+                # Our copy is being offered for eviction: a view handed out now
+                # would outlive it uncounted. Its fate first, then look again.
+                await asyncio.wait({offered}, timeout=max(0.0, deadline - time.monotonic()))
+                if offered.done():
+                    continue
             if obj is None or not obj.complete:
                 try:
                     obj = await self._await_pull(oid, deadline, timeout)
@@ -824,14 +833,11 @@ class Node:
                           if obj.oid not in tried]
             if sum(obj.size for obj in candidates) < over:
                 break  # even all of them would not do: keep them
-            offered: dict[ObjectID, StoredObject] = {}
-            for obj in candidates:
-                if over <= 0:
-                    break
-                offered[obj.oid] = obj
-                over -= obj.size
+            # All of them, least recently used first: the directory frees the
+            # first that may go and make room together, or none.
+            offered = {obj.oid: obj for obj in candidates}
             tried.update(offered)
-            msg = {"op": "evict", "oids": [oid.binary for oid in offered]}
+            msg = {"op": "evict", "oids": [oid.binary for oid in offered], "need": over}
             try:
                 assert self.client is not None
                 reply = self.client.start(msg)
@@ -840,6 +846,8 @@ class Node:
             # The directory forgets the copies it agrees to as it answers, so
             # they go whatever becomes of this call (cancelled, timed out):
             # a copy kept past that would miss the object's deletion.
+            for oid in offered:
+                self._offered[oid] = reply
             reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
             try:
                 await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
@@ -874,6 +882,9 @@ class Node:
 
     def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
         """Free the copies the directory agreed to evict (it no longer counts them)."""
+        for oid in offered:
+            if self._offered.get(oid) is reply:
+                del self._offered[oid]
         if reply.cancelled() or reply.exception() is not None:
             return  # no answer: the directory kept them, or a new one hears of them
         for raw in reply.result().get("evicted", ()):

@@ -129,7 +129,8 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
         value = direct.get(oid, limit, array_type)
         if value is not MISS:
             return value
-        limit = time_left(deadline)
+        left = time_left(deadline)
+        return rt.call(rt.node.get(oid, left, array_type, limit), left)
     return rt.call(rt.node.get(oid, limit, array_type), limit)
 
 

@@ -134,9 +134,14 @@ class DirectLink:
             try:
                 reply = self._recv(deadline)
             except _Expired:
-                self._send(b"".join(pack({"op": "cancel", "request": first + i})
-                                    for i, r in enumerate(replies) if r is None),
-                           time.monotonic() + _CANCEL_S)
+                # A put given up is withdrawn here, behind it on this link: on
+                # the node's own connection `dropped` could overtake it.
+                self._send(b"".join(
+                    pack({"op": "cancel", "request": first + i}) + (
+                        pack({"op": "dropped", "oid": msgs[i]["oid"]})
+                        if msgs[i].get("op") == "put" else b"")
+                    for i, r in enumerate(replies) if r is None),
+                    time.monotonic() + _CANCEL_S)
                 raise
             i = reply.pop("rid", None)
             i = i - first if type(i) is int else -1
@@ -260,7 +265,9 @@ class DirectCalls:
         try:
             reply = self._ask([put[0]], timeout,
                               lambda: f"the directory did not answer 'put' within {timeout:g}s")
-        except BaseException:  # past its deadline, or interrupted (Ctrl-C)
+        except Timeout:
+            raise  # (withdrawn on its link: `DirectLink.requests`)
+        except BaseException:  # interrupted (Ctrl-C) mid-request: the link is gone
             # Sent, so perhaps registered, with nothing kept here: withdrawn,
             # as the loop's put given up is (the caller was told it failed).
             self._on_loop(self._node.withdraw, oid)
@@ -416,17 +423,16 @@ class DirectCalls:
         return replies
 
     def _take(self, deadline: float) -> DirectLink | None:
-        stale = []
         with self._lock:
-            while self._idle:
-                link = self._idle.pop()
-                if time.monotonic() - link.last_used > _IDLE_S:
-                    stale.append(link)
-                    continue
+            # Every link idle too long goes, not only one taken: after a burst
+            # of calls one at a time would reuse the newest link for ever
+            # and keep the others open on the directory.
+            now = time.monotonic()
+            stale = [old for old in self._idle if now - old.last_used > _IDLE_S]
+            self._idle = [kept for kept in self._idle if now - kept.last_used <= _IDLE_S]
+            link = self._idle.pop() if self._idle else None
+            if link is not None:
                 self._busy.add(link)
-                break
-            else:
-                link = None
             retry = self._closed or time.monotonic() < self._retry_at
         for old in stale:
             old.close()

@@ -314,8 +314,8 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
     real_fetch = node.fetch
     calls = []
 
-    async def fetch_then_drop(o, timeout):
-        obj = await real_fetch(o, timeout)
+    async def fetch_then_drop(o, timeout, asked=None):
+        obj = await real_fetch(o, timeout, asked)
         calls.append(obj)
         if len(calls) == 1:  # the first time: the copy is dropped for a rebuild
             node._on_push({"op": "drop", "oid": o.binary, "reason": "rebuilt", "retry": True})
@@ -331,8 +331,8 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
         calls.append("skip the retry drop")
         oid2 = hg.put(np.ones(300_000, dtype=np.uint8))
 
-        async def fetch_then_delete(o, timeout):
-            obj = await real_fetch(o, timeout)
+        async def fetch_then_delete(o, timeout, asked=None):
+            obj = await real_fetch(o, timeout, asked)
             node._on_push({"op": "drop", "oid": o.binary, "reason": "deleted", "retry": False})
             return obj
         node.fetch = fetch_then_delete

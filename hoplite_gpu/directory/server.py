@@ -280,6 +280,12 @@ class DirectoryServer:
                 self._direct_requests.pop(rid, None)
                 self.apply(state.CancelLocate(direct.peer.node, rid))
             return
+        if op == "dropped":  # a put given up, withdrawn behind it (`DirectLink.requests`)
+            try:
+                self.apply(to_event(direct.peer.node, msg))
+            except ProtocolError as exc:
+                direct.outbox.post({"rid": 0, "error": "ProtocolError", "message": str(exc)})
+            return
         if (op not in _DIRECT_OPS or not isinstance(theirs, int) or theirs in direct.requests
                 or (op == "put" and not isinstance(msg.get("inline"), bytes))):
             direct.outbox.post({"rid": theirs if isinstance(theirs, int) else 0,

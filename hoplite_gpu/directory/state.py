@@ -1352,7 +1352,10 @@ class Directory:
                 if (node, request) in self.direct and _held(entry, node):
                     out.append(Reply(node, request, _held_body(entry)))
                     continue
-                body = self._assign(oid, entry, node)
+                # (a direct call's thread keeps no copy of inline bytes: it
+                # is no holder, or a later drop would be mistaken for newer
+                # than the node's next put of the id)
+                body = self._assign(oid, entry, node, record=(node, request) not in self.direct)
                 if body is None:
                     still.append((node, request))
                     continue
@@ -1363,7 +1366,8 @@ class Directory:
                 out.append(Reply(node, request, body))
             entry.waiting = still
 
-    def _assign(self, oid: Key, entry: Entry, receiver: NodeId) -> dict[str, Any] | None:
+    def _assign(self, oid: Key, entry: Entry, receiver: NodeId,
+                record: bool = True) -> dict[str, Any] | None:
         base = {"size": entry.size, "layout": entry.layout}
         task = self.reduces.get(oid)
         reducing = task is not None and not (task.done or task.failed or task.inline)
@@ -1371,7 +1375,8 @@ class Directory:
             base["reduce_tag"] = task.tag  # confirm the copy before handing it out
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
-            entry.holders.setdefault(receiver, Holder(nbytes=entry.size, complete=True))
+            if record:
+                entry.holders.setdefault(receiver, Holder(nbytes=entry.size, complete=True))
             return {**base, "inline": entry.inline}
         if mine is not None and mine.complete:
             return {**base, "local": True}

@@ -372,21 +372,27 @@ class Node:
             await asyncio.sleep(0)
 
     # ---------------------------------------------------------------- get ---
-    async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy") -> Any:
+    async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy",
+                  asked: float | None = None) -> Any:
+        """`asked`: the caller's whole timeout, named in a Timeout's message
+        (`timeout` is what is left of it, after a direct try)."""
         deadline = time.monotonic() + timeout
         log.debug("get %s: asked", oid.hex())
-        obj = await self.fetch(oid, timeout)
+        obj = await self.fetch(oid, timeout, asked)
         while obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
             if not isinstance(obj.removed, _Retry) or time.monotonic() >= deadline:
                 raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
             # dropped because it is being rebuilt (a reduce restarted): ask again
-            obj = await self.fetch(oid, deadline - time.monotonic())
+            obj = await self.fetch(oid, deadline - time.monotonic(),
+                                   timeout if asked is None else asked)
         return from_buffer(obj.buffer, obj.layout, array_type)
 
-    async def fetch(self, oid: ObjectID, timeout: float) -> StoredObject:
+    async def fetch(self, oid: ObjectID, timeout: float,
+                    asked: float | None = None) -> StoredObject:
         """Make `oid` complete in the local store (pulling it if needed) and return it."""
         self._check_open()
         deadline = time.monotonic() + timeout
+        timeout = timeout if asked is None else asked  # (from here on: for messages)
         while True:
             obj = self.store.get(oid)
             offered = self._offered.get(oid) if obj is not None else None

@@ -69,9 +69,18 @@ def broadcast(value: Any, *, name: str, rank: int, size: int, root: int = 0,
     _check(name, rank, size, root)
     oid = ObjectID.from_name(f"{name}/bcast")
     if rank == root:
+        if _held_here(oid):
+            return api.get(oid, timeout=timeout)
         _put(value, oid, timeout)
         return value
     return api.get(oid, timeout=timeout)
+
+
+def _held_here(oid: ObjectID) -> bool:
+    """Whether this node holds `oid` already: a broadcast's root called again
+    under the same name, whose put would keep the first call's bytes. It
+    returns those, as every other rank gets them, not its new argument."""
+    return api.runtime().node.store.get(oid) is not None
 
 
 def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple[list, ObjectID]:
@@ -575,6 +584,8 @@ async def broadcast_async(value: Any, *, name: str, rank: int, size: int, root: 
     _check(name, rank, size, root)
     oid = ObjectID.from_name(f"{name}/bcast")
     if rank == root:
+        if _held_here(oid):
+            return await api.get_async(oid, timeout=timeout)
         await _put_async(value, oid, timeout)
         return value
     return await api.get_async(oid, timeout=timeout)

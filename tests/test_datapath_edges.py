@@ -231,37 +231,8 @@ def test_a_pull_waits_as_long_as_the_server_waits_for_the_object_to_appear(share
     same-host socket, not even the mode byte) meanwhile, so the puller's
     stall timeout fires first: an object that appears after `stall_timeout_s`
     but well within `timeout_s` fails the pull with Timeout."""
-    token = new_token()
     cfg = config(shared_memory=shared, timeout_s=4.0)
-    size = 2 * MiB
-
-    async def main():
-        store = ChunkStore(64 * MiB, shared=shared)
-        server = transfer.DataServer(store, token, cfg)
-        await server.start()
-        if shared:
-            server.listen_local(server.address)
-        oid = ObjectID.random()
-
-        async def appear_late():
-            await asyncio.sleep(STALL * 3)  # late, but well within timeout_s
-            obj = store.create(oid, layout(size))
-            obj.buffer[:] = 9
-            obj.advance(size)
-
-        maker = asyncio.create_task(appear_late())
-        mine = ChunkStore(64 * MiB, shared=shared).create(oid, layout(size))
-        pool = transfer.PeerPool(token, cfg)
-        try:
-            async with asyncio.timeout(BOUND):
-                await transfer.fetch_range(pool, server.address, mine, size, cfg, lambda pos: None)
-            return bool((mine.buffer == 9).all())
-        finally:
-            await maker
-            await pool.close()
-            await server.close()
-
-    assert asyncio.run(main()) is True
+    assert asyncio.run(_pull_made_late(shared, cfg, cfg, "object")) is True
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["tcp", "same-host"])
@@ -272,37 +243,41 @@ def test_a_server_with_a_longer_stall_timeout_keeps_a_quicker_puller_waiting(sha
     with 0.5 s took the healthy server for stalled and gave up on an object
     (or its bytes) that came 1.5 s later. The pull request now says the
     puller's stall timeout, and the server beats within it."""
-    token = new_token()
     puller_cfg = config(shared_memory=shared, timeout_s=4.0)
     server_cfg = config(shared_memory=shared, timeout_s=4.0, stall_timeout_s=6.0)
+    assert asyncio.run(_pull_made_late(shared, server_cfg, puller_cfg, late)) is True
+
+
+async def _pull_made_late(shared: bool, server_cfg: Config, puller_cfg: Config,
+                          late: str) -> bool:
+    """Pull a 2 MiB object from a real DataServer whose object (`late` =
+    "object") or whose bytes ("bytes") come 1.5 stall timeouts after the
+    puller asked; whether every byte arrived."""
+    token = new_token()
     size = 2 * MiB
+    store = ChunkStore(64 * MiB, shared=shared)
+    server = transfer.DataServer(store, token, server_cfg)
+    await server.start()
+    if shared:
+        server.listen_local(server.address)
+    oid = ObjectID.random()
+    obj = store.create(oid, layout(size)) if late == "bytes" else None
 
-    async def main():
-        store = ChunkStore(64 * MiB, shared=shared)
-        server = transfer.DataServer(store, token, server_cfg)
-        await server.start()
-        if shared:
-            server.listen_local(server.address)
-        oid = ObjectID.random()
-        obj = store.create(oid, layout(size)) if late == "bytes" else None
+    async def fill_late():
+        await asyncio.sleep(STALL * 3)  # late, but well within timeout_s
+        made = obj if obj is not None else store.create(oid, layout(size))
+        made.buffer[:] = 7
+        made.advance(size)
 
-        async def fill_late():
-            await asyncio.sleep(STALL * 3)  # late, but well within timeout_s
-            made = obj if obj is not None else store.create(oid, layout(size))
-            made.buffer[:] = 7
-            made.advance(size)
-
-        maker = asyncio.create_task(fill_late())
-        mine = ChunkStore(64 * MiB, shared=shared).create(oid, layout(size))
-        pool = transfer.PeerPool(token, puller_cfg)
-        try:
-            async with asyncio.timeout(BOUND):
-                await transfer.fetch_range(pool, server.address, mine, size, puller_cfg,
-                                           lambda pos: None)
-            return bool((mine.buffer == 7).all())
-        finally:
-            await maker
-            await pool.close()
-            await server.close()
-
-    assert asyncio.run(main()) is True
+    maker = asyncio.create_task(fill_late())
+    mine = ChunkStore(64 * MiB, shared=shared).create(oid, layout(size))
+    pool = transfer.PeerPool(token, puller_cfg)
+    try:
+        async with asyncio.timeout(BOUND):
+            await transfer.fetch_range(pool, server.address, mine, size, puller_cfg,
+                                       lambda pos: None)
+        return bool((mine.buffer == 7).all())
+    finally:
+        await maker
+        await pool.close()
+        await server.close()

@@ -405,6 +405,10 @@ class DirectCalls:
         deadline = time.monotonic() + timeout
         link = self._take(deadline)
         if link is None:
+            if time.monotonic() >= deadline:
+                # A new link's handshake with a stalled directory took the
+                # whole call: its own Timeout, not the loop's with 1 ms left.
+                raise Timeout(expired())
             return MISS
         try:
             replies = link.requests(msgs, deadline)

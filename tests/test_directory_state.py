@@ -21,9 +21,11 @@ from hoplite_gpu.directory.state import (
     Delete,
     DeleteMany,
     Directory,
+    Disconnect,
     Drop,
     Dropped,
     Evict,
+    Heartbeat,
     Locate,
     NodeJoined,
     NodeLost,
@@ -31,6 +33,7 @@ from hoplite_gpu.directory.state import (
     Put,
     Query,
     Reply,
+    Tick,
     TransferFailed,
 )
 
@@ -889,3 +892,26 @@ def test_delete_many_refuses_ids_of_the_wrong_shape_on_the_wire():
     for oids in ([K, b"short"], [K, "text" * 5], K):
         with pytest.raises(ProtocolError):
             to_event("n0", {"op": "delete_many", "rid": 1, "oids": oids})
+
+
+def test_a_directory_pause_is_not_counted_against_the_nodes_leases():
+    """A directory stopped for longer than a lease (SIGSTOP, Ctrl-Z, a
+    debugger) found every node's last ping too old when it resumed, its first
+    Tick running before the pings queued in its sockets were read: it
+    declared every live node dead. A gap between Ticks of many tick periods
+    is the directory's own pause and is not counted; a node that stays
+    silent after it still dies a lease later."""
+    d = Directory(lease_s=1.5, tick_s=0.25)
+    d.handle(NodeJoined("n0", "addr0", now=0.0))
+    d.handle(NodeJoined("n1", "addr1", now=0.0))
+    for t in (0.25, 0.5):
+        d.handle(Heartbeat("n0", now=t))
+        d.handle(Heartbeat("n1", now=t))
+        assert d.handle(Tick(now=t)) == []
+    assert d.handle(Tick(now=3.0)) == []  # the directory was stopped from 0.5 to 3.0
+    lost = []
+    for i in range(1, 9):  # n0's queued pings are read and it goes on; n1 stays silent
+        t = 3.0 + 0.25 * i
+        d.handle(Heartbeat("n0", now=t))
+        lost += [(t, c.node) for c in d.handle(Tick(now=t)) if isinstance(c, Disconnect)]
+    assert lost == [(4.75, "n1")]

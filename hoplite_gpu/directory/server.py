@@ -119,7 +119,7 @@ class DirectoryServer:
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency_s, bytes_per_s=bytes_per_s,
                                      chunk_size=chunk_size, lease_s=lease_s,
-                                     instance=os.urandom(8))
+                                     instance=os.urandom(8), tick_s=heartbeat_interval_s / 2)
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}

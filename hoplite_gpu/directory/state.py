@@ -478,14 +478,19 @@ class Directory:
 
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
-                 lease_s: float = 5.0, instance: bytes = b"") -> None:
+                 lease_s: float = 5.0, instance: bytes = b"",
+                 tick_s: float | None = None) -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
         self.lease_s = lease_s
+        #: how often the driver sends Tick (None: as it likes; no pause is told)
+        self.tick_s = tick_s
         #: distinguishes this directory's trees from a previous incarnation's
         self.instance = instance
         self._trees = 0
         #: node -> when its lease was last renewed
         self.last_seen: dict[NodeId, float] = {}
+        #: the last Tick's time (None before the first)
+        self.last_tick: float | None = None
         self.latency_s, self.bytes_per_s, self.chunk_size = latency_s, bytes_per_s, chunk_size
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
@@ -558,6 +563,15 @@ class Directory:
             self.last_seen[ev.node] = max(ev.now, self.last_seen.get(ev.node, ev.now))
 
     def _on_Tick(self, ev: Tick, out: list[Command]) -> None:
+        gap = 0.0 if self.last_tick is None else ev.now - self.last_tick
+        self.last_tick = ev.now
+        if self.tick_s is not None and gap > max(4 * self.tick_s, self.lease_s / 2):
+            # Ticks come every `tick_s`: this long without one, the directory
+            # itself was not running (stopped, starved of CPU), and the nodes'
+            # heartbeats of that time wait unread in its sockets. Its pause
+            # says nothing of the nodes: it is not counted against them.
+            for node in self.last_seen:
+                self.last_seen[node] += gap
         for node, seen in sorted(self.last_seen.items()):
             if ev.now - seen > self.lease_s:
                 out.append(Disconnect(node, f"no heartbeat for {ev.now - seen:.1f}s "

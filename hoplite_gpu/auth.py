@@ -22,7 +22,8 @@ PROTOCOL_VERSION = 9  # 2: reduce_confirm, reduce_tag in locate replies, tag in 
 #                       7: "evict" (a node with a store limit frees pulled copies),
 #                          a reduce's "fanout" removed
 #                       8: "delete_many"
-#                       9: an evict's "need" (all or nothing), a pull's "stall"
+#                       9: an evict's "need" (all or nothing), a pull's "stall",
+#                          "dropped" on a direct connection
 _NONCE = 32
 
 

@@ -80,7 +80,8 @@ def _held_here(oid: ObjectID) -> bool:
     """Whether this node holds `oid` already: a broadcast's root called again
     under the same name, whose put would keep the first call's bytes. It
     returns those, as every other rank gets them, not its new argument."""
-    return api.runtime().node.store.get(oid) is not None
+    rt = api.runtime()
+    return rt.direct.held(oid) if rt.direct is not None else rt.node.store.get(oid) is not None
 
 
 def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple[list, ObjectID]:

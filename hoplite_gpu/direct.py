@@ -243,6 +243,8 @@ class DirectCalls:
         self._lock = threading.Lock()
         self._retry_at = 0.0
         self._closed = False
+        #: ids put here whose bytes are on their way to the loop's store (`_keep`)
+        self._keeping: dict[ObjectID, int] = {}
         #: calls answered here, not by the loop (node_stats "direct_puts"/"direct_gets")
         self.puts = self.gets = 0
 
@@ -367,18 +369,34 @@ class DirectCalls:
         if isinstance(nbytes, int) and nbytes > self._threshold:
             return None  # large: not even flattened here
         buf, layout = to_buffer(value)
-        if layout.nbytes > self._threshold or self._node.store.get(oid) is not None:
+        if layout.nbytes > self._threshold or self.held(oid):
             return None  # large, or here already (the loop's path checks its layout)
         data = bytes(buf)
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
                "layout": layout.to_wire(), "inline": data}
         return msg, oid, layout, data
 
+    def held(self, oid: ObjectID) -> bool:
+        """Whether this node holds `oid`, or a put of it from a thread here is
+        on its way into the store (the loop may not have run since)."""
+        return self._node.store.get(oid) is not None or oid in self._keeping
+
     def _keep(self, put: tuple[dict, ObjectID, Layout, bytes], since: int) -> None:
         # The node holds what it put (for its reconnects and local gets): hand
         # the bytes to the loop, which keeps them before any later call of ours.
         _, oid, layout, data = put
-        self._on_loop(self._node.keep_inline, oid, layout, data, since)
+        with self._lock:
+            self._keeping[oid] = self._keeping.get(oid, 0) + 1
+        self._on_loop(self._kept, oid, layout, data, since)
+
+    def _kept(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
+        try:
+            self._node.keep_inline(oid, layout, data, since)
+        finally:
+            with self._lock:
+                left = self._keeping.pop(oid, 1) - 1
+                if left:
+                    self._keeping[oid] = left
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         try:

@@ -811,7 +811,10 @@ class Directory:
             if ev.need and room >= ev.need:
                 break
             entry = self.objects.get(oid)
-            if entry is not None and self._may_evict(oid, entry, ev.node):
+            # (a copy this node no longer holds, evicted for another call,
+            # makes no room)
+            if (entry is not None and (ev.node in entry.holders or entry.inline is not None)
+                    and self._may_evict(oid, entry, ev.node)):
                 chosen.append((oid, entry))
                 room += entry.size
         if room < ev.need:

@@ -125,6 +125,10 @@ class Node:
         self.evicted = 0
         #: copies offered for eviction -> the directory's answer, until it comes
         self._offered: dict[ObjectID, asyncio.Future] = {}
+        #: inline copies a pull just stored for gets that have not taken them yet:
+        #: not evictable until one has (the eviction their store may start
+        #: runs before the gets do)
+        self._fresh: set[ObjectID] = set()
         #: puts under way here, each ended (set) when it has (`put`)
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
@@ -393,29 +397,33 @@ class Node:
         self._check_open()
         deadline = time.monotonic() + timeout
         timeout = timeout if asked is None else asked  # (from here on: for messages)
-        while True:
-            obj = self.store.get(oid)
-            offered = self._offered.get(oid) if obj is not None else None
-            if offered is not None:
-                # Our copy is being offered for eviction: a view handed out now
-                # would outlive it uncounted. Its fate first, then look again.
-                await asyncio.wait({offered}, timeout=max(0.0, deadline - time.monotonic()))
-                if offered.done():
+        try:
+            while True:
+                obj = self.store.get(oid)
+                offered = self._offered.get(oid) if obj is not None else None
+                if offered is not None:
+                    # Our copy is being offered for eviction: a view handed out now
+                    # would outlive it uncounted. Its fate first, then look again.
+                    await asyncio.wait({offered}, timeout=max(0.0, deadline - time.monotonic()))
+                    if offered.done():
+                        continue
+                if obj is None or not obj.complete:
+                    try:
+                        obj = await self._await_pull(oid, deadline, timeout)
+                    except _Retry:
+                        continue  # the object is being rebuilt (a reduce restarted): ask again
+                if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
+                    if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
+                        self._let_go(oid, _Retry("the reduce restarted"))
                     continue
-            if obj is None or not obj.complete:
-                try:
-                    obj = await self._await_pull(oid, deadline, timeout)
-                except _Retry:
-                    continue  # the object is being rebuilt (a reduce restarted): ask again
-            if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
-                if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
-                    self._let_go(oid, _Retry("the reduce restarted"))
-                continue
-            # A final copy of a reduce's result: a restarted directory learns of
-            # it from its holders, so the reduce need not be asked for again.
-            self._my_reduces.pop(oid, None)
-            obj.used = time.monotonic()
-            return obj
+                # A final copy of a reduce's result: a restarted directory learns of
+                # it from its holders, so the reduce need not be asked for again.
+                self._my_reduces.pop(oid, None)
+                obj.used = time.monotonic()
+                return obj
+        finally:
+            # (a caller views the copy before it next awaits, or has given up)
+            self._fresh.discard(oid)
 
     async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
         """Is this complete copy of a reduce result from the tree that finished?
@@ -546,6 +554,7 @@ class Node:
             log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
             layout = Layout.from_wire(reply["layout"])
             if "inline" in reply:
+                self._fresh.add(oid)
                 return self._store_inline(oid, layout, reply["inline"])
             obj = self.store.get(oid)
             if reply.get("local"):
@@ -833,12 +842,18 @@ class Node:
             raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
                             f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
         tried: set[ObjectID] = set()
+        give_up = time.monotonic() + self.config.timeout_s
         while self.store.used + need > limit:
             over = self.store.used + need - limit
+            # (copies another call offers now are its: their fate comes first)
             candidates = [obj for obj in self.store.evictable(busy=self._step_reads())
-                          if obj.oid not in tried]
+                          if obj.oid not in tried and obj.oid not in self._offered]
             if sum(obj.size for obj in candidates) < over:
-                break  # even all of them would not do: keep them
+                others = set(self._offered.values())
+                if not others or time.monotonic() >= give_up:
+                    break  # even all of them would not do: keep them
+                await asyncio.wait(others, timeout=give_up - time.monotonic())
+                continue
             # All of them, least recently used first: the directory frees the
             # first that may go and make room together, or none.
             offered = {obj.oid: obj for obj in candidates}
@@ -904,8 +919,9 @@ class Node:
             log.debug("evicted %s", oid.hex())
 
     def _step_reads(self) -> set[ObjectID]:
-        """Objects the reduce steps running here read or write."""
-        busy = set(self._steps)
+        """Objects the reduce steps running here read or write, and fresh
+        copies no get has taken yet: none may be evicted."""
+        busy = set(self._steps) | self._fresh
         for _, step in self._steps.values():
             busy.add(ObjectID(step["input"]))
             busy.update(ObjectID(child["oid"]) for child in step["children"])

@@ -111,7 +111,7 @@ def test_one_receiver_per_sender_builds_a_chain(origin_complete):
     assert all(len(h.serving) <= 1 for h in holders.values())
     assert holders["n3"].serving == {"n4"} and holders["n8"].serving == set()
     assert not any(holders[f"n{k}"].complete for k in range(1, 9))
-    assert d.objects[K].edges == [(f"n{k}", f"n{k - 1}") for k in range(1, 9)]
+    assert list(d.objects[K].edges) == [(f"n{k}", f"n{k - 1}") for k in range(1, 9)]
 
 
 def test_two_receivers_per_sender_builds_a_binary_tree():

@@ -366,6 +366,8 @@ _GONE_KEPT = 1 << 16
 #: Layout kinds a reduce accepts: typed arrays, folded by the NumPy kernels on a
 #: host buffer and by the CuPy kernels where a node keeps the object on a GPU.
 REDUCIBLE_KINDS = ("numpy", "device")
+#: pull assignments an object's entry keeps for `describe` (object_info)
+EDGES_KEPT = 1024
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
@@ -400,7 +402,9 @@ class Entry:
     holders: dict[NodeId, Holder] = field(default_factory=dict)
     waiting: deque[tuple[NodeId, int]] = field(default_factory=deque)
     #: Every (receiver, sender) pair ever assigned, for tests, demos and tools.
-    edges: list[tuple[NodeId, NodeId]] = field(default_factory=list)
+    #: the latest (receiver, sender) assignments (a hot object's nodes come and go)
+    edges: deque[tuple[NodeId, NodeId]] = field(
+        default_factory=lambda: deque(maxlen=EDGES_KEPT))
     #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
     relay: tuple[NodeId, ...] = ()
     #: learnt from a node's announcement, not from a put here (a restarted
@@ -588,8 +592,9 @@ class Directory:
         self.nodes.pop(ev.node, None)
         self.last_seen.pop(ev.node, None)
         self.waits.pop(ev.node, None)
-        for name, waiters in self.channel_waiters.items():
-            self.channel_waiters[name] = [w for w in waiters if w[0] != ev.node]
+        self.channel_waiters = {
+            name: kept for name, waiters in self.channel_waiters.items()
+            if (kept := [w for w in waiters if w[0] != ev.node])}
         for queue in self.pending.values():
             _remove_node(queue, ev.node)
         self.direct = {w for w in self.direct if w[0] != ev.node}
@@ -1245,6 +1250,8 @@ class Directory:
         for receiver in gone.serving:
             if receiver in entry.holders:
                 entry.holders[receiver].upstream = None
+        if any(receiver == node for receiver, _ in entry.edges):  # (its pulls are history now)
+            entry.edges = deque((e for e in entry.edges if e[0] != node), maxlen=EDGES_KEPT)
 
     def _depends_on(self, entry: Entry, candidate: NodeId, receiver: NodeId) -> bool:
         """True if `candidate` pulls from `receiver`, directly or through others."""

@@ -81,7 +81,12 @@ class BufferPool:
                 elif not shm.read_elsewhere(free[i]):
                     self.hits += 1
                     self.pooled -= nbytes
-                    return free.pop(i)
+                    buffer = free.pop(i)
+                    if not free:  # (one key per size ever reused would pile up)
+                        del self._free[nbytes]
+                    return buffer
+            if not free:
+                del self._free[nbytes]
         held = self._lent
         for i in range(len(held) - 1, -1, -1):
             if held[i].nbytes != nbytes:

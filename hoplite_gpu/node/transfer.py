@@ -466,6 +466,8 @@ class PeerPool:
         idle = self._idle.get((address, local))
         while idle:
             stream = idle.pop()
+            if not idle:  # (drained: a departed peer's key would stay for good)
+                del self._idle[(address, local)]
             stream.unwatch_idle()
             self._idle_order.pop(stream, None)
             if not stream.closed:
@@ -519,6 +521,9 @@ class PeerPool:
             idle.remove(stream)
             if not idle:
                 del self._idle[key]
+                # (nothing left to this peer: if it comes back, e.g. another
+                # process on its port, whether it is on this host is asked anew)
+                self._remote.discard(key[0])
         task = asyncio.get_running_loop().create_task(stream.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     "style, for each allreduce_slicing setting side by side")
     _module_command(sub, "machine", "machine", "first-touch cost of fresh memory (NumPy vs plain "
                     "pages) and of Python run after a sleep, on this machine")
+    _module_command(sub, "degree-sweep", "degree_sweep", "the reduce cost model's tree degree "
+                    "against the simulator's best, per size, inputs and link")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
                    "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

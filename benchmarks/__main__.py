@@ -20,6 +20,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .args import at_least, seconds
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -95,12 +97,17 @@ def fault(args: argparse.Namespace, console: Console) -> dict:
     res = bench.run(args.workers, args.size << 20, args.repeats, console,
                     stall_timeout_s=args.stall_timeout, heartbeat_interval_s=0.5, node_lease_s=2.0)
     med = res["median_s"]
-    table = Table(title=f"broadcast of {args.size} MiB to {args.workers - 1}, one relay killed halfway")
+    table = Table(title=f"broadcast of {args.size} MiB to {args.workers - 1} over TCP, one relay "
+                  "killed mid-transfer")
     for col in ("measure", "value"):
         table.add_column(col, justify="right")
     table.add_row("no failure (median)", f"{med['no_failure_s'] * 1e3:.0f} ms")
-    table.add_row("relay killed halfway (median)", f"{med['with_failure_s'] * 1e3:.0f} ms")
-    table.add_row("ratio", f"{res['ratio_failure_to_no_failure']:.2f} x")
+    table.add_row("relay killed mid-transfer (median)", f"{med['with_failure_s'] * 1e3:.0f} ms")
+    table.add_row("killed at (median share of the object)", f"{med['killed_at_fraction']:.0%}")
+    table.add_row("ratio (the killed receiver's own time is not in it)",
+                  f"{res['ratio_failure_to_no_failure']:.2f} x")
+    table.add_row("receivers timed: no failure / with failure",
+                  f"{args.workers - 1} / {args.workers - 2}")
     if med["detect_to_resume_s"] is not None:
         table.add_row("detection -> resume (median)", f"{med['detect_to_resume_s'] * 1e3:.1f} ms")
     console.print(table)
@@ -162,29 +169,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = p.add_subparsers(dest="name", required=True)
     b = sub.add_parser("broadcast", help="loopback broadcast vs point-to-point")
-    b.add_argument("--workers", type=int, default=8)
-    b.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="MiB")
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--workers", type=at_least(2), default=8)
+    b.add_argument("--sizes", type=at_least(1), nargs="+", default=[64, 256], help="MiB")
+    b.add_argument("--repeats", type=at_least(1), default=5)
     b.add_argument("--shared-memory", choices=["both", "on", "off"], default="both",
                    help="same-host pulls through shared memory, over TCP, or each in turn")
     b.add_argument("--no-save", action="store_true")
     b.set_defaults(func=broadcast)
     r = sub.add_parser("reduce", help="loopback reduce vs point-to-point; dynamic vs all-at-once")
-    r.add_argument("--workers", type=int, default=8)
-    r.add_argument("--size", type=int, default=64, help="MiB per input")
-    r.add_argument("--repeats", type=int, default=3)
-    r.add_argument("--gap", type=float, default=0.3, help="seconds between input arrivals")
+    r.add_argument("--workers", type=at_least(2), default=8)
+    r.add_argument("--size", type=at_least(1), default=64, help="MiB per input")
+    r.add_argument("--repeats", type=at_least(1), default=3)
+    r.add_argument("--gap", type=seconds(0.0), default=0.3, help="seconds between input arrivals")
     r.add_argument("--no-save", action="store_true")
     r.set_defaults(func=reduce)
-    f = sub.add_parser("fault", help="broadcast with a relay killed halfway vs without failure")
-    f.add_argument("--workers", type=int, default=7)
-    f.add_argument("--size", type=int, default=256, help="MiB")
-    f.add_argument("--repeats", type=int, default=3)
-    f.add_argument("--stall-timeout", type=float, default=2.0)
+    f = sub.add_parser("fault", help="broadcast with a relay killed mid-transfer vs without failure")
+    f.add_argument("--workers", type=at_least(3), default=7,
+                   help="the putter and at least two receivers (one relays to the other)")
+    f.add_argument("--size", type=at_least(1), default=256, help="MiB")
+    f.add_argument("--repeats", type=at_least(1), default=3)
+    f.add_argument("--stall-timeout", type=seconds(0.0, above=True), default=2.0)
     f.add_argument("--no-save", action="store_true")
     f.set_defaults(func=fault)
     k = sub.add_parser("soak", help="run the chaos test many times in a row")
-    k.add_argument("--runs", type=int, default=20)
+    k.add_argument("--runs", type=at_least(1), default=20)
     k.add_argument("--no-save", action="store_true")
     k.set_defaults(func=soak)
     _module_command(sub, "emulated", "emurun", "collectives on emulated hosts (network "
@@ -218,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = result.pop("file_stem", None) or result["benchmark"]
         out = RESULTS / f"{stem}-{dt.date.today().isoformat()}.json"
+        n = 1
+        while out.exists():  # a rerun the same day keeps the earlier result beside it
+            n += 1
+            out = RESULTS / f"{stem}-{dt.date.today().isoformat()}-{n}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
     return 0 if result.get("byte_identical", True) and all(

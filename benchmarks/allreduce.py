@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from .latency import _at_least as at_least
+from .args import at_least
 
 MiB = 1 << 20
 

@@ -31,6 +31,7 @@ import time
 
 from hoplite_gpu.lifecycle import stop_process
 
+from .args import at_least, seconds
 from .latency import _proc_cpu_s
 
 WAYS = ("get", "link", "bare")
@@ -155,9 +156,12 @@ def run(args: argparse.Namespace, console) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calls-hot", type=int, default=1000, help="calls of each way back to back")
-    p.add_argument("--calls-cold", type=int, default=100, help="calls of each way after a sleep")
-    p.add_argument("--period", type=float, default=0.05, help="seconds slept before a cold call")
+    p.add_argument("--calls-hot", type=at_least(1), default=1000,
+                   help="calls of each way back to back")
+    p.add_argument("--calls-cold", type=at_least(1), default=100,
+                   help="calls of each way after a sleep")
+    p.add_argument("--period", type=seconds(0.0), default=0.05,
+                   help="seconds slept before a cold call")
 
 
 if __name__ == "__main__":

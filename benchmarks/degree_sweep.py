@@ -20,11 +20,14 @@ import argparse
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from rich.table import Table
 
 from hoplite_gpu.directory import reduce_plan
 from hoplite_gpu.simulator import simulate_reduce
+
+from .args import at_least, seconds
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = ["64K", "1M", "16M", "256M"]
@@ -48,6 +51,21 @@ def _size(text: str) -> int:
 def _link(text: str) -> tuple[float, float]:
     bw, _, lat = text.partition(":")
     return float(bw), float(lat or 1e-4)
+
+
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse type that refuses what `parse` cannot read, or reads as
+    zero or less, and keeps the text (`run` parses it again)."""
+    def check(text: str) -> str:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r}") from None
+        bw, lat = value if isinstance(value, tuple) else (value, 0)
+        if not bw > 0 or not lat >= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0 (a latency at least 0): {text!r}")
+        return text
+    return check
 
 
 def _fmt_size(n: int) -> str:
@@ -194,14 +212,14 @@ def _summary_line(label: str, sm: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", nargs="+", default=SIZES,
+    p.add_argument("--sizes", nargs="+", type=_checked(_size), default=SIZES,
                    help="bytes per input, binary units (64K, 16M); default %(default)s")
-    p.add_argument("--inputs", type=int, nargs="+", default=INPUTS)
-    p.add_argument("--links", nargs="+", default=LINKS,
+    p.add_argument("--inputs", type=at_least(2), nargs="+", default=INPUTS)
+    p.add_argument("--links", nargs="+", type=_checked(_link), default=LINKS,
                    help="BYTES_PER_S:LATENCY_S per link setting; default %(default)s")
-    p.add_argument("--chunk", default="4M")
-    p.add_argument("--max-degree", type=int, default=8)
-    p.add_argument("--gap-factor", type=float, default=2.0,
+    p.add_argument("--chunk", type=_checked(_size), default="4M")
+    p.add_argument("--max-degree", type=at_least(1), default=8)
+    p.add_argument("--gap-factor", type=seconds(0.0, above=True), default=2.0,
                    help="inputs this many S/B apart in the second schedule")
     p.add_argument("--proposed", action="store_true",
                    help="also say what the proposed models (PROPOSALS: reduce_time without "

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from .args import at_least, seconds
+
 OPS = ("broadcast", "reduce", "allreduce", "gather", "allgather")
 
 
@@ -157,25 +159,16 @@ def _rank(argv: list[str]) -> int:
     return 0
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}; got {value}")
-        return value
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=_at_least(1), default=8)
-    p.add_argument("--size", type=_at_least(1), default=1024, help="bytes per rank")
+    p.add_argument("--ranks", type=at_least(1), default=8)
+    p.add_argument("--size", type=at_least(1), default=1024, help="bytes per rank")
     p.add_argument("--ops", nargs="+", default=["broadcast"], choices=OPS)
-    p.add_argument("--calls", type=_at_least(1), default=60)
-    p.add_argument("--warmup", type=_at_least(0), default=5)
-    p.add_argument("--period", type=float, default=0.05, help="seconds between call slots")
+    p.add_argument("--calls", type=at_least(1), default=60)
+    p.add_argument("--warmup", type=at_least(0), default=5)
+    p.add_argument("--period", type=seconds(0.0, above=True), default=0.05,
+                   help="seconds between call slots")
     p.add_argument("--floor", action="store_true",
                    help="also time the broadcast's message pattern in minimal Python "
                         "(benchmarks/latency_floor.py), with hoplite-gpu's two threads per "

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from .args import at_least
+
 
 def _touch(kind: str, nbytes: int) -> float:
     import mmap
@@ -112,9 +114,9 @@ def run(args: argparse.Namespace, console) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--procs", type=int, default=8)
-    p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--big-gib", type=int, default=8,
+    p.add_argument("--procs", type=at_least(1), default=8)
+    p.add_argument("--mib", type=at_least(1), default=256)
+    p.add_argument("--big-gib", type=at_least(1), default=8,
                    help="GiB touched one GiB at a time, twice (the VM's cost for cold memory)")
 
 

@@ -22,6 +22,8 @@ import statistics
 import time
 import zlib
 
+from .args import at_least
+
 MiB = 1 << 20
 
 
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace, console) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--objects", type=int, default=16, help="objects the reader gets in turn")
-    p.add_argument("--size", type=int, default=64, help="MiB per object")
-    p.add_argument("--limit", type=int, default=256, help="the reader's store limit, MiB")
-    p.add_argument("--repeats", type=int, default=3, help="launches of each variant")
+    p.add_argument("--objects", type=at_least(1), default=16, help="objects the reader gets in turn")
+    p.add_argument("--size", type=at_least(1), default=64, help="MiB per object")
+    p.add_argument("--limit", type=at_least(1), default=256,
+                   help="the reader's store limit, MiB (0 would mean none)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="launches of each variant")

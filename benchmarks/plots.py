@@ -17,7 +17,7 @@ def plot_all(results: Path) -> list[Path]:
     for path in sorted(results.glob("*.json")):
         data = json.loads(path.read_text())
         kind = data.get("benchmark", "")
-        if "summary" in data:  # the schema of benchmarks/README.md
+        if isinstance(data.get("summary"), list):  # the schema of benchmarks/README.md
             made.extend(_summary_plots(data, path))
         elif kind in ("broadcast-emulated", "collectives-emulated"):
             ops = sorted({r.get("op", "broadcast") for r in data["rows"]})

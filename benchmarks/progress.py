@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from .args import at_least, seconds
+
 #: (name, transport, environment) for each setting measured.
 SETTINGS = [
     ("tcp", "tcp", {}),
@@ -184,11 +186,12 @@ def run(args: argparse.Namespace, console) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2,
+    p.add_argument("--workers", type=at_least(2), default=2,
                    help="idle nodes (plus the directory), at least 2")
-    p.add_argument("--seconds", type=float, default=5.0, help="idle window")
-    p.add_argument("--repeats", type=int, default=300, help="round trips per size")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per setting")
+    p.add_argument("--seconds", type=seconds(0.0, above=True), default=5.0, help="idle window")
+    p.add_argument("--repeats", type=at_least(1), default=300, help="round trips per size")
+    p.add_argument("--timeout", type=seconds(0.0, above=True), default=120.0,
+                   help="seconds per setting")
 
 
 if __name__ == "__main__":

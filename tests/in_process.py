@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -180,3 +181,32 @@ def channel_object_exists(channel: str, version: int, part: str = "manifest") ->
     except hg.ObjectNotFound:
         return False
     return True
+
+
+class ThreadedDirectory:
+    """A directory server on a loop thread of its own: it answers while the
+    nodes' loops are busy, survives what they do, and can be restarted on
+    the same port (`ThreadedDirectory(token, old.port)` after `old.close()`)."""
+
+    def __init__(self, token: str, port: int = 0) -> None:
+        from hoplite_gpu.directory.server import DirectoryServer
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = DirectoryServer(token, port=port)
+        self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(5)
+        self.port = int(self.address.rpartition(":")[2])
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.server.close()
+            for peer in list(self.server.peers.values()):
+                await peer.stream.close()
+        try:
+            asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+            if not self.loop.is_running():
+                self.loop.close()

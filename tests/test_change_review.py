@@ -6,44 +6,21 @@ Each test fails on the code as it is, for the reason its docstring gives."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import ThreadedDirectory, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
-from hoplite_gpu.directory.server import DirectoryServer
 
 TOKEN = "change-review-token"
 MiB = 1 << 20
 
 
-class _Directory:
-    """A directory on a loop thread of its own (it answers while the node's
-    loop is busy)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = DirectoryServer(TOKEN, port=0)
-        self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(5)
-
-    def close(self) -> None:
-        async def close() -> None:
-            await self.server.close()
-            for peer in list(self.server.peers.values()):
-                await peer.stream.close()
-        try:
-            asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
-            if not self.loop.is_running():
-                self.loop.close()
+def _Directory(port: int = 0) -> ThreadedDirectory:
+    return ThreadedDirectory(TOKEN, port)
 
 
 @pytest.mark.timeout(60)

@@ -5,46 +5,22 @@ restarts under a call, and what the link pool keeps."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import pytest
-from in_process import holders_after_direct_calls
+from in_process import ThreadedDirectory, holders_after_direct_calls
 
 import hoplite_gpu as hg
 from hoplite_gpu import direct as direct_module
 from hoplite_gpu.config import Config
-from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.runtime import Runtime
 
 TOKEN = "review-token"
 
 
-class _Directory:
-    """A directory on a loop thread of its own (it survives what the nodes'
-    loops do, and can be restarted on the same port)."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = DirectoryServer(TOKEN, port=port)
-        self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(5)
-        self.port = int(self.address.rpartition(":")[2])
-
-    def close(self) -> None:
-        async def close() -> None:
-            await self.server.close()
-            for peer in list(self.server.peers.values()):
-                await peer.stream.close()
-        try:
-            asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
-            if not self.loop.is_running():
-                self.loop.close()
+def _Directory(port: int = 0) -> ThreadedDirectory:
+    return ThreadedDirectory(TOKEN, port)
 
 
 @pytest.mark.timeout(60)

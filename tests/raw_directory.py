@@ -36,3 +36,30 @@ async def registered(address: str, node: str, token: str = TOKEN):
     assert reply == {"ok": True, "node": node, "lease_s": reply.get("lease_s")}
     assert reply["lease_s"] > 0
     return stream
+
+
+async def memory_held_for_unproven_peers(server, scheme: str, announce, peers: int = 3) -> int:
+    """Bytes the directory `server` (started here, closed after) holds once
+    `peers` connections over `scheme` each read its hello and then
+    `await announce(stream)` (e.g. a length that promises a large message
+    that never comes), without proving the token."""
+    import tracemalloc
+
+    address = await server.start()
+    streams = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(peers):
+            stream = await get_backend(scheme).connect(address, 5)
+            streams.append(stream)
+            async with asyncio.timeout(5):
+                await recv_msg(stream)  # the directory's hello
+            await announce(stream)
+        await asyncio.sleep(0.5)
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        for s in streams:
+            await s.close()
+        await server.close()

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # (in_process, as test_cancellation imports it)
 
-from raw_directory import TOKEN, authenticated, registered, run
+from raw_directory import TOKEN, authenticated, memory_held_for_unproven_peers, registered, run
 
 import tests.transport_checks as tc
 from hoplite_gpu.config import Config
@@ -257,27 +257,9 @@ def test_an_unauthenticated_peer_cannot_make_the_directory_allocate_max_message(
     and the directory allocates (and zero-fills) that much at once, per
     connection, for up to handshake_timeout. A few hundred such connections
     exhaust the directory's memory."""
-    import tracemalloc
-
     async def body():
         server = DirectoryServer(TOKEN, handshake_timeout=5)
-        address = await server.start()
-        streams = []
-        tracemalloc.start()
-        try:
-            before = tracemalloc.get_traced_memory()[0]
-            for _ in range(3):
-                stream = await get_backend("tcp").connect(address, 5)
-                streams.append(stream)
-                async with asyncio.timeout(5):
-                    await recv_msg(stream)  # the server's hello
-                await stream.send((60 << 20).to_bytes(4, "big"))  # ...and no body
-            await asyncio.sleep(0.5)
-            grown = tracemalloc.get_traced_memory()[0] - before
-            assert grown < 16 << 20, f"3 unauthenticated peers made the directory hold {grown >> 20} MiB"
-        finally:
-            tracemalloc.stop()
-            for s in streams:
-                await s.close()
-            await server.close()
+        grown = await memory_held_for_unproven_peers(  # each announces 60 MiB, sends no body
+            server, "tcp", lambda stream: stream.send((60 << 20).to_bytes(4, "big")))
+        assert grown < 16 << 20, f"3 unauthenticated peers made the directory hold {grown >> 20} MiB"
     run(body)

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
 import transport_checks as tc
+from raw_directory import memory_held_for_unproven_peers
 
 from hoplite_gpu.directory.server import DirectoryServer
-from hoplite_gpu.protocol import recv_msg
-from hoplite_gpu.transports import get_backend
 
 ucx_only = pytest.mark.parametrize(
     "scheme", [p for p in tc.scheme_params() if p.values[0] == "ucx"])
@@ -103,24 +101,9 @@ def test_an_unauthenticated_ucx_peer_cannot_make_the_directory_stage_64_mib(sche
     async def main() -> int:
         async with asyncio.timeout(20):
             server = DirectoryServer("tok", transport="ucx", handshake_timeout=5)
-            address = await server.start()
-            streams = []
-            tracemalloc.start()
-            try:
-                before = tracemalloc.get_traced_memory()[0]
-                for _ in range(3):
-                    stream = await get_backend("ucx").connect(address, 5)
-                    streams.append(stream)
-                    async with asyncio.timeout(5):
-                        await recv_msg(stream)  # the directory's hello
-                    await stream._send(head, 0)  # (the head lane, as a peer would send it)
-                await asyncio.sleep(0.5)
-                return tracemalloc.get_traced_memory()[0] - before
-            finally:
-                tracemalloc.stop()
-                for s in streams:
-                    await s.close()
-                await server.close()
+            # (the head lane, as a peer would send it)
+            return await memory_held_for_unproven_peers(
+                server, "ucx", lambda stream: stream._send(head, 0))
 
     grown = asyncio.run(main())
     assert grown < 16 << 20, \

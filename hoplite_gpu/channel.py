@@ -255,6 +255,7 @@ class WeightChannel:
             head = await node.channel_head(self.name, newer_than, left)
             got = await self._fetch_version(node, head, deadline)
             if got is not None:
+                node.channel_seen(self.name, head)
                 return head, got
             # That version was freed (a newer one is out) or lost with its
             # publisher: wait for a newer one. (Asking again for `head` would

@@ -175,3 +175,27 @@ def test_a_version_number_used_again_after_the_directory_and_learner_restart_is_
         version, low, high = cluster.run(1, fetch_value, "reborn", timeout=30)
         assert version == published[-1] and low == high == 101.0, (
             f"version {version} fetched with values {low}..{high}: the old learner's bytes")
+
+
+def fetch_newer(channel: str, newer_than: int) -> tuple[int, float, float]:
+    version, weights = WeightChannel(channel).fetch(newer_than=newer_than, timeout=10)
+    return version, float(weights["w"].min()), float(weights["w"].max())
+
+
+def test_after_the_directory_and_learner_restart_new_versions_are_newer_than_the_readers():
+    """The learner and the directory restart; the actor lives on, having
+    fetched version 1, and waits for a newer one (`newer_than=1`). Heads were
+    re-announced only by the node that published them, which is gone, so the
+    new directory knew no head and the new learner numbered from 0 again: its
+    first versions (0, then 1 skipped as the actor's copy exists) were all
+    "not newer" for the actor, whose fetch timed out while weights were being
+    published. A node now re-announces the newest version it fetched too, so
+    the learner's first version after the restart is 2."""
+    with LocalCluster(2, shared_memory=False, timeout_s=10) as cluster:
+        assert cluster.run(0, publish_values, "renumbered", [0.0, 1.0], timeout=30) == [0, 1]
+        assert cluster.run(1, fetch_value, "renumbered", timeout=30) == (1, 1.0, 1.0)
+        cluster.restart(0)
+        cluster.restart_directory()
+        time.sleep(1.0)  # (the actor reconnects and re-announces what it holds)
+        assert cluster.run(0, publish_values, "renumbered", [100.0], timeout=30) == [2]
+        assert cluster.run(1, fetch_newer, "renumbered", 1, timeout=30) == (2, 100.0, 100.0)

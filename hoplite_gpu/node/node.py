@@ -114,7 +114,8 @@ class Node:
         self._connected = asyncio.Event()
         #: reduces this node asked for, re-sent to a restarted directory
         self._my_reduces: dict[ObjectID, dict] = {}
-        #: channel heads this node published, re-announced to a restarted directory
+        #: the newest version of each channel this node published or fetched whole,
+        #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
         #: `_forget`s so far, and the count at the last one of each recent id:
         #: a caller's thread reads the count before its direct put, so the loop
@@ -694,8 +695,14 @@ class Node:
                 raise
 
     # ----------------------------------------------------------- channels ---
-    async def channel_publish(self, name: str, version: int) -> int:
+    def channel_seen(self, name: str, version: int) -> None:
+        """`version` of channel `name` is complete here (fetched or published):
+        a restarted directory hears of it, so versions numbered after the
+        restart are newer than what this node's readers already have."""
         self._channels[name] = max(version, self._channels.get(name, -1))
+
+    async def channel_publish(self, name: str, version: int) -> int:
+        self.channel_seen(name, version)
         body = await self._request({"op": "channel_publish", "name": name, "version": version},
                                    self.config.timeout_s)
         return int(body["head"])

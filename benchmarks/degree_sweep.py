@@ -11,7 +11,7 @@ ready at i * gap (gap = `--gap-factor` x S/B by default), where the time that
 counts is the one from the last input to the result. Each row records the
 model's degree (`reduce_plan.choose_degree`, which sees neither the gap nor
 the simulation), the simulated best degree, both simulated times, their ratio
-and the model's predicted time (`reduce_plan.reduce_time`, all at once).
+and the model's predicted time (`reduce_plan.tree_walk_time`, all at once).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def sweep(sizes: list[int], inputs: list[int], links: list[tuple[float, float]],
             for k in inputs:
                 degrees = candidates(k, max_degree)
                 chosen = reduce_plan.choose_degree(size, k, lat, bw, chunk, max_degree)
-                predicted = {d: reduce_plan.reduce_time(size, k, d, lat, bw, chunk)
+                predicted = {d: reduce_plan.tree_walk_time(size, k, d, lat, bw, chunk)
                              for d in degrees}
                 for gap in (0.0, gap_factor * s_over_b):
                     sim = {}
@@ -162,7 +162,7 @@ def summarize(rows: list[dict], proposal: str | None = None) -> dict:
 
 def overcount_fixed_time(size: int, k: int, d: int, latency_s: float, bytes_per_s: float,
                          chunk: int) -> float:
-    """Proposal 1 (not the runtime's model): `reduce_time` without its
+    """An alternative (not the runtime's model): `reduce_time` without its
     overcount, the root hop's chunk time, already in d*S/B; so one chunk time
     of fill per level below the root."""
     c = min(chunk, size) if size else 1
@@ -170,36 +170,10 @@ def overcount_fixed_time(size: int, k: int, d: int, latency_s: float, bytes_per_
     return d * size / bytes_per_s + depth * latency_s + (depth - 1) * d * c / bytes_per_s
 
 
-def tree_walk_time(size: int, k: int, d: int, latency_s: float, bytes_per_s: float,
-                   chunk: int) -> float:
-    """Proposal 2 (not the runtime's model): walk the in-order tree the
-    directory builds, leaves up. A position with n children gets the first
-    chunk of its output once the last child's first chunk is in (n chunk
-    times through its one downlink, plus a hop), and the last chunk no sooner
-    than its downlink has carried n*S from the first child able to send, nor
-    than a hop after its slowest child's last chunk. Unlike the closed form
-    it sees that children of a wide node finish at different times (leaves
-    at once, subtrees later), so the parent's downlink works while it waits."""
-    c = min(chunk, size) if size else 1
-    parent, children = reduce_plan.inorder_tree(k, d)
-    first, last = [0.0] * k, [0.0] * k
-    order, todo = [], [parent.index(None)]
-    while todo:  # (iterative: a chain is k deep)
-        p = todo.pop()
-        order.append(p)
-        todo.extend(children[p])
-    for p in reversed(order):
-        ch = children[p]
-        if ch:
-            n = len(ch)
-            first[p] = max(first[x] for x in ch) + latency_s + n * c / bytes_per_s
-            last[p] = max(min(first[x] for x in ch) + latency_s + n * size / bytes_per_s,
-                          max(last[x] for x in ch) + latency_s + c / bytes_per_s)
-    return last[order[0]]
-
-
-#: the proposals `--proposed` evaluates beside the runtime's model
-PROPOSALS: dict[str, ModelFn] = {"overcount": overcount_fixed_time, "walk": tree_walk_time}
+#: the other models `--proposed` evaluates beside the runtime's: the closed
+#: form the directory used before the walk, and that form without its overcount
+PROPOSALS: dict[str, ModelFn] = {"closed-form": reduce_plan.reduce_time,
+                                 "overcount": overcount_fixed_time}
 
 
 def _summary_line(label: str, sm: dict) -> str:
@@ -222,8 +196,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-factor", type=seconds(0.0, above=True), default=2.0,
                    help="inputs this many S/B apart in the second schedule")
     p.add_argument("--proposed", action="store_true",
-                   help="also say what the proposed models (PROPOSALS: reduce_time without "
-                   "its overcount; a walk of the tree) would pick")
+                   help="also say what the other models (PROPOSALS: reduce_plan.reduce_time, "
+                   "the closed form; the same without its overcount) would pick")
 
 
 def run(args: argparse.Namespace, console) -> dict:

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .directory import state as s
-from .directory.reduce_plan import reduce_time, tree_depth
+from .directory.reduce_plan import tree_depth, tree_walk_time
 from .errors import InvalidArgument
 
 _KEY = b"\x01" * 20
@@ -197,7 +197,7 @@ class ReduceResult:
     degree: int = 0
     depth: int = 0
     steps: int = 0
-    #: reduce_plan.reduce_time for this degree (all inputs at once)
+    #: reduce_plan.tree_walk_time for this degree (all inputs at once)
     model: float = 0.0
 
     @property
@@ -248,7 +248,9 @@ class ReduceSim:
             raise InvalidArgument("arrival times must be finite and not negative")
         self.fold_bps = fold_bytes_per_s
         self.layout = {"kind": "numpy", "dtype": "<f4", "shape": [size // 4], "nbytes": size}
-        self.dir = s.Directory(latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
+        # (its steps fold and hand on whole chunks: the model's unit too)
+        self.dir = s.Directory(latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk,
+                               fold_step=chunk)
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
         self.produced: dict[bytes, int] = {}   # object (input or partial result) -> chunks there
@@ -283,7 +285,7 @@ class ReduceSim:
         r.degree, r.steps = task.degree, self.steps
         r.depth = tree_depth(self.k, task.degree)
         r.last_arrival = max(self.arrivals[int.from_bytes(oid[2:], "big")] for oid in task.chosen)
-        r.model = reduce_time(self.size, self.k, task.degree, self.lat, self.bw, self.chunk)
+        r.model = tree_walk_time(self.size, self.k, task.degree, self.lat, self.bw, self.chunk)
         return r
 
     # ------------------------------------------------- directory messages ---

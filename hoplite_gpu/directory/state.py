@@ -18,7 +18,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .reduce_plan import broadcast_fanout, choose_degree, inorder_tree, tree_root
+from .reduce_plan import FOLD_STEP, broadcast_fanout, choose_degree, inorder_tree, tree_root
 
 NodeId = str
 Key = bytes  # an ObjectID's 20 raw bytes
@@ -483,7 +483,7 @@ class Directory:
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, instance: bytes = b"",
-                 tick_s: float | None = None) -> None:
+                 tick_s: float | None = None, fold_step: int = FOLD_STEP) -> None:
         self.max_receivers_per_sender = max_receivers_per_sender
         self.lease_s = lease_s
         #: how often the driver sends Tick (None: as it likes; no pause is told)
@@ -496,6 +496,9 @@ class Directory:
         #: the last Tick's time (None before the first)
         self.last_tick: float | None = None
         self.latency_s, self.bytes_per_s, self.chunk_size = latency_s, bytes_per_s, chunk_size
+        #: the pieces a host reduce step folds and hands on in (nodes fold in
+        #: `reduce_plan.FOLD_STEP`s; a simulator passes its own chunk)
+        self.fold_step = fold_step
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
@@ -1119,8 +1122,11 @@ class Directory:
             # every slice moves from rank r to rank r+1 only, as in a ring (a
             # tree that is best for one reduce alone loads its inner nodes'
             # links twice while every other slice runs too).
+            # (the pipelining unit: a host step's fold pieces, a device step's chunks)
+            unit = self.chunk_size if entry.layout.get("kind") == "device" \
+                else min(self.chunk_size, self.fold_step)
             task.degree = 1 if task.relay else choose_degree(
-                task.size, task.k, self.latency_s, self.bytes_per_s, self.chunk_size)
+                task.size, task.k, self.latency_s, self.bytes_per_s, unit)
             return None
         if entry.size != task.size or entry.layout != task.layout:
             first = task.slots[0][0].hex() if task.slots else "?"

@@ -13,18 +13,13 @@ import numpy as np
 from hoplite_gpu import kernels
 from hoplite_gpu.config import Config
 from hoplite_gpu.device import element_view, is_device_buffer
+from hoplite_gpu.directory.reduce_plan import FOLD_STEP
 from hoplite_gpu.errors import ObjectNotFound
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, numpy_dtype
 
 from .store import ChunkStore, StoredObject
 from .transfer import PeerPool, fetch_range
-
-#: Host folds go in steps of this size: big enough that NumPy's per-call cost
-#: stays small, small enough that a parent can pull the first step soon. Finer
-#: steps cost CPU and gained nothing (a 256 MiB emulated reduce: 2.58 s and
-#: 6.1 CPU s per call at 256 KiB; 2.56 s and 4.4 CPU s at 1 MiB).
-FOLD_STEP = 1 << 20
 
 
 async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, config: Config,

@@ -34,6 +34,12 @@ class Stream(abc.ABC):
     #: no head, received whole into a buffer of exactly its size, on a lane of
     #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
     bare_messages: bool = False
+    #: While set, a `send` whose bytes stop moving for this many seconds (the
+    #: peer reads nothing) closes the stream and raises Timeout: a server's
+    #: guard against a peer that asks and never reads, which would otherwise
+    #: hold the sending task, its connection and the buffer it reads for good.
+    #: Byte streams (TCP) honour it; None: sends wait as long as the peer lives.
+    send_stall_s: float | None = None
 
     def authenticated(self) -> None:
         """The peer proved the cluster token (the handshake's end): from now

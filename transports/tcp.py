@@ -44,6 +44,11 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
 
 
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class TCPStream(Stream):
     def __init__(self, sock: socket.socket, peer: str) -> None:
         _tune(sock)
@@ -76,8 +81,36 @@ class TCPStream(Stream):
                 view = memoryview(buf)
                 if view.format != "B" or view.ndim != 1:
                     view = view.cast("B")
-                if len(view):
+                if not len(view):
+                    continue
+                if self.send_stall_s is None:
                     await self._guarded("send", loop.sock_sendall(self._sock, view))
+                else:
+                    await self._guarded("send", self._send_steadily(view, self.send_stall_s))
+
+    async def _send_steadily(self, view: memoryview, stall: float) -> None:
+        """Send all of `view`, failing if the socket takes no byte for `stall`
+        seconds: write what the kernel takes, and wait (up to `stall`) for
+        room between writes. No more system calls than sock_sendall makes."""
+        loop = asyncio.get_running_loop()
+        fd = self._sock.fileno()
+        while len(view):
+            try:
+                view = view[self._sock.send(view):]
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            room = loop.create_future()
+            loop.add_writer(fd, _wake, room)
+            try:
+                async with asyncio.timeout(stall):
+                    await room
+            except TimeoutError:
+                await self.close()  # (mid-frame: nothing more can go on this stream)
+                raise Timeout(f"{self.peer} took no bytes for {stall:g}s; cut off") from None
+            finally:
+                if not self._closed:
+                    loop.remove_writer(fd)
 
     async def recv_into(self, buffer: memoryview) -> None:
         if self._closed:
@@ -196,6 +229,8 @@ class TCPStream(Stream):
         self._busy.add(task)
         try:
             return await op
+        except Timeout:  # (a TimeoutError, so an OSError: ours, already said)
+            raise
         except (OSError, ValueError) as exc:  # ValueError: socket closed under us
             await self.close()
             raise self._lost(exc, what) from exc

@@ -197,6 +197,10 @@ class DataServer:
         oid = ObjectID(field(req, "oid", bytes))
         offset, end = field(req, "offset", int), field(req, "end", int)
         stall = self._stall_for(req)
+        # A puller gives up once no byte came for `stall`; one that stops
+        # reading (stopped, hung, cut off) must not hold this serve, and the
+        # view of our copy it keeps (which makes the copy unevictable), longer.
+        stream.send_stall_s = stall
         bare = req.get("bare")  # the puller's message size, for an answer in bare messages
         # A same-host puller asked for the mode byte first (see the module doc).
         moded = bool(req.get("shm")) and getattr(stream, "local", False)

@@ -737,6 +737,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert all(node in self.alive for node, _ in queued)
 
     @invariant()
+    def every_holder_is_indexed_and_the_index_only_names_live_nodes(self) -> None:
+        # `holding` is what a node's loss visits: missing one would leave a
+        # dead node holding (and serving) an object
+        for key, entry in self.d.objects.items():
+            for node in (*entry.holders, *(n for n in entry.relay if n in self.alive)):
+                assert key in self.d.holding.get(node, {}), (node, key)
+        assert set(self.d.holding) <= self.alive
+
+    @invariant()
     def no_waiter_is_left_while_a_complete_copy_is_free(self) -> None:
         # 7, as far as state.py guarantees it: a free complete copy is always handed out
         for entry in self.d.objects.values():
@@ -828,7 +837,7 @@ def test_inline_copies_go_unknown_ids_stay_and_reduce_inputs_stay():
 def test_a_relay_node_keeps_its_copy_until_the_next_one_has_it():
     d = make()
     put(d, "n0", complete=True)
-    d.objects[K].relay = ("n1", "n2")
+    d.objects[K].set_relay(("n1", "n2"))
     d.handle(Locate("n1", 1, K))
     d.handle(Completed("n1", K))
     assert evicted(d, "n1", K) == []  # n2 will pull from n1 and from n1 alone

@@ -384,6 +384,57 @@ def _held_body(entry: Entry) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ state ---
+class Waiters:
+    """Requests (node, request) waiting on one id, oldest first: a queue that
+    is also a set, so a cancel, an answer or a departed node takes its own
+    out in O(1) however many others wait (a deque took O(waiters) each, and
+    a burst of W timed-out gets of one id O(W^2)); `of_node` finds a node's."""
+
+    def __init__(self, items: Any = ()) -> None:
+        self._items: OrderedDict[tuple[NodeId, int], None] = OrderedDict()
+        self._by_node: dict[NodeId, dict[int, None]] = {}
+        self.extend(items)
+
+    def append(self, item: tuple[NodeId, int]) -> None:
+        self._items[item] = None
+        self._by_node.setdefault(item[0], {})[item[1]] = None
+
+    def extend(self, items: Any) -> None:
+        for item in items:
+            self.append(item)
+
+    def popleft(self) -> tuple[NodeId, int]:
+        item = self._items.popitem(last=False)[0]
+        self._forget(item)
+        return item
+
+    def discard(self, item: tuple[NodeId, int]) -> None:
+        if self._items.pop(item, False) is None:
+            self._forget(item)
+
+    def of_node(self, node: NodeId) -> list[int]:
+        """`node`'s waiting requests, oldest first."""
+        return list(self._by_node.get(node, ()))
+
+    def _forget(self, item: tuple[NodeId, int]) -> None:
+        mine = self._by_node[item[0]]
+        del mine[item[1]]
+        if not mine:
+            del self._by_node[item[0]]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __repr__(self) -> str:
+        return f"Waiters({list(self._items)!r})"
+
+
 @dataclass
 class Holder:
     nbytes: int = 0
@@ -392,6 +443,11 @@ class Holder:
     upstream: NodeId | None = None       # whom it pulls from now
     serving: set[NodeId] = field(default_factory=set)
     failed_from: set[NodeId] = field(default_factory=set)
+    #: order of becoming a holder (ties between senders go to the earliest)
+    seq: int = 0
+    #: the entry's `epoch` when its pull chain was last seen to reach a
+    #: complete copy or an origin (then it still does: see `Entry.epoch`)
+    anchored: int = -1
 
 
 @dataclass
@@ -400,16 +456,35 @@ class Entry:
     layout: dict[str, Any]
     inline: bytes | None
     holders: dict[NodeId, Holder] = field(default_factory=dict)
-    waiting: deque[tuple[NodeId, int]] = field(default_factory=deque)
+    waiting: Waiters = field(default_factory=Waiters)
     #: Every (receiver, sender) pair ever assigned, for tests, demos and tools.
     #: the latest (receiver, sender) assignments (a hot object's nodes come and go)
     edges: deque[tuple[NodeId, NodeId]] = field(
         default_factory=lambda: deque(maxlen=EDGES_KEPT))
     #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
     relay: tuple[NodeId, ...] = ()
+    #: node -> its place in `relay` (both set by `set_relay`)
+    relay_at: dict[NodeId, int] = field(default_factory=dict)
     #: learnt from a node's announcement, not from a put here (a restarted
     #: directory): other nodes may hold copies it has not heard of yet
     recovered: bool = False
+    #: holders that may have a free serving slot, the ones a sender is picked
+    #: from (a superset: a full or departed one is dropped when met), so a
+    #: broadcast to N receivers costs O(N), not O(N^2) scans of every holder
+    open: dict[NodeId, None] = field(default_factory=dict)
+    #: the fanout `open` was last checked against (a larger one reopens all)
+    open_fanout: int = 0
+    #: holders so far (numbers `Holder.seq`)
+    joined: int = 0
+    #: moves on whenever a pull link breaks (a holder detached or gone).
+    #: Between breaks chains only grow from anchored senders, and copies only
+    #: complete, so a chain seen anchored stays so: `_can_complete` need not
+    #: walk a long chain again for every receiver of a broadcast.
+    epoch: int = 0
+
+    def set_relay(self, nodes: Any) -> None:
+        self.relay = tuple(nodes)
+        self.relay_at = {node: i for i, node in enumerate(self.relay)}
 
 
 @dataclass
@@ -502,7 +577,7 @@ class Directory:
         self.nodes: dict[NodeId, str] = {}
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
-        self.pending: dict[Key, deque[tuple[NodeId, int]]] = {}
+        self.pending: dict[Key, Waiters] = {}
         #: `reduced_inputs` asked of a target no reduce produces yet: they
         #: wait for its reduce (as a get of it waits), then on it
         self.reduce_pending: dict[Key, list[tuple[NodeId, int]]] = {}
@@ -513,7 +588,11 @@ class Directory:
         self.failed: dict[Key, str] = {}
         #: channel name -> newest complete version, and who waits for a newer one
         self.channels: dict[str, int] = {}
-        self.channel_waiters: dict[str, list[tuple[NodeId, int, int]]] = {}
+        self.channel_waiters: dict[str, dict[tuple[NodeId, int], int]] = {}  # -> newer_than
+        #: node -> ids whose entry names it as a holder or in its relay (a
+        #: superset: checked on use), so a node's loss visits its own objects,
+        #: not every object the directory knows
+        self.holding: dict[NodeId, dict[Key, None]] = {}
         #: per node, what each of its unanswered requests waits on: ("oid", id),
         #: ("reduce", target) or ("channel", name), so a cancel looks in one
         #: place instead of every queue (a burst of timed-out gets stalled the
@@ -594,33 +673,22 @@ class Directory:
     def _forget_node(self, ev: NodeLost, out: list[Command]) -> None:
         self.nodes.pop(ev.node, None)
         self.last_seen.pop(ev.node, None)
-        self.waits.pop(ev.node, None)
-        self.channel_waiters = {
-            name: kept for name, waiters in self.channel_waiters.items()
-            if (kept := [w for w in waiters if w[0] != ev.node])}
-        for queue in self.pending.values():
-            _remove_node(queue, ev.node)
-        self.direct = {w for w in self.direct if w[0] != ev.node}
-        for key, waiters in list(self.reduce_pending.items()):
-            self.reduce_pending[key] = [w for w in waiters if w[0] != ev.node]
-            if not self.reduce_pending[key]:
-                del self.reduce_pending[key]
-        for task in self.reduces.values():  # (its next connection numbers requests anew)
-            task.waiters = [w for w in task.waiters if w[0] != ev.node]
-            task.confirms = [w for w in task.confirms if w[0] != ev.node]
-        for key in list(self.objects):
+        # Its unanswered requests (`waits` names each one's queue) go: its next
+        # connection numbers requests anew. Only its own are visited.
+        for request, (kind, key) in self.waits.pop(ev.node, {}).items():
+            self.direct.discard((ev.node, request))
+            self._unqueue((ev.node, request), kind, key)
+        for key in self.holding.pop(ev.node, {}):
             entry = self.objects.get(key)
             if entry is None:
                 continue  # (removed meanwhile, by what an earlier key set off)
-            _remove_node(entry.waiting, ev.node)
             if ev.node in entry.holders:
                 self._forget_holder(key, entry, ev.node)
                 self._after_loss(key, entry, out)
-            elif ev.node in entry.relay and entry.waiting:
+            elif ev.node in entry.relay_at and entry.waiting:
                 # the next node of a relay waited for this one alone: it may
                 # now pull from any holder
                 self._serve_waiting(key, entry, out)
-        self._clean_pending()
 
     # ------------------------------------------------------------ objects ---
     def _on_Put(self, ev: Put, out: list[Command]) -> None:
@@ -645,14 +713,14 @@ class Directory:
         complete = ev.inline is not None or ev.size == 0
         holder = entry.holders.get(ev.node)
         if holder is None:
-            entry.holders[ev.node] = Holder(nbytes=ev.size if complete else 0,
-                                            complete=complete, origin=True)
+            self._new_holder(ev.oid, entry, ev.node, Holder(nbytes=ev.size if complete else 0,
+                                                            complete=complete, origin=True))
         else:  # a re-put by a current holder keeps its links (slots it serves, its upstream)
             holder.origin = True
             if complete:
                 holder.complete, holder.nbytes = True, ev.size
         out.append(Reply(ev.node, ev.request, {"ok": True}))
-        waiters = self.pending.pop(ev.oid, deque())
+        waiters = self.pending.pop(ev.oid, ())
         entry.waiting.extend(waiters)
         self._serve_waiting(ev.oid, entry, out)
         if complete:
@@ -677,11 +745,11 @@ class Directory:
             # putter's own copy, comes back; other copies were told to drop.
             recovered = self.gone.pop(ev.oid, None) is None
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=recovered)
-            entry.holders[ev.node] = Holder(origin=ev.own)
+            self._new_holder(ev.oid, entry, ev.node, Holder(origin=ev.own))
             task = self.reduces.get(ev.oid)
             if task is not None and not (task.done or task.failed):
                 self._supersede_reduce(task, out)
-            entry.waiting.extend(self.pending.pop(ev.oid, deque()))
+            entry.waiting.extend(self.pending.pop(ev.oid, ()))
         holder = self._holder(ev.oid, ev.node)
         if (holder is None and entry is not None and entry.recovered and ev.node in self.nodes
                 and (ev.size, ev.layout) == (entry.size, entry.layout)
@@ -689,7 +757,7 @@ class Directory:
             # Another node's copy announced to a restarted directory. (Elsewhere
             # a complete from a non-holder is a pull's that crossed a delete:
             # it is ignored, or a stale copy would be served.)
-            holder = entry.holders[ev.node] = Holder(origin=ev.own)
+            holder = self._new_holder(ev.oid, entry, ev.node, Holder(origin=ev.own))
         if entry is None or holder is None:
             # (a full announcement of a live object from a non-holder: a node
             # declared dead that came back, whose copy the directory forgot)
@@ -732,7 +800,11 @@ class Directory:
             self.direct.add((ev.node, ev.request))
         self._wait(ev.node, ev.request, "oid", ev.oid)
         if entry is None:
-            self.pending.setdefault(ev.oid, deque()).append((ev.node, ev.request))
+            self.pending.setdefault(ev.oid, Waiters()).append((ev.node, ev.request))
+            return
+        if (entry.waiting and ev.node in entry.relay_at and entry.inline is None
+                and self.max_receivers_per_sender > 0):
+            self._serve_relay_arrival(ev.oid, entry, ev.node, ev.request, out)
             return
         entry.waiting.append((ev.node, ev.request))
         self._serve_waiting(ev.oid, entry, out)
@@ -744,35 +816,44 @@ class Directory:
             return  # answered already (the cancel crossed the reply), or never asked
         kind, key = where
         request = (ev.node, ev.request)
+        self._unqueue(request, kind, key)
+
+    def _unqueue(self, request: tuple[NodeId, int], kind: str, key: Any) -> None:
+        """Take `request` out of the queue it waits in (`waits` said which)."""
         if kind == "channel":
-            waiters = [w for w in self.channel_waiters.get(key, []) if w[:2] != request]
-            if waiters:
-                self.channel_waiters[key] = waiters
-            else:
-                self.channel_waiters.pop(key, None)
+            waiters = self.channel_waiters.get(key)
+            if waiters is not None:
+                waiters.pop(request, None)
+                if not waiters:
+                    del self.channel_waiters[key]
             return
-        entry, task = self.objects.get(key), self.reduces.get(key)
-        for queue in (self.pending.get(key), entry and entry.waiting,
-                      task and task.confirms, task and task.waiters,
-                      self.reduce_pending.get(key)):
-            if queue and request in queue:
-                queue.remove(request)
-        if key in self.pending and not self.pending[key]:
-            del self.pending[key]
-        if key in self.reduce_pending and not self.reduce_pending[key]:
-            del self.reduce_pending[key]
+        queue, entry = self.pending.get(key), self.objects.get(key)
+        if queue is not None:
+            queue.discard(request)
+            if not queue:
+                del self.pending[key]
+        if entry is not None:
+            entry.waiting.discard(request)
+        if kind == "reduce":  # (lists: a reduce has few of these)
+            task = self.reduces.get(key)
+            for waiters in (task and task.confirms, task and task.waiters,
+                            self.reduce_pending.get(key)):
+                if waiters and request in waiters:
+                    waiters.remove(request)
+            if key in self.reduce_pending and not self.reduce_pending[key]:
+                del self.reduce_pending[key]
 
     # ----------------------------------------------------------- channels ---
     def _on_ChannelPublish(self, ev: ChannelPublish, out: list[Command]) -> None:
         if ev.version > self.channels.get(ev.name, -1):
             self.channels[ev.name] = ev.version
         out.append(Reply(ev.node, ev.request, {"ok": True, "head": self.channels[ev.name]}))
-        head, still = self.channels[ev.name], []
-        for node, request, newer_than in self.channel_waiters.pop(ev.name, []):
+        head, still = self.channels[ev.name], {}
+        for (node, request), newer_than in self.channel_waiters.pop(ev.name, {}).items():
             if head > newer_than:
                 out.append(Reply(node, request, {"head": head}))
             else:
-                still.append((node, request, newer_than))
+                still[node, request] = newer_than
         if still:
             self.channel_waiters[ev.name] = still
 
@@ -781,7 +862,7 @@ class Directory:
         if head > ev.newer_than or not ev.wait:
             out.append(Reply(ev.node, ev.request, {"head": head}))
         else:
-            self.channel_waiters.setdefault(ev.name, []).append((ev.node, ev.request, ev.newer_than))
+            self.channel_waiters.setdefault(ev.name, {})[ev.node, ev.request] = ev.newer_than
             self._wait(ev.node, ev.request, "channel", ev.name)
 
     def _on_TransferFailed(self, ev: TransferFailed, out: list[Command]) -> None:
@@ -799,7 +880,6 @@ class Directory:
         if entry is not None and ev.node in entry.holders:
             self._forget_holder(ev.oid, entry, ev.node)
             self._after_loss(ev.oid, entry, out)
-            self._clean_pending()
             self._slot_lost(ev.oid, ev.node, f"node {ev.node} dropped input {ev.oid.hex()}", out)
 
     def _slot_lost(self, oid: Key, node: NodeId, why: str, out: list[Command]) -> None:
@@ -836,9 +916,9 @@ class Directory:
         holder = entry.holders.get(node)
         if holder is not None and (holder.origin or not holder.complete or holder.serving):
             return False
-        if node in entry.relay[:-1]:
+        if entry.relay_at.get(node, len(entry.relay)) < len(entry.relay) - 1:
             # the next node of a relay waits for this one alone while it lives
-            after = entry.relay[entry.relay.index(node) + 1]
+            after = entry.relay[entry.relay_at[node] + 1]
             if after in self.nodes and not (after in entry.holders
                                             and entry.holders[after].complete):
                 return False
@@ -957,7 +1037,7 @@ class Directory:
             return
         entry = self.objects[ev.target] = Entry(task.size, task.layout, ev.data)
         self._finish_reduce(task, out)
-        entry.waiting.extend(self.pending.pop(ev.target, deque()))
+        entry.waiting.extend(self.pending.pop(ev.target, ()))
         self._serve_waiting(ev.target, entry, out)
         self._input_ready(ev.target, "", out)
 
@@ -1056,7 +1136,7 @@ class Directory:
             for node in entry.holders:
                 out.append(Drop(node, task.target, reason, retry=True))
             if entry.waiting:
-                self.pending.setdefault(task.target, deque()).extend(entry.waiting)
+                self.pending.setdefault(task.target, Waiters()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
         task.slots, task.at, task.backups, task.started = [], {}, [], set()
         task.placed = set()
@@ -1170,12 +1250,15 @@ class Directory:
         entry = self.objects[task.target] = Entry(task.size, task.layout or {}, None)
         if old is not None:
             entry.waiting.extend(old.waiting)
+            self._unhold(task.target, old)
         if task.relay:
             hosts = dict(task.slots)
             order = [node] + [hosts[i] for i in task.inputs if i in hosts]
-            entry.relay = tuple(dict.fromkeys(order))  # each node once, the root first
-        entry.holders[node] = Holder(origin=True)
-        entry.waiting.extend(self.pending.pop(task.target, deque()))
+            entry.set_relay(dict.fromkeys(order))  # each node once, the root first
+            for member in entry.relay:
+                self._holds(member, task.target)
+        self._new_holder(task.target, entry, node, Holder(origin=True))
+        entry.waiting.extend(self.pending.pop(task.target, ()))
         self._serve_waiting(task.target, entry, out)
 
     def _drop_steps(self, task: ReduceTask, out: list[Command]) -> None:
@@ -1222,7 +1305,7 @@ class Directory:
             out.append(Reply(node, request, error_body(kind, message)))
         task.waiters.clear()
         task.confirms.clear()
-        for node, request in self.pending.pop(task.target, deque()):
+        for node, request in self.pending.pop(task.target, ()):
             out.append(Reply(node, request, error_body(kind, message)))
         entry = self._remove_entry(task.target)
         if entry is not None:
@@ -1248,11 +1331,18 @@ class Directory:
         holder = entry.holders[node]
         if holder.upstream is not None and holder.upstream in entry.holders:
             entry.holders[holder.upstream].serving.discard(node)
+            entry.open[holder.upstream] = None  # (a slot of it is free again)
+        if holder.upstream is not None:
+            entry.epoch += 1  # (a link breaks: chains through it are anchored no more)
         holder.upstream = None
 
     def _forget_holder(self, oid: Key, entry: Entry, node: NodeId) -> None:
         self._detach(entry, node)
         gone = entry.holders.pop(node)
+        entry.open.pop(node, None)
+        entry.epoch += 1
+        if node not in entry.relay_at:
+            self._let_go(node, oid)
         for receiver in gone.serving:
             if receiver in entry.holders:
                 entry.holders[receiver].upstream = None
@@ -1273,13 +1363,15 @@ class Directory:
 
     def _can_complete(self, entry: Entry, node: NodeId) -> bool:
         """A holder can finish if it is complete, an origin, or pulls (transitively) from one."""
-        seen: set[NodeId] = set()
+        seen: dict[NodeId, Holder] = {}
         cur: NodeId | None = node
         while cur is not None and cur not in seen and cur in entry.holders:
             holder = entry.holders[cur]
-            if holder.complete or holder.origin:
+            if holder.complete or holder.origin or holder.anchored == entry.epoch:
+                for walked in seen.values():  # (until the next break, without the walk)
+                    walked.anchored = entry.epoch
                 return True
-            seen.add(cur)
+            seen[cur] = holder
             cur = holder.upstream
         return False
 
@@ -1305,11 +1397,34 @@ class Directory:
         self.gone.move_to_end(oid)
         if len(self.gone) > _GONE_KEPT:
             self.gone.popitem(last=False)
-        return self.objects.pop(oid, None)
+        entry = self.objects.pop(oid, None)
+        if entry is not None:
+            self._unhold(oid, entry)
+        return entry
 
-    def _clean_pending(self) -> None:
-        for key in [k for k, q in self.pending.items() if not q]:
-            del self.pending[key]
+    def _new_holder(self, oid: Key, entry: Entry, node: NodeId, holder: Holder) -> Holder:
+        entry.joined += 1
+        holder.seq = entry.joined
+        entry.holders[node] = holder
+        entry.open[node] = None
+        self._holds(node, oid)
+        return holder
+
+    def _holds(self, node: NodeId, oid: Key) -> None:
+        """`oid`'s entry names `node` (a holder, or in its relay): see `holding`."""
+        self.holding.setdefault(node, {})[oid] = None
+
+    def _let_go(self, node: NodeId, oid: Key) -> None:
+        mine = self.holding.get(node)
+        if mine is not None:
+            mine.pop(oid, None)
+            if not mine:
+                del self.holding[node]
+
+    def _unhold(self, oid: Key, entry: Entry) -> None:
+        """`entry` of `oid` is gone or replaced: no node holds it through it."""
+        for node in (*entry.holders, *entry.relay):
+            self._let_go(node, oid)
 
     def _fanout(self, entry: Entry) -> int:
         """Receivers one holder may serve at once: the configured number, or
@@ -1335,34 +1450,42 @@ class Directory:
     def _best_sender(self, entry: Entry, receiver: NodeId, avoid_failed: bool) -> NodeId | None:
         mine = entry.holders.get(receiver)
         have = mine.nbytes if mine else 0
-        if receiver in entry.relay[1:]:
-            before = entry.relay[entry.relay.index(receiver) - 1]
+        # (nobody can pull from a receiver that serves nobody, even through others)
+        served = mine is not None and bool(mine.serving)
+        if entry.relay_at.get(receiver, 0) > 0:
+            before = entry.relay[entry.relay_at[receiver] - 1]
             if before in self.nodes and not (avoid_failed and mine is not None
                                              and before in mine.failed_from):
                 # The node before this one in the relay serves it, and only it:
                 # wait until that node holds (or pulls) the result, as it will.
                 holder = entry.holders.get(before)
                 if (holder is None or not (holder.complete or self._can_complete(entry, before))
-                        or self._depends_on(entry, before, receiver)):
+                        or (served and self._depends_on(entry, before, receiver))):
                     return None
                 if holder.complete or holder.origin or holder.nbytes >= have:
                     return before
             # that node is gone, failed us, or is behind us: any other holder
-        best: tuple[bool, int] | None = None
+        best: tuple[bool, int, int] | None = None
         choice: NodeId | None = None
         fanout = self._fanout(entry)
-        for node, holder in entry.holders.items():
+        if fanout > entry.open_fanout:  # (holders found full before may have room now)
+            entry.open = dict.fromkeys(entry.holders)
+        entry.open_fanout = fanout
+        for node in list(entry.open):
+            holder = entry.holders.get(node)
+            if holder is None or len(holder.serving) >= fanout:
+                del entry.open[node]  # (reopened when it frees a slot or the fanout grows)
+                continue
             if (node == receiver or node not in self.nodes
-                    or len(holder.serving) >= fanout
                     or (avoid_failed and mine is not None and node in mine.failed_from)
                     or not (holder.complete or self._can_complete(entry, node))
-                    or self._depends_on(entry, node, receiver)):
+                    or (served and self._depends_on(entry, node, receiver))):
                 continue
             if not holder.complete and holder.nbytes < have and not holder.origin:
                 # A partial copy behind ours helps only once it overtakes us; a
                 # complete or further-ahead one is better, so wait for it.
                 continue
-            rank = (holder.complete, holder.nbytes)
+            rank = (holder.complete, holder.nbytes, -holder.seq)
             if best is None or rank > best:
                 best, choice = rank, node
         return choice
@@ -1376,25 +1499,53 @@ class Directory:
         progress = True
         while progress and entry.waiting:
             progress = False
-            still: deque[tuple[NodeId, int]] = deque()
+            still = Waiters()
             while entry.waiting:
                 node, request = entry.waiting.popleft()
-                if (node, request) in self.direct and _held(entry, node):
-                    out.append(Reply(node, request, _held_body(entry)))
-                    continue
-                # (a direct call's thread keeps no copy of inline bytes: it
-                # is no holder, or a later drop would be mistaken for newer
-                # than the node's next put of the id)
-                body = self._assign(oid, entry, node, record=(node, request) not in self.direct)
-                if body is None:
+                if self._serve_one(oid, entry, node, request, out):
+                    progress = True
+                else:
                     still.append((node, request))
-                    continue
-                progress = True
-                if (node, request) in self.direct and "inline" not in body:
-                    out.append(PushLocated(node, oid, body))
-                    body = {"size": entry.size, "layout": entry.layout, "pushed": True}
-                out.append(Reply(node, request, body))
             entry.waiting = still
+
+    def _serve_one(self, oid: Key, entry: Entry, node: NodeId, request: int,
+                   out: list[Command]) -> bool:
+        """Answer one waiting request if a sender (or the bytes) can be had
+        now; False if it must wait on. The caller keeps the queue."""
+        if (node, request) in self.direct and _held(entry, node):
+            out.append(Reply(node, request, _held_body(entry)))
+            return True
+        # (a direct call's thread keeps no copy of inline bytes: it
+        # is no holder, or a later drop would be mistaken for newer
+        # than the node's next put of the id)
+        body = self._assign(oid, entry, node, record=(node, request) not in self.direct)
+        if body is None:
+            return False
+        if (node, request) in self.direct and "inline" not in body:
+            out.append(PushLocated(node, oid, body))
+            body = {"size": entry.size, "layout": entry.layout, "pushed": True}
+        out.append(Reply(node, request, body))
+        return True
+
+    def _serve_relay_arrival(self, oid: Key, entry: Entry, node: NodeId, request: int,
+                             out: list[Command]) -> None:
+        """A get of a relayed result from a node of the relay, while others
+        wait. Its arrival changes no holder, so no one else can be served
+        now but through it: serve it if its node's predecessor can, then the
+        next node of the relay if it waits, and so on. (A pass over every
+        waiter per get cost a slice of an allreduce of N ranks O(N^2); the
+        others are still checked at every progress and completion.)"""
+        entry.waiting.append((node, request))
+        while True:
+            served = False
+            for req in entry.waiting.of_node(node):
+                if self._serve_one(oid, entry, node, req, out):
+                    entry.waiting.discard((node, req))
+                    served = True
+            at = entry.relay_at.get(node, len(entry.relay))
+            if not served or at + 1 >= len(entry.relay):
+                return
+            node = entry.relay[at + 1]
 
     def _assign(self, oid: Key, entry: Entry, receiver: NodeId,
                 record: bool = True) -> dict[str, Any] | None:
@@ -1405,8 +1556,8 @@ class Directory:
             base["reduce_tag"] = task.tag  # confirm the copy before handing it out
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
-            if record:
-                entry.holders.setdefault(receiver, Holder(nbytes=entry.size, complete=True))
+            if record and receiver not in entry.holders:
+                self._new_holder(oid, entry, receiver, Holder(nbytes=entry.size, complete=True))
             return {**base, "inline": entry.inline}
         if mine is not None and mine.complete:
             return {**base, "local": True}
@@ -1415,7 +1566,7 @@ class Directory:
             # here: pulling it as well would only move its bytes twice.
             return None
         if entry.size == 0:
-            entry.holders[receiver] = Holder(complete=True)
+            self._new_holder(oid, entry, receiver, Holder(complete=True))
             return {**base, "local": True}
         if mine is not None and mine.upstream is not None:
             self._detach(entry, receiver)  # asked again while pulling: free the old slot
@@ -1423,7 +1574,7 @@ class Directory:
         if sender is None:
             return None
         if mine is None:
-            mine = entry.holders[receiver] = Holder()
+            mine = self._new_holder(oid, entry, receiver, Holder())
         mine.upstream = sender
         entry.holders[sender].serving.add(receiver)
         entry.edges.append((receiver, sender))
@@ -1440,10 +1591,3 @@ def _check_reduce_args(ev: ReduceRequested) -> str | None:
     if not 1 <= ev.num_objects <= len(ev.inputs):
         return f"num_objects must be between 1 and {len(ev.inputs)}; got {ev.num_objects}"
     return None
-
-
-def _remove_node(queue: deque[tuple[NodeId, int]], node: NodeId) -> None:
-    kept = [item for item in queue if item[0] != node]
-    if len(kept) != len(queue):
-        queue.clear()
-        queue.extend(kept)

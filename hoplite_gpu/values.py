@@ -229,7 +229,6 @@ def _numpy_to_buffer(value: np.ndarray | np.generic) -> tuple[memoryview, Layout
     return memoryview(flat), _numpy_layout(code, tuple(arr.shape), arr.nbytes)
 
 
-@functools.lru_cache(maxsize=256)
 def _copied(copy: Any, nbytes: int) -> Any:
     """`copy()`, the contiguous copy of a value that has none; StoreFull,
     not NumPy's own error, if the machine has no memory for it."""
@@ -240,6 +239,7 @@ def _copied(copy: Any, nbytes: int) -> Any:
                         "contiguous array (its memory is sent as it is)") from None
 
 
+@functools.lru_cache(maxsize=256)
 def _numpy_layout(code: str, shape: tuple[int, ...], nbytes: int) -> Layout:
     return Layout("numpy", code, shape, nbytes)
 

@@ -14,7 +14,7 @@ from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 9  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 10  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
@@ -24,6 +24,7 @@ PROTOCOL_VERSION = 9  # 2: reduce_confirm, reduce_tag in locate replies, tag in 
 #                       8: "delete_many"
 #                       9: an evict's "need" (all or nothing), a pull's "stall",
 #                          "dropped" on a direct connection
+#                      10: a put's "print" (a second put of other bytes is refused)
 _NONCE = 32
 
 

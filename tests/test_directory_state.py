@@ -246,6 +246,20 @@ def test_reput_with_same_size_and_layout_adds_a_holder():
     assert set(d.objects[K].holders) == {"n1"}
 
 
+def test_a_put_of_other_bytes_under_an_id_is_refused_and_the_same_bytes_add_a_copy():
+    d = make(3)
+    d.handle(Put("n0", 1, K, SIZE, LAYOUT, fingerprint=b"A" * 8))
+    out = d.handle(Put("n1", 2, K, SIZE, LAYOUT, fingerprint=b"B" * 8))
+    assert out[0].body["error"] == "ObjectExists" and "other bytes" in out[0].body["message"]
+    assert set(d.objects[K].holders) == {"n0"}
+    assert d.handle(Put("n2", 3, K, SIZE, LAYOUT, fingerprint=b"A" * 8)) == [Reply("n2", 3, {"ok": True})]
+    assert d.handle(Put("n1", 4, K, SIZE, LAYOUT)) == [Reply("n1", 4, {"ok": True})]  # not told: taken
+    small = {"kind": "bytes", "nbytes": 3}
+    d.handle(Put("n0", 5, K2, 3, small, b"abc"))
+    assert d.handle(Put("n1", 6, K2, 3, small, b"xyz"))[0].body["error"] == "ObjectExists"
+    assert d.handle(Put("n2", 7, K2, 3, small, b"abc")) == [Reply("n2", 7, {"ok": True})]
+
+
 @pytest.mark.parametrize("size, layout", [(SIZE + 1, LAYOUT), (SIZE, {"other": True})])
 def test_reput_with_a_different_size_or_layout_is_refused(size, layout):
     d = make(1)

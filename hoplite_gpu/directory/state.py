@@ -62,6 +62,8 @@ class Put:
     size: int
     layout: dict[str, Any]
     inline: bytes | None = None
+    #: `values.fingerprint` of a host value put with its bytes elsewhere
+    fingerprint: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -456,6 +458,8 @@ class Entry:
     layout: dict[str, Any]
     inline: bytes | None
     holders: dict[NodeId, Holder] = field(default_factory=dict)
+    #: the first put's `values.fingerprint` (None: not told)
+    fingerprint: bytes | None = None
     waiting: Waiters = field(default_factory=Waiters)
     #: Every (receiver, sender) pair ever assigned, for tests, demos and tools.
     #: the latest (receiver, sender) assignments (a hot object's nodes come and go)
@@ -700,6 +704,21 @@ class Directory:
                 f"{entry.layout}; this put has {ev.size} bytes and layout {ev.layout}. "
                 "Objects are immutable: use a new ObjectID.")))
             return
+        if entry is not None and (
+                (ev.inline is not None and entry.inline is not None and ev.inline != entry.inline)
+                or (ev.fingerprint and entry.fingerprint and ev.fingerprint != entry.fingerprint)):
+            # Another put of the id with other bytes (a retried task whose
+            # output is not deterministic, two writers of one name). The same
+            # bytes again are a further copy; other bytes would let a reader
+            # that fails over between the two resume mid-object and return a
+            # mix of both.
+            first = next((n for n, h in entry.holders.items() if h.origin), None)
+            out.append(Reply(ev.node, ev.request, error_body(
+                "ObjectExists",
+                f"object {ev.oid.hex()} was already put with other bytes"
+                + (f" (by node {first})" if first else "")
+                + "; objects are immutable: use a new ObjectID (or delete it first)")))
+            return
         task = self.reduces.get(ev.oid)
         if task is not None and not (task.done or task.failed):
             if entry is not None:
@@ -710,6 +729,8 @@ class Directory:
             self._supersede_reduce(task, out)  # (a restarted directory: see there)
         if entry is None:
             entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, ev.inline)
+        if entry.fingerprint is None:
+            entry.fingerprint = ev.fingerprint
         complete = ev.inline is not None or ev.size == 0
         holder = entry.holders.get(ev.node)
         if holder is None:

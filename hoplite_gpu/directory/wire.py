@@ -45,7 +45,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     if op == "put":
         return state.Put(node, field(msg, "rid", int), _id(msg, "oid"),
                          field(msg, "size", int), field(msg, "layout", dict),
-                         _optional(msg, "inline", bytes))
+                         _optional(msg, "inline", bytes), _optional(msg, "print", bytes))
     if op == "locate":
         return state.Locate(node, field(msg, "rid", int), _id(msg, "oid"),
                             _optional(msg, "direct", bool, False))

@@ -35,7 +35,7 @@ from hoplite_gpu.errors import (
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import split_address
-from hoplite_gpu.values import Layout, from_buffer, to_buffer
+from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
 from .pool import MIN_POOLED
@@ -277,6 +277,9 @@ class Node:
         oid, layout = obj.oid, obj.layout
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
+        if not inline and not device.is_device_buffer(buf):
+            # (device bytes are not sampled: it would wait for their producer)
+            msg["print"] = fingerprint(buf)
         try:
             await self._request(msg, self.config.timeout_s if timeout is None else timeout)
         except (Timeout, DirectoryUnavailable, asyncio.CancelledError):

@@ -54,7 +54,7 @@ def test_a_get_never_returns_a_mix_of_two_puts_of_one_id():
         value = await asyncio.wait_for(got, 15)
         fills, counts = np.unique(value, return_counts=True)
         assert len(fills) == 1, (
-            f"the get returned a mix of both puts: {dict(zip(fills.tolist(), counts.tolist()))} "
+            f"the get returned a mix of both puts: {dict(zip(fills.tolist(), counts.tolist(), strict=True))} "
             "(bytes of value: count)")
 
     config = hg.Config(shared_memory=False, chunk_size=256 * 1024, timeout_s=10)

@@ -195,3 +195,36 @@ def test_a_dropped_copy_costs_the_same_however_many_gets_wait_for_other_ids():
     many = per_drop(20_000)
     assert many < 4 * few, (f"a drop costs {many * 1e6:.0f} us with 20,000 ids awaited "
                             f"and {few * 1e6:.0f} us with 500")
+
+
+# ------------------------------------------------------- finished reduces ---
+def test_a_node_leaving_costs_the_same_however_many_finished_reduces_are_kept():
+    """Finished reduces stay for `reduced_inputs` until their result is
+    deleted (a training loop that keeps every step's). A node's loss looked
+    through every reduce ever kept for unfinished trees with a slot on it
+    (`_reduces_hit_by`); it now looks among those that may be unfinished."""
+    scalar = {"kind": "numpy", "dtype": "<f4", "shape": [1], "nbytes": 4}
+
+    def per_departure(reduces: int) -> float:
+        d = joined(2)
+        for r in range(reduces):
+            ins = (oid(10**6 + 2 * r), oid(10**6 + 2 * r + 1))
+            target = oid(r + 1)
+            d.handle(s.ReduceRequested("n0", 1, target, ins, "sum", 2))
+            for j, x in enumerate(ins):
+                d.handle(s.Put(f"n{j}", 2, x, 4, scalar, b"\x00\x00\x80?"))
+            d.handle(s.InlineReduced(target, b"\x00\x00\x00@"))
+            assert d.reduces[target].done
+        best = float("inf")
+        for r in range(15):
+            worker = f"worker-{r}"
+            d.handle(s.NodeJoined(worker, "tcp://127.0.0.1:9", 0.0))
+            start = time.perf_counter()
+            d.handle(s.NodeLost(worker))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    few = per_departure(300)
+    many = per_departure(3_000)
+    assert many < 4 * few, (f"a node leaves in {many * 1e6:.0f} us with 3,000 finished reduces "
+                            f"kept and {few * 1e6:.0f} us with 300")

@@ -586,6 +586,10 @@ class Directory:
         #: wait for its reduce (as a get of it waits), then on it
         self.reduce_pending: dict[Key, list[tuple[NodeId, int]]] = {}
         self.reduces: dict[Key, ReduceTask] = {}
+        #: targets of reduces that may be unfinished (a superset, cleaned when
+        #: met): a node's loss looks among these, not among every reduce kept
+        #: for `reduced_inputs`
+        self.unfinished: dict[Key, None] = {}
         #: input -> targets of reduces waiting for it
         self.watching: dict[Key, set[Key]] = {}
         #: targets whose reduce failed -> why (answers later gets at once)
@@ -963,6 +967,7 @@ class Directory:
         entry = self._remove_entry(oid)
         # (a long job deletes one result per step: nothing left behind)
         task = self.reduces.pop(oid, None)
+        self.unfinished.pop(oid, None)
         if task is not None:
             self._forget_watch(task)
             if not (task.done or task.failed):
@@ -1034,6 +1039,7 @@ class Directory:
                 "InvalidArgument", problem or f"object {ev.target.hex()} already exists")))
             return
         task = self.reduces[ev.target] = ReduceTask(ev.target, ev.inputs, ev.op, ev.num_objects)
+        self.unfinished[ev.target] = None
         task.root_input = ev.root_input if ev.root_input in ev.inputs else None
         task.relay = ev.relay
         task.tag = self._next_tag()
@@ -1118,6 +1124,7 @@ class Directory:
 
     def _finish_reduce(self, task: ReduceTask, out: list[Command]) -> None:
         task.done = True
+        self.unfinished.pop(task.target, None)
         self._forget_watch(task)  # (a re-put input must not join a finished reduce)
         for waiter, request in task.waiters:
             out.append(Reply(waiter, request, {"inputs": task.chosen}))
@@ -1127,8 +1134,10 @@ class Directory:
     def _reduces_hit_by(self, node: NodeId) -> list[ReduceTask]:
         """Unfinished tree reduces with a slot, or the result's root, on `node`."""
         hit = []
-        for task in self.reduces.values():
-            if task.done or task.failed or task.inline:
+        for target in list(self.unfinished):
+            task = self.reduces.get(target)
+            if task is None or task.done or task.failed or task.inline:
+                del self.unfinished[target]
                 continue
             if any(host == node for _, host in task.slots):
                 hit.append(task)
@@ -1307,6 +1316,7 @@ class Directory:
         asked after the object existed: its partial results go, and whoever
         waits for its inputs hears they are unknown here."""
         del self.reduces[task.target]
+        self.unfinished.pop(task.target, None)
         self._forget_watch(task)
         message = (f"the inputs of the reduce into {task.target.hex()} are unknown to this "
                    "directory: the object was announced (or put) before the reduce finished "
@@ -1321,6 +1331,7 @@ class Directory:
         if task.failed:
             return
         task.failed = self.failed[task.target] = message
+        self.unfinished.pop(task.target, None)
         self._forget_watch(task)
         for node, request in [*task.waiters, *task.confirms]:
             out.append(Reply(node, request, error_body(kind, message)))

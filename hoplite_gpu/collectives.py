@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import numbers
 import os
 import time
@@ -62,6 +63,39 @@ def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
     return deadline
 
 
+def _names_its_timeout(fn: Callable) -> Callable:
+    """A Timeout out of a collective names the call's own timeout: a step that
+    ran out reports only the time that was left to it (after the put, after a
+    direct try that fell back), which alone reads as a setting never made."""
+    def renamed(exc: Timeout, kw: dict) -> Timeout:
+        try:
+            limit = api._timeout(api.runtime(), kw.get("timeout"))
+        except HopliteError:
+            return exc
+        if f"{limit:g}s" in str(exc):
+            return exc
+        return Timeout(f"{fn.__name__.removesuffix('_async')} {kw.get('name')!r} did not finish "
+                       f"within its timeout of {limit:g}s: {exc}")
+
+    if asyncio.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def awaited(value: Any, **kw: Any) -> Any:
+            try:
+                return await fn(value, **kw)
+            except Timeout as exc:
+                raise renamed(exc, kw) from None
+        return awaited
+
+    @functools.wraps(fn)
+    def called(value: Any, **kw: Any) -> Any:
+        try:
+            return fn(value, **kw)
+        except Timeout as exc:
+            raise renamed(exc, kw) from None
+    return called
+
+
+@_names_its_timeout
 def broadcast(value: Any, *, name: str, rank: int, size: int, root: int = 0,
               timeout: float | None = None) -> Any:
     """Root's value on every rank (receiver-driven, pipelined); `timeout`
@@ -90,6 +124,7 @@ def _reduce_ids(name: str, size: int, op: str, num_objects: int | None) -> tuple
     return ids, ObjectID.from_name(f"{name}/reduce/{op}/{k}")
 
 
+@_names_its_timeout
 def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: str = "sum",
            num_objects: int | None = None, timeout: float | None = None,
            wait: bool = False) -> Any:
@@ -108,6 +143,7 @@ def reduce(value: Any, *, name: str, rank: int, size: int, root: int = 0, op: st
     return _reduce_and_get(args, value, ids[rank], rank == root, timeout, wait)
 
 
+@_names_its_timeout
 def allreduce(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
               num_objects: int | None = None, timeout: float | None = None) -> Any:
     """Reduce, then broadcast the result while it is still being reduced.
@@ -437,6 +473,7 @@ def _reduce_steps(args: tuple, value: Any, mine: ObjectID, fetch: bool,
           [node.reduced_inputs(target, limit)] if wait else [])]), mine if lend else None
 
 
+@_names_its_timeout
 def gather(value: Any, *, name: str, rank: int, size: int, root: int = 0,
            timeout: float | None = None) -> list[Any] | None:
     """Every rank's value, in rank order, on `root` (None elsewhere). The root
@@ -551,6 +588,7 @@ def _doomed(name: str, size: int, op: str, num_objects: int | None) -> list[Obje
     return doomed
 
 
+@_names_its_timeout
 def allgather(value: Any, *, name: str, rank: int, size: int,
               timeout: float | None = None) -> list[Any]:
     """Every rank's value, in rank order, on every rank (pulled at once;
@@ -579,6 +617,7 @@ async def _get_all_async(ids: list[ObjectID], timeout: float | None) -> list[Any
     return await _together_async(lambda node, left: [node.get(oid, left) for oid in ids], timeout)
 
 
+@_names_its_timeout
 async def broadcast_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
                           timeout: float | None = None) -> Any:
     """`broadcast`, awaitable."""
@@ -592,6 +631,7 @@ async def broadcast_async(value: Any, *, name: str, rank: int, size: int, root: 
     return await api.get_async(oid, timeout=timeout)
 
 
+@_names_its_timeout
 async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
                        op: str = "sum", num_objects: int | None = None,
                        timeout: float | None = None, wait: bool = False) -> Any:
@@ -602,6 +642,7 @@ async def reduce_async(value: Any, *, name: str, rank: int, size: int, root: int
     return await _reduce_and_get_async(args, value, ids[rank], rank == root, timeout, wait)
 
 
+@_names_its_timeout
 async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: str = "sum",
                           num_objects: int | None = None, timeout: float | None = None) -> Any:
     """`allreduce`, awaitable (sliced alike, with ``allreduce_slicing`` on)."""
@@ -617,6 +658,7 @@ async def allreduce_async(value: Any, *, name: str, rank: int, size: int, op: st
     return await _reduce_and_get_async(args, value, ids[rank], True, timeout)
 
 
+@_names_its_timeout
 async def gather_async(value: Any, *, name: str, rank: int, size: int, root: int = 0,
                        timeout: float | None = None) -> list[Any] | None:
     """`gather`, awaitable."""
@@ -628,6 +670,7 @@ async def gather_async(value: Any, *, name: str, rank: int, size: int, root: int
                                 api.time_left(deadline))
 
 
+@_names_its_timeout
 async def allgather_async(value: Any, *, name: str, rank: int, size: int,
                           timeout: float | None = None) -> list[Any]:
     """`allgather`, awaitable."""

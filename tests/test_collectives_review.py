@@ -147,3 +147,22 @@ def test_a_reduce_known_done_is_not_asked_again_of_a_restarted_directory(local):
         hg.put(np.ones(4), oid)
     assert set(hg.reduced_inputs(target, timeout=5)) == set(ids)
     assert target not in local.node._my_reduces
+
+
+# ------------------------------------------------- timeouts name the call's ---
+@pytest.mark.parametrize("call", ["broadcast", "reduce", "allreduce", "gather", "allgather"])
+@pytest.mark.parametrize("awaited", [False, True])
+def test_a_collective_that_times_out_names_the_timeout_it_was_given(local, call, awaited):
+    """Rank 0 of 2 alone: the call must time out, and say so with the timeout
+    the caller gave (0.7 s). gather and allgather said "within 0.698s", the
+    time left after their put, and a call whose direct try fell back late
+    named what little was left ("within 0.001s"): a setting nobody made."""
+    kw = {"root": 1} if call == "broadcast" else {}
+    fn = getattr(collectives, call + ("_async" if awaited else ""))
+    args = dict(name=f"review-timeout-{call}-{awaited}", rank=0, size=2, timeout=0.7, **kw)
+    with pytest.raises(hg.Timeout) as caught:
+        if awaited:
+            asyncio.run(fn(np.ones(4, np.float32), **args))
+        else:
+            fn(np.ones(4, np.float32), **args)
+    assert "0.7s" in str(caught.value), caught.value

@@ -24,7 +24,8 @@ PROTOCOL_VERSION = 10  # 2: reduce_confirm, reduce_tag in locate replies, tag in
 #                       8: "delete_many"
 #                       9: an evict's "need" (all or nothing), a pull's "stall",
 #                          "dropped" on a direct connection
-#                      10: a put's "print" (a second put of other bytes is refused)
+#                      10: a put's and an own complete's "print" (a second put of
+#                          other bytes is refused)
 _NONCE = 32
 
 

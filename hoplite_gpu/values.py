@@ -462,14 +462,16 @@ def _unsupported_message(value: Any) -> str:
 _SAMPLE = 4096
 
 
-def fingerprint(buf: memoryview) -> bytes:
+def fingerprint(buf: Any) -> bytes:
     """8 bytes that tell two host values of one size apart in practice: a
     hash of the size and of 4 KiB at the start, the middle and the end (a few
     microseconds at any size). The directory compares a put's with the first
     put's of the id, so a second put of other bytes under an id is refused
     instead of handing readers a mix; equal fingerprints do not prove equal
     bytes."""
-    view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
     n = len(view)
     digest = hashlib.blake2b(n.to_bytes(8, "big"), digest_size=8, person=b"hoplite-put")
     for start in sorted({0, max(0, n // 2 - _SAMPLE // 2), max(0, n - _SAMPLE)}):

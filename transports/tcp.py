@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import logging
 import socket
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -42,6 +45,15 @@ def _tune(sock: socket.socket) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
+
+
+def _queued(fd: int) -> int | None:
+    """Bytes written to socket `fd` that its peer has not yet taken (None:
+    this system cannot say)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _wake(future: asyncio.Future) -> None:
@@ -89,9 +101,13 @@ class TCPStream(Stream):
                     await self._guarded("send", self._send_steadily(view, self.send_stall_s))
 
     async def _send_steadily(self, view: memoryview, stall: float) -> None:
-        """Send all of `view`, failing if the socket takes no byte for `stall`
-        seconds: write what the kernel takes, and wait (up to `stall`) for
-        room between writes. No more system calls than sock_sendall makes."""
+        """Send all of `view`, failing if the peer takes no byte for `stall`
+        seconds: write what the kernel takes, and wait for room between
+        writes. The kernel says "writable" only once a good part of the send
+        buffer has drained, which a slow but steady reader may take longer
+        than `stall` to do: so a wait that runs out asks the kernel how many
+        bytes are still queued, and waits on while that number falls. No more
+        system calls than sock_sendall makes while the peer keeps up."""
         loop = asyncio.get_running_loop()
         fd = self._sock.fileno()
         while len(view):
@@ -102,12 +118,20 @@ class TCPStream(Stream):
                 pass
             room = loop.create_future()
             loop.add_writer(fd, _wake, room)
+            queued = _queued(fd)
             try:
-                async with asyncio.timeout(stall):
-                    await room
-            except TimeoutError:
-                await self.close()  # (mid-frame: nothing more can go on this stream)
-                raise Timeout(f"{self.peer} took no bytes for {stall:g}s; cut off") from None
+                while True:
+                    try:
+                        async with asyncio.timeout(stall):
+                            await asyncio.shield(room)
+                        break
+                    except TimeoutError:
+                        now = _queued(fd)
+                        if now is None or queued is None or now >= queued:
+                            await self.close()  # (mid-frame: nothing more can go on it)
+                            raise Timeout(f"{self.peer} took no bytes for {stall:g}s; "
+                                          "cut off") from None
+                        queued = now  # (it reads, slowly: wait on)
             finally:
                 if not self._closed:
                     loop.remove_writer(fd)

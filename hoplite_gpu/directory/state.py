@@ -89,6 +89,9 @@ class Completed:
     own: bool = False
     #: a reduce result's tree (its root step's `tag`), if it is one
     tag: bytes | None = None
+    #: `values.fingerprint` of a copy the node made (a restarted directory
+    #: then still refuses a put of other bytes under the id)
+    fingerprint: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -686,7 +689,8 @@ class Directory:
         for request, (kind, key) in self.waits.pop(ev.node, {}).items():
             self.direct.discard((ev.node, request))
             self._unqueue((ev.node, request), kind, key)
-        for key in self.holding.pop(ev.node, {}):
+        visited = self.holding.pop(ev.node, {})
+        for key in visited:
             entry = self.objects.get(key)
             if entry is None:
                 continue  # (removed meanwhile, by what an earlier key set off)
@@ -697,6 +701,12 @@ class Directory:
                 # the next node of a relay waited for this one alone: it may
                 # now pull from any holder
                 self._serve_waiting(key, entry, out)
+        for key in visited:
+            # Still in those relays: the node may come back (a lease missed)
+            # and leave again, and its successor must hear of that too.
+            entry = self.objects.get(key)
+            if entry is not None and ev.node in entry.relay_at:
+                self._holds(ev.node, key)
 
     # ------------------------------------------------------------ objects ---
     def _on_Put(self, ev: Put, out: list[Command]) -> None:
@@ -775,6 +785,8 @@ class Directory:
             if task is not None and not (task.done or task.failed):
                 self._supersede_reduce(task, out)
             entry.waiting.extend(self.pending.pop(ev.oid, ()))
+        if entry is not None and entry.fingerprint is None and ev.own and ev.fingerprint:
+            entry.fingerprint = ev.fingerprint
         holder = self._holder(ev.oid, ev.node)
         if (holder is None and entry is not None and entry.recovered and ev.node in self.nodes
                 and (ev.size, ev.layout) == (entry.size, entry.layout)

@@ -56,7 +56,7 @@ def to_event(node: str, msg: dict[str, Any]) -> state.Event | None:
     if op == "complete":
         return state.Completed(node, _id(msg, "oid"), _optional(msg, "size", int, -1),
                                _optional(msg, "layout", dict), _optional(msg, "own", bool, False),
-                               _tag(msg))
+                               _tag(msg), _optional(msg, "print", bytes))
     if op == "failed":
         return state.TransferFailed(node, _id(msg, "oid"), field(msg, "sender", str),
                                     field(msg, "have", int))

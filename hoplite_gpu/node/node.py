@@ -726,6 +726,8 @@ class Node:
                "layout": obj.layout.to_wire()}
         if obj.own:  # put or made here: a restarted directory counts it as an origin
             msg["own"] = True
+            if not device.is_device_buffer(obj.buffer):
+                msg["print"] = fingerprint(obj.buffer)
         if obj.reduce_tag is not None:  # a reduce result: from which tree
             msg["tag"] = obj.reduce_tag
         return msg

@@ -102,7 +102,7 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     if direct is not None and direct.put(value, oid, rt.config.timeout_s):
         return oid
     left = time_left(deadline)  # (what the direct try left)
-    return rt.call(rt.node.put(value, oid, timeout=left), left)
+    return rt.call(rt.node.put(value, oid, timeout=left, same_bytes=True), left)
 
 
 def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = "cupy") -> Any:
@@ -227,7 +227,7 @@ def node_id() -> str:
 
 async def put_async(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     rt = runtime()
-    return await rt.call_async(rt.node.put(value, _new_id(object_id)))
+    return await rt.call_async(rt.node.put(value, _new_id(object_id), same_bytes=True))
 
 
 async def get_async(object_id: ObjectID, *, timeout: float | None = None,

@@ -37,7 +37,7 @@ from .errors import HopliteError, Timeout, TransportClosed, TransportError
 from .ids import ObjectID
 from .protocol import LENGTH, MAX_MESSAGE, check_length, decode, pack
 from .transports import split_address
-from .values import Layout, from_buffer, to_buffer
+from .values import Layout, fingerprint, from_buffer, to_buffer
 
 if TYPE_CHECKING:
     from .node.node import Node
@@ -373,7 +373,7 @@ class DirectCalls:
             return None  # large, or here already (the loop's path checks its layout)
         data = bytes(buf)
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
-               "layout": layout.to_wire(), "inline": data}
+               "layout": layout.to_wire(), "inline": data, "print": fingerprint(data)}
         return msg, oid, layout, data
 
     def held(self, oid: ObjectID) -> bool:

@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu.config import Config, available_memory
 from hoplite_gpu.ids import ObjectID
 
 MiB = 1 << 20
-
-
-async def _until(check, bound: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await asyncio.sleep(step)
-    return check()
 
 
 def test_a_node_holding_many_inline_objects_registers_them_again_after_a_directory_restart():
@@ -56,7 +46,7 @@ def test_a_node_holding_many_inline_objects_registers_them_again_after_a_directo
             second = DirectoryServer("tok", port=port)
             await second.start()
             known = lambda: all(oid.binary in second.state.objects for oid in ids)  # noqa: E731
-            assert await _until(known, 4.0), (
+            assert await eventually(known, 4.0), (
                 f"the restarted directory learnt {sum(o.binary in second.state.objects for o in ids)}"
                 f" of the node's {n} objects")
         finally:

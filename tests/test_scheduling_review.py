@@ -9,7 +9,7 @@ import socket
 import time
 
 import numpy as np
-from in_process import run_nodes
+from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu.auth import client_handshake
@@ -31,15 +31,6 @@ from hoplite_gpu.transports import get_backend
 
 MiB = 1 << 20
 LAYOUT = {"kind": "numpy", "dtype": "<f4", "shape": [1250], "nbytes": 5000}
-
-
-async def _until(check, bound: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await asyncio.sleep(step)
-    return check()
 
 
 # ------------------------------------------------------------ directory ---
@@ -110,7 +101,7 @@ def test_a_put_of_other_bytes_is_refused_after_a_directory_restart_too():
             await first.close()
             second = DirectoryServer("tok", port=port)
             await second.start()
-            assert await _until(lambda: oid.binary in second.state.objects
+            assert await eventually(lambda: oid.binary in second.state.objects
                                 and {a.node_id, b.node_id} <= set(second.state.nodes), 8.0), \
                 "the nodes did not come back to the restarted directory"
             try:

@@ -215,12 +215,16 @@ class Node:
 
     # ---------------------------------------------------------------- put ---
     async def put(self, value: Any, oid: ObjectID, *, lend: bool = False,
-                  timeout: float | None = None) -> ObjectID:
+                  timeout: float | None = None, same_bytes: bool = False) -> ObjectID:
         """Store `value` as `oid` and register it, the directory's answer awaited
         for `timeout` seconds (default `timeout_s`). With `lend`, a host array's own
         memory backs the object instead of a copy: the caller must leave the
         array unchanged until it calls `reclaim(oid)`, which ends the object here.
-        A blocking collective lends its input for the length of the call."""
+        A blocking collective lends its input for the length of the call.
+        An id held here already returns at once if the layout is the same;
+        with `same_bytes` (the public `put`), other host bytes raise
+        ObjectExists, as the directory answers a put from another node. (A
+        collective called again under its name returns its first objects.)"""
         self._check_open()
         buf, layout = to_buffer(value)
         running = self._puts.get(oid)
@@ -232,11 +236,17 @@ class Node:
             except Expired:
                 raise Timeout(f"put of object {oid.hex()}: another put of it here did not "
                               f"end within {self.config.timeout_s:g}s") from None
-            return await self.put(value, oid, lend=lend, timeout=timeout)
+            return await self.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
         existing = self.store.get(oid)
         if existing is not None:
             if existing.layout != layout:
                 raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
+            if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
+                    and not device.is_device_buffer(buf)
+                    and fingerprint(existing.buffer) != fingerprint(buf)):
+                raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
+                                   "objects are immutable: use a new ObjectID (or delete it "
+                                   "first)")
             if existing.complete or existing.own or existing.receiving:
                 return oid
             # A copy a get here is still pulling: the put's value takes its
@@ -255,7 +265,8 @@ class Node:
         if data is None:
             async with self._room(layout, f"put of object {oid.hex()}"):
                 if self.store.get(oid) is not None:  # put here meanwhile, by another call
-                    return await self.put(value, oid, lend=lend, timeout=timeout)
+                    return await self.put(value, oid, lend=lend, timeout=timeout,
+                                          same_bytes=same_bytes)
                 obj = self.store.create(oid, layout)
         else:
             obj = self.store.create(oid, layout, data, borrowed=lent)
@@ -277,8 +288,9 @@ class Node:
         oid, layout = obj.oid, obj.layout
         msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
                "inline": bytes(buf) if inline else None}
-        if not inline and not device.is_device_buffer(buf):
-            # (device bytes are not sampled: it would wait for their producer)
+        if not device.is_device_buffer(buf):
+            # (device bytes are not sampled: it would wait for their producer;
+            # inline ones have one too, for nodes of another inline threshold)
             msg["print"] = fingerprint(buf)
         try:
             await self._request(msg, self.config.timeout_s if timeout is None else timeout)
@@ -1106,8 +1118,10 @@ class Node:
             if not obj.complete or obj.oid in self._steps:
                 continue
             if obj.size <= self.config.inline_threshold:
+                data = obj.buffer.tobytes()
                 client.start({"op": "put", "oid": obj.oid.binary, "size": obj.size,
-                              "layout": obj.layout.to_wire(), "inline": obj.buffer.tobytes()})
+                              "layout": obj.layout.to_wire(), "inline": data,
+                              "print": fingerprint(data)})
             else:
                 client.post(self._complete_msg(obj))
         for msg in self._my_reduces.values():

@@ -28,27 +28,27 @@ ARRAY = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 18], "nbytes": 1 << 20}
 SCALAR = {"kind": "numpy", "dtype": "<f4", "shape": [1], "nbytes": 4}
 
 
-def _oid(i: int) -> bytes:
+def oid(i: int) -> bytes:
     return i.to_bytes(20, "big")
 
 
-def _joined(nodes: int) -> s.Directory:
+def joined(nodes: int) -> s.Directory:
     d = s.Directory()
     for i in range(nodes):
         d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}", 0.0))
     return d
 
 
-def _put(d: s.Directory, node: str, key: bytes, layout: dict = BIG) -> None:
+def put_complete(d: s.Directory, node: str, key: bytes, layout: dict = BIG) -> None:
     d.handle(s.Put(node, 1, key, layout["nbytes"], layout))
     d.handle(s.Completed(node, key))
 
 
-def _departure(d: s.Directory, pulling: bytes | None = None) -> float:
-    """The least time of 10 NodeLost events (workers that joined, perhaps
-    asked for `pulling`, and left)."""
+def best_departure(d: s.Directory, pulling: bytes | None = None, workers: int = 15) -> float:
+    """The least time of `workers` NodeLost events (workers that joined,
+    perhaps asked for `pulling`, and left)."""
     best = float("inf")
-    for r in range(10):
+    for r in range(workers):
         worker = f"worker-{r}"
         d.handle(s.NodeJoined(worker, "tcp://127.0.0.1:9", 0.0))
         if pulling is not None:
@@ -61,27 +61,27 @@ def _departure(d: s.Directory, pulling: bytes | None = None) -> float:
 
 def node_lost_objects(n: int) -> float:
     """One NodeLost (a worker pulling one object) among `n` objects known."""
-    d = _joined(2)
+    d = joined(2)
     for i in range(n):
-        _put(d, "n0", _oid(i + 1))
-    return _departure(d, pulling=_oid(1))
+        put_complete(d, "n0", oid(i + 1))
+    return best_departure(d, pulling=oid(1))
 
 
 def node_lost_reduces(n: int) -> float:
     """One NodeLost among `n` finished reduces kept for reduced_inputs."""
-    d = _joined(2)
+    d = joined(2)
     for r in range(n):
-        ins, target = (_oid(10**7 + 2 * r), _oid(10**7 + 2 * r + 1)), _oid(r + 1)
+        ins, target = (oid(10**7 + 2 * r), oid(10**7 + 2 * r + 1)), oid(r + 1)
         d.handle(s.ReduceRequested("n0", 1, target, ins, "sum", 2))
         for j, x in enumerate(ins):
             d.handle(s.Put(f"n{j}", 2, x, 4, SCALAR, b"\x00\x00\x80?"))
         d.handle(s.InlineReduced(target, b"\x00\x00\x00@"))
-    return _departure(d)
+    return best_departure(d)
 
 
 def put_to_waiters(n: int) -> float:
     """A Put answering `n` gets that waited for it, per get."""
-    d, key = _joined(n + 1), _oid(7)
+    d, key = joined(n + 1), oid(7)
     for i in range(1, n + 1):
         d.handle(s.Locate(f"n{i}", 1, key))
     start = time.perf_counter()
@@ -91,8 +91,8 @@ def put_to_waiters(n: int) -> float:
 
 def gets_after_put(n: int) -> float:
     """`n` gets of one object arriving one by one after its put, per get."""
-    d, key = _joined(n + 1), _oid(7)
-    _put(d, "n0", key)
+    d, key = joined(n + 1), oid(7)
+    put_complete(d, "n0", key)
     start = time.perf_counter()
     for i in range(1, n + 1):
         d.handle(s.Locate(f"n{i}", 1, key))
@@ -101,11 +101,11 @@ def gets_after_put(n: int) -> float:
 
 def relayed_slice(n: int) -> float:
     """The gets of one relayed allreduce slice of `n` ranks, in random order, per get."""
-    d = _joined(n)
-    inputs = [_oid(100 + r) for r in range(n)]
+    d = joined(n)
+    inputs = [oid(100 + r) for r in range(n)]
     for r in range(n):
-        _put(d, f"n{r}", inputs[r], ARRAY)
-    target = _oid(7)
+        put_complete(d, f"n{r}", inputs[r], ARRAY)
+    target = oid(7)
     chain = tuple(inputs[(1 + i) % n] for i in range(n))
     d.handle(s.ReduceRequested("n0", 2, target, chain, "sum", n, inputs[0], relay=True))
     order = list(range(1, n))
@@ -118,7 +118,7 @@ def relayed_slice(n: int) -> float:
 
 def cancels(n: int) -> float:
     """`n` waits on one missing id cancelled, the latest first, per cancel."""
-    d = _joined(2)
+    d = joined(2)
     for rid in range(n):
         d.handle(s.Locate("n1", rid, b"\xee" * 20))
     start = time.perf_counter()

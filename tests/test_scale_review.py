@@ -19,41 +19,13 @@ import time
 
 import pytest
 
+from benchmarks import directory_scale
 from hoplite_gpu.directory import state as s
 
-BIG = {"kind": "bytes", "nbytes": 1 << 20}  # never inline
-ARRAY = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 18], "nbytes": 1 << 20}
-
-
-def oid(i: int) -> bytes:
-    return i.to_bytes(20, "big")
-
-
-def joined(nodes: int) -> s.Directory:
-    d = s.Directory()  # the server's default: one receiver per sender
-    for i in range(nodes):
-        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}", 0.0))
-    return d
-
-
-def put(d: s.Directory, node: str, key: bytes, layout: dict = BIG) -> None:
-    d.handle(s.Put(node, 1, key, layout["nbytes"], layout))
-    d.handle(s.Completed(node, key))
-
-
-def best_departure(d: s.Directory, pulling: bytes | None = None) -> float:
-    """The least time `NodeLost` took for 15 workers that joined (and, with
-    `pulling`, asked for that object) and left."""
-    best = float("inf")
-    for r in range(15):
-        worker = f"worker-{r}"
-        d.handle(s.NodeJoined(worker, "tcp://127.0.0.1:9", 0.0))
-        if pulling is not None:
-            d.handle(s.Locate(worker, 1, pulling))
-        start = time.perf_counter()
-        d.handle(s.NodeLost(worker))
-        best = min(best, time.perf_counter() - start)
-    return best
+# (the events are built as `python -m benchmarks directory-scale` builds them)
+oid, joined, put = directory_scale.oid, directory_scale.joined, directory_scale.put_complete
+best_departure, ARRAY, BIG = (directory_scale.best_departure, directory_scale.ARRAY,
+                           directory_scale.BIG)
 
 
 # ------------------------------------------------------------ node loss ---

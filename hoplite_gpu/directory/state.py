@@ -389,32 +389,39 @@ def _held_body(entry: Entry) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ state ---
-class Waiters:
+class Waiters(OrderedDict):
     """Requests (node, request) waiting on one id, oldest first: a queue that
     is also a set, so a cancel, an answer or a departed node takes its own
     out in O(1) however many others wait (a deque took O(waiters) each, and
-    a burst of W timed-out gets of one id O(W^2)); `of_node` finds a node's."""
+    a burst of W timed-out gets of one id O(W^2)); `of_node` finds a node's.
+    (An OrderedDict underneath, so len, truth, `in` and iteration cost what
+    a dict's do; change it only through the methods below.)"""
 
     def __init__(self, items: Any = ()) -> None:
-        self._items: OrderedDict[tuple[NodeId, int], None] = OrderedDict()
+        super().__init__()
         self._by_node: dict[NodeId, dict[int, None]] = {}
-        self.extend(items)
+        if items:
+            self.extend(items)
 
     def append(self, item: tuple[NodeId, int]) -> None:
-        self._items[item] = None
-        self._by_node.setdefault(item[0], {})[item[1]] = None
+        self[item] = None
+        mine = self._by_node.get(item[0])
+        if mine is None:
+            mine = self._by_node[item[0]] = {}
+        mine[item[1]] = None
 
     def extend(self, items: Any) -> None:
         for item in items:
             self.append(item)
 
     def popleft(self) -> tuple[NodeId, int]:
-        item = self._items.popitem(last=False)[0]
+        item = self.popitem(last=False)[0]
         self._forget(item)
         return item
 
     def discard(self, item: tuple[NodeId, int]) -> None:
-        if self._items.pop(item, False) is None:
+        if item in self:
+            del self[item]
             self._forget(item)
 
     def of_node(self, node: NodeId) -> list[int]:
@@ -427,17 +434,8 @@ class Waiters:
         if not mine:
             del self._by_node[item[0]]
 
-    def __iter__(self) -> Any:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
     def __repr__(self) -> str:
-        return f"Waiters({list(self._items)!r})"
+        return f"Waiters({list(self)!r})"
 
 
 @dataclass
@@ -842,6 +840,10 @@ class Directory:
         if (entry.waiting and ev.node in entry.relay_at and entry.inline is None
                 and self.max_receivers_per_sender > 0):
             self._serve_relay_arrival(ev.oid, entry, ev.node, ev.request, out)
+            return
+        if not entry.waiting:  # (the common case: nobody else waits; queued only if it must)
+            if not self._serve_one(ev.oid, entry, ev.node, ev.request, out):
+                entry.waiting.append((ev.node, ev.request))
             return
         entry.waiting.append((ev.node, ev.request))
         self._serve_waiting(ev.oid, entry, out)
@@ -1451,7 +1453,10 @@ class Directory:
         holder.seq = entry.joined
         entry.holders[node] = holder
         entry.open[node] = None
-        self._holds(node, oid)
+        mine = self.holding.get(node)  # (`_holds`, inline: once per holder of every object)
+        if mine is None:
+            mine = self.holding[node] = {}
+        mine[oid] = None
         return holder
 
     def _holds(self, node: NodeId, oid: Key) -> None:
@@ -1460,15 +1465,17 @@ class Directory:
 
     def _let_go(self, node: NodeId, oid: Key) -> None:
         mine = self.holding.get(node)
-        if mine is not None:
+        if mine is not None:  # (an empty one stays while the node lives: it is reused)
             mine.pop(oid, None)
-            if not mine:
-                del self.holding[node]
 
     def _unhold(self, oid: Key, entry: Entry) -> None:
         """`entry` of `oid` is gone or replaced: no node holds it through it."""
-        for node in (*entry.holders, *entry.relay):
-            self._let_go(node, oid)
+        holding = self.holding
+        for nodes in (entry.holders, entry.relay):
+            for node in nodes:
+                mine = holding.get(node)
+                if mine is not None:
+                    mine.pop(oid, None)
 
     def _fanout(self, entry: Entry) -> int:
         """Receivers one holder may serve at once: the configured number, or
@@ -1543,14 +1550,10 @@ class Directory:
         progress = True
         while progress and entry.waiting:
             progress = False
-            still = Waiters()
-            while entry.waiting:
-                node, request = entry.waiting.popleft()
+            for node, request in list(entry.waiting):  # (the ones served leave it)
                 if self._serve_one(oid, entry, node, request, out):
+                    entry.waiting.discard((node, request))
                     progress = True
-                else:
-                    still.append((node, request))
-            entry.waiting = still
 
     def _serve_one(self, oid: Key, entry: Entry, node: NodeId, request: int,
                    out: list[Command]) -> bool:

@@ -16,6 +16,7 @@ import time
 import numpy as np
 from in_process import miss_the_lease, two_nodes_short_lease
 
+from benchmarks import directory_scale
 from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.ids import ObjectID
@@ -26,15 +27,7 @@ TWO = b"\x00\x00\x00@"  # float32 2.0
 SMALL = {"kind": "bytes", "nbytes": 4}
 
 
-def oid(i: int) -> bytes:
-    return i.to_bytes(20, "big")
-
-
-def joined(nodes: int) -> s.Directory:
-    d = s.Directory()
-    for i in range(nodes):
-        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}", 0.0))
-    return d
+oid, joined = directory_scale.oid, directory_scale.joined  # (as the benchmark builds them)
 
 
 def handle(d: s.Directory, event: s.Event) -> list[s.Command]:

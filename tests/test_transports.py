@@ -55,6 +55,16 @@ def test_send_window_reports_a_failed_send(scheme):
 
 
 @by_scheme
+def test_send_stall_cuts_a_peer_that_reads_nothing(scheme):
+    run(tc.check_send_stall_cuts_a_peer_that_reads_nothing, scheme)
+
+
+@by_scheme
+def test_send_stall_spares_a_slow_steady_reader(scheme):
+    run(tc.check_send_stall_spares_a_slow_steady_reader, scheme)
+
+
+@by_scheme
 def test_many_streams(scheme):
     run(tc.check_many_streams, scheme, 20)
 

@@ -22,6 +22,7 @@ from hoplite_gpu.errors import (
     ConfigError,
     ConnectionRefused,
     InvalidArgument,
+    Timeout,
     TransportClosed,
     TransportError,
 )
@@ -468,6 +469,56 @@ async def check_close_wakes_pending_send(scheme: str) -> None:
         await asyncio.sleep(0.2)
         assert not pending.done(), "64 MiB unread should not fit in the send buffers"
         await _close_and_expect_closed(client, pending)
+
+
+@deadline(20)
+async def check_send_stall_cuts_a_peer_that_reads_nothing(scheme: str) -> None:
+    """With `send_stall_s` set, a send to a peer that takes nothing (alive,
+    connected, never reading) fails with Timeout after about that long and
+    closes the stream; without it a data server's serve would hold its task
+    and its view of the copy for as long as the peer lives."""
+    stall = 0.5
+    block = memoryview(random_bytes(64 * MiB, seed=11))
+    async with connected_pair(scheme) as (client, _server):
+        client.send_stall_s = stall
+        started = time.monotonic()
+        with pytest.raises(Timeout, match="cut off"):
+            async with SendWindow(client) as out:
+                for _ in range(8):  # more than any send buffer holds
+                    await out.send(block)
+        took = time.monotonic() - started
+        assert took < 10 * stall, f"cut off after {took:.1f}s, the stall is {stall}s"
+        assert client.closed, "a stalled send leaves the stream closed (mid-message)"
+
+
+@deadline(30)
+async def check_send_stall_spares_a_slow_steady_reader(scheme: str) -> None:
+    """A reader that takes every message, but each only after a pause shorter
+    than the stall, is never cut off, though the whole transfer lasts several
+    stalls."""
+    stall = 0.6
+    pause = stall / 3
+    frames = [random_bytes(8 * MiB, seed=i) for i in range(12)]  # 96 MiB: several stalls long
+    async with connected_pair(scheme) as (client, server):
+        client.send_stall_s = stall
+
+        async def sender() -> None:
+            async with SendWindow(client) as out:
+                for data in frames:
+                    await out.send(memoryview(data))
+
+        async def reader() -> None:
+            got = np.empty(8 * MiB, np.uint8)
+            for data in frames:
+                await asyncio.sleep(pause)
+                await server.recv_into(memoryview(got))
+                np.testing.assert_array_equal(got, data)
+
+        started = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(sender())
+            tg.create_task(reader())
+        assert time.monotonic() - started > 2 * stall, "the reader was not slow: no test"
 
 
 @deadline(10)

@@ -38,7 +38,9 @@ class Stream(abc.ABC):
     #: peer reads nothing) closes the stream and raises Timeout: a server's
     #: guard against a peer that asks and never reads, which would otherwise
     #: hold the sending task, its connection and the buffer it reads for good.
-    #: Byte streams (TCP) honour it; None: sends wait as long as the peer lives.
+    #: TCP counts the bytes still queued in the kernel; UCX, which reports only
+    #: a message's end, counts the stream's completed sends. None: sends wait
+    #: as long as the peer lives.
     send_stall_s: float | None = None
 
     def authenticated(self) -> None:

@@ -279,6 +279,9 @@ class UCXStream(Stream):
         #: the largest straddling message staged on the host (see `authenticated`)
         self._max_staged = _MAX_STAGED_UNPROVEN
         self._busy: set[asyncio.Task] = set()
+        #: How many of this stream's data sends have completed: a send waiting
+        #: past `send_stall_s` fails only if none did meanwhile (`_sent_within`).
+        self._sends_done = 0
         #: tasks that close() woke (cancelled) while they waited on UCX
         self._woken: set[asyncio.Task] = set()
         #: called once if the peer closes while the stream lies idle (`watch_idle`)
@@ -416,7 +419,39 @@ class UCXStream(Stream):
                 with contextlib.suppress(BaseException):
                     await sent  # (its error is this stream's end, already ours)
                 raise
-        await self._guard("send", sent)
+        if self.send_stall_s is None:
+            await self._guard("send", sent)
+        else:
+            await self._guard("send", self._sent_within(sent, self.send_stall_s))
+
+    async def _sent_within(self, sent: asyncio.Future, stall: float) -> None:
+        """Wait for `sent`, failing if no send of this stream completes for
+        `stall` seconds. A UCX message reports no bytes moving, only its end,
+        and a large one ends when the peer has fetched it all: so the clock
+        starts again whenever an earlier send (of a `send_window` deeper than
+        1) completes, and a peer that stops receiving is cut off after one
+        quiet `stall`. The puller applies the same rule to each message it
+        receives, so an honest one has given up by then."""
+        sent.add_done_callback(self._count_sent)
+        while True:
+            seen = self._sends_done
+            try:
+                done, _ = await asyncio.wait({sent}, timeout=stall)
+            except BaseException:  # (our caller cancelled, or close() woke us)
+                sent.cancel()
+                raise
+            if done:
+                sent.result()
+                return
+            if self._sends_done == seen:
+                await self.close()  # (its requests are cancelled; `sent` ends with them)
+                with contextlib.suppress(BaseException):
+                    await sent
+                raise Timeout(f"{self.peer} took no message for {stall:g}s; cut off")
+
+    def _count_sent(self, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and sent.exception() is None:
+            self._sends_done += 1
 
     async def recv_bare(self, buffer: Any) -> None:
         if self._closed:
@@ -526,6 +561,8 @@ class UCXStream(Stream):
         self._busy.add(task)
         try:
             return await aw
+        except Timeout:  # (a stalled peer: the stream is closed, the message is ours)
+            raise
         except (asyncio.CancelledError, Exception) as exc:
             woken = task is not None and task in self._woken
             cancelled = task is not None and task.cancelling() > (1 if woken else 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -867,6 +868,7 @@ class Node:
                             f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
         tried: set[ObjectID] = set()
         give_up = time.monotonic() + self.config.timeout_s
+        collected = False
         while self.store.used + need > limit:
             over = self.store.used + need - limit
             # (copies another call offers now are its: their fate comes first)
@@ -874,6 +876,16 @@ class Node:
                           if obj.oid not in tried and obj.oid not in self._offered]
             if sum(obj.size for obj in candidates) < over:
                 others = set(self._offered.values())
+                if not others and not collected:
+                    # A view kept only by a reference cycle (the traceback of a
+                    # send that failed mid-message, a get result dropped inside
+                    # one) counts as a user until the collector runs: run it
+                    # once before giving up, never on the way that succeeds.
+                    collected = True
+                    log.debug("%s: collecting garbage before evicting (%d free candidate "
+                              "bytes, %d needed)", what, sum(o.size for o in candidates), over)
+                    gc.collect()
+                    continue
                 if not others or time.monotonic() >= give_up:
                     break  # even all of them would not do: keep them
                 await asyncio.wait(others, timeout=give_up - time.monotonic())

@@ -167,6 +167,8 @@ class _Step:
     output: bytes
     is_root: bool
     tag: bytes
+    #: its input: a leaf's object, or the output of the position's early step
+    input: bytes = b""
     streams: list[_Stream] = field(default_factory=list)
     scheduled: int = 0        # chunks whose fold is scheduled
     folded: int = 0           # chunks of the output produced
@@ -255,6 +257,8 @@ class ReduceSim:
         self._seq = itertools.count()
         self.produced: dict[bytes, int] = {}   # object (input or partial result) -> chunks there
         self.waiting_on: dict[tuple[bytes, int], list[_Stream]] = {}
+        #: an early step's output -> the steps that take it as their input
+        self.reads: dict[bytes, list[_Step]] = {}
         self.uplink_free: dict[str, float] = {}
         self.downlink_free: dict[str, float] = {}
         self.steps = 0
@@ -316,7 +320,9 @@ class ReduceSim:
         (a child's partial result may not exist yet: its node serves it as it
         is made, as a real node's data server waits for it)."""
         self.steps += 1
-        st = _Step(node, step["output"], step["output"] == _TARGET, step["tag"])
+        st = _Step(node, step["output"], step["output"] == _TARGET, step["tag"], step["input"])
+        if step.get("early"):  # folds as its input, the early step's output, grows
+            self.reads.setdefault(st.input, []).append(st)
         for child in step["children"]:
             sender = "n" + child["address"].removeprefix("sim://")
             stream = _Stream(child["oid"], sender, st)
@@ -353,8 +359,9 @@ class ReduceSim:
         self._fold_ready(t, x.step)
 
     def _fold_ready(self, t: float, st: _Step) -> None:
-        """Fold, in order, every chunk that has arrived from all children."""
-        ready = min((x.arrived for x in st.streams), default=self.chunks)
+        """Fold, in order, every chunk that has arrived from all children (and
+        that its input has, when that is an early step's output)."""
+        ready = min([x.arrived for x in st.streams] + [self.produced.get(st.input, 0)])
         while st.scheduled < ready:
             cost = self._nbytes(st.scheduled) / self.fold_bps if self.fold_bps else 0.0
             st.fold_free = max(t, st.fold_free) + cost
@@ -367,6 +374,8 @@ class ReduceSim:
         self.produced[st.output] = st.folded
         for waiter in self.waiting_on.pop((st.output, st.folded - 1), []):
             self._at(t, "send", waiter)
+        for reader in self.reads.get(st.output, ()):
+            self._fold_ready(t, reader)
         if st.folded == self.chunks and st.is_root:
             self.result.done_at = t
             # (as the node's `_complete_msg`: the directory then finishes the

@@ -515,6 +515,11 @@ class ReduceTask:
     #: every input in `slots` or `backups` (membership in O(1) at thousands of inputs)
     placed: set[Key] = field(default_factory=set)
     started: set[int] = field(default_factory=set)
+    #: tree position -> its children already folded by the position's early
+    #: steps (`Directory._start_ready_steps`), in the order they were folded
+    folded: dict[int, list[int]] = field(default_factory=dict)
+    #: tree position -> how many early steps it was sent
+    phases: dict[int, int] = field(default_factory=dict)
     failed: str | None = None
     done: bool = False
     restarts: int = 0
@@ -547,13 +552,16 @@ class ReduceTask:
         return p if p < self.k else root
 
 
-def step_id(target: Key, position: int, tag: bytes = b"") -> Key:
+def step_id(target: Key, position: int, tag: bytes = b"", phase: int | None = None) -> Key:
     """Id of the partial result at a tree position. `tag` names one incarnation of
     the tree: a restarted reduce (or a restarted directory) must never match a
-    stale partial result that a node still holds under an old id."""
+    stale partial result that a node still holds under an old id. `phase`
+    names the output of the position's early step number `phase` (the
+    children that arrived before the rest, folded ahead)."""
     import hashlib
 
-    return hashlib.blake2b(target + position.to_bytes(4, "big") + tag, digest_size=20,
+    extra = b"" if phase is None else b"/early" + phase.to_bytes(4, "big")
+    return hashlib.blake2b(target + position.to_bytes(4, "big") + tag + extra, digest_size=20,
                            person=b"hoplite-step").digest()
 
 
@@ -1170,11 +1178,10 @@ class Directory:
             return
         reason = f"the reduce into {task.target.hex()} restarts: {why}"
         self._answer_confirms(task, False, out)  # copies of this tree are superseded
-        parent, _ = inorder_tree(task.k, task.degree)
-        for pos in task.started:
+        for pos, oid in self._step_outputs(task):
             node = task.slot(pos)[1]
-            if parent[pos] is not None and node in self.nodes:  # (not to the node lost)
-                out.append(Drop(node, step_id(task.target, pos, task.tag), reason))
+            if node in self.nodes:  # (not to the node lost)
+                out.append(Drop(node, oid, reason))
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
@@ -1183,6 +1190,7 @@ class Directory:
                 self.pending.setdefault(task.target, Waiters()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
         task.slots, task.at, task.backups, task.started = [], {}, [], set()
+        task.folded, task.phases = {}, {}
         task.placed = set()
         task.tag = self._next_tag()
         for oid in order:
@@ -1264,29 +1272,68 @@ class Directory:
     def _start_ready_steps(self, task: ReduceTask, out: list[Command],
                            candidates: tuple[int, ...]) -> None:
         """Start each of `candidates` (tree positions) whose input and children's
-        inputs have arrived."""
+        inputs have arrived. A position whose input is in while some of its
+        children are not gets an early step for the children that are: it
+        folds them ahead into a partial result of its own, and the next step
+        there takes that as its input. Otherwise a wide node would pull every
+        child's stream only once its last child came: `d·S/B` after a late
+        input at each level, where a chain needs `S/B`; folded ahead, the last
+        child's stream is the one left."""
         parent, children = inorder_tree(task.k, task.degree)
         for pos in sorted(candidates):
-            if (pos not in task.at or pos in task.started
-                    or any(c not in task.at for c in children[pos])):
+            if pos not in task.at or pos in task.started:
                 continue
+            folded = task.folded.get(pos, ())
+            fresh = [c for c in children[pos] if c in task.at and c not in folded]
             is_root = parent[pos] is None
+            if len(fresh) + len(folded) < len(children[pos]):
+                if fresh:  # some arrived, others not: fold these ahead
+                    out.append(StartReduceStep(task.slot(pos)[1], self._step(task, pos, fresh)))
+                    task.folded.setdefault(pos, []).extend(fresh)
+                    task.phases[pos] = task.phases.get(pos, 0) + 1
+                continue
             if children[pos] or is_root:
                 task.started.add(pos)
-                out.append(StartReduceStep(task.slot(pos)[1], self._step(task, pos, is_root)))
+                out.append(StartReduceStep(task.slot(pos)[1],
+                                           self._step(task, pos, fresh, final=True)))
             if is_root:
                 self._register_result(task, task.slot(pos)[1], out)
 
-    def _step(self, task: ReduceTask, pos: int, is_root: bool) -> dict[str, Any]:
-        _, children = inorder_tree(task.k, task.degree)
-        kids = []
-        for c in children[pos]:
+    def _step(self, task: ReduceTask, pos: int, kids: list[int],
+              final: bool = False) -> dict[str, Any]:
+        """The command of a step at `pos` folding `kids` (children of it) into
+        what the position holds so far: its input, or its last early step's
+        output. Final: the position's own output (the target at the root);
+        else the output of a new early step."""
+        parent, children = inorder_tree(task.k, task.degree)
+        sources = []
+        for c in kids:
             source = step_id(task.target, c, task.tag) if children[c] else task.slot(c)[0]
-            kids.append({"oid": source, "address": self.nodes.get(task.slot(c)[1], "")})
-        return {"target": task.target, "output": task.target if is_root else step_id(task.target, pos, task.tag),
-                "input": task.slot(pos)[0], "children": kids, "reduce_op": task.op,
+            sources.append({"oid": source, "address": self.nodes.get(task.slot(c)[1], "")})
+        done = task.phases.get(pos, 0)
+        is_root = final and parent[pos] is None
+        output = (task.target if is_root else step_id(task.target, pos, task.tag) if final
+                  else step_id(task.target, pos, task.tag, done))
+        step = {"target": task.target, "output": output,
+                "input": step_id(task.target, pos, task.tag, done - 1) if done else task.slot(pos)[0],
+                "children": sources, "reduce_op": task.op,
                 "count": task.k if is_root else 0, "size": task.size, "layout": task.layout,
                 "tag": task.tag}
+        if done:
+            step["early"] = True  # (its input is this node's own early step's output)
+        return step
+
+    @staticmethod
+    def _step_outputs(task: ReduceTask) -> list[tuple[int, Key]]:
+        """(position, output) of every partial result of `task`'s tree: its
+        started steps' (but the root's, which is the target) and its early
+        steps'."""
+        parent, _ = inorder_tree(task.k, task.degree)
+        outputs = [(pos, step_id(task.target, pos, task.tag))
+                   for pos in task.started if parent[pos] is not None]
+        for pos, count in task.phases.items():
+            outputs.extend((pos, step_id(task.target, pos, task.tag, n)) for n in range(count))
+        return outputs
 
     def _register_result(self, task: ReduceTask, node: NodeId, out: list[Command]) -> None:
         """The root's output is the target object: readable (pipelined) while it is reduced."""
@@ -1307,10 +1354,9 @@ class Directory:
 
     def _drop_steps(self, task: ReduceTask, out: list[Command]) -> None:
         """The result is complete: intermediate partial results can go."""
-        parent, children = inorder_tree(task.k, task.degree)
-        for pos in task.started:
-            if parent[pos] is not None and pos in task.at:
-                out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag),
+        for pos, oid in self._step_outputs(task):
+            if pos in task.at:
+                out.append(Drop(task.slot(pos)[1], oid,
                                 "the reduce finished; its partial results are freed"))
         self._forget_watch(task)
 
@@ -1361,11 +1407,11 @@ class Directory:
                 out.append(Reply(node, request, error_body(kind, message)))
         self._end_all_steps(task, message, out)
 
-    @staticmethod
-    def _end_all_steps(task: ReduceTask, message: str, out: list[Command]) -> None:
+    @classmethod
+    def _end_all_steps(cls, task: ReduceTask, message: str, out: list[Command]) -> None:
         """Every started step of `task` ends, its partial result dropped."""
-        for pos in task.started:
-            out.append(Drop(task.slot(pos)[1], step_id(task.target, pos, task.tag), message))
+        for pos, oid in cls._step_outputs(task):
+            out.append(Drop(task.slot(pos)[1], oid, message))
 
     # ------------------------------------------------------------ helpers ---
     def _holder(self, oid: Key, node: NodeId) -> Holder | None:

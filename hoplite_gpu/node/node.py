@@ -1065,6 +1065,11 @@ class Node:
                         "message": f"a reduce step on node {self.node_id} failed: "
                                    f"{type(exc).__name__}: {exc}"})
             return
+        if step.get("early"):
+            # Its input was this position's early result, read by this step
+            # only: free it now rather than when the whole reduce ends.
+            self.store.remove(ObjectID(step["input"]), ObjectNotFound(
+                f"partial result {step['input'].hex()} was folded into the next one"))
         if out.oid.binary == target:
             self._post(self._complete_msg(out))
         else:  # an intermediate result: its parent is already pulling it

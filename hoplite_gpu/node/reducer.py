@@ -1,6 +1,11 @@
 """One reduce tree position on a node: fold this node's input and the streams of
 its children's partial results, chunk by chunk, into an output object that the
-parent (or, at the root, any reader of the result) pulls while it grows."""
+parent (or, at the root, any reader of the result) pulls while it grows.
+
+A position whose children arrive at different times gets one step per group
+of them: each early step folds the children that have arrived into a partial
+result of its own, which the next step there takes as its input (``early``
+in the command), chunk by chunk as it grows."""
 
 from __future__ import annotations
 
@@ -28,6 +33,10 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
     layout = Layout.from_wire(step["layout"])
     dtype = numpy_dtype(layout)
     own = store.get(ObjectID(step["input"]))
+    if own is None and step.get("early"):
+        # The output of this position's early step, which is starting too
+        # (it may still be making room for that output).
+        own = await store.wait_for(ObjectID(step["input"]), timeout)
     if own is None:
         raise LookupError(f"input {step['input'].hex()} is not held by this node")
     out_oid = ObjectID(step["output"])

@@ -1,0 +1,202 @@
+"""Early reduce steps (directory/state.py `_start_ready_steps`): a tree position
+whose input is in while only some of its children are gets a step that folds
+those children ahead, and the position's next step takes that partial result
+as its input. The state machine is driven directly; the simulator and real
+nodes check the time it saves and the bytes it makes."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hoplite_gpu.directory import state as s
+from hoplite_gpu.directory.reduce_plan import inorder_tree
+from hoplite_gpu.simulator import simulate_reduce
+
+MiB = 1 << 20
+LAYOUT = {"kind": "numpy", "dtype": "<f4", "shape": [MiB // 4], "nbytes": MiB}
+TARGET = (100).to_bytes(20, "big")
+
+
+def oid(i: int) -> bytes:
+    return i.to_bytes(20, "big")
+
+
+def directory(nodes: int = 12) -> s.Directory:
+    d = s.Directory(bytes_per_s=1.25e8)
+    for i in range(nodes):
+        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}"))
+    return d
+
+
+def arrive(d: s.Directory, i: int) -> list:
+    """Input i, on node n(i+1), put and complete."""
+    out = d.handle(s.Put(f"n{i + 1}", 1, oid(i), MiB, LAYOUT))
+    return out + d.handle(s.Completed(f"n{i + 1}", oid(i)))
+
+
+def steps(cmds: list) -> list[s.StartReduceStep]:
+    return [c for c in cmds if isinstance(c, s.StartReduceStep)]
+
+
+def test_a_position_folds_its_early_child_ahead_and_its_last_step_takes_that_as_input():
+    """k = 3 on a binary tree: position 1 (the root) has children 0 and 2.
+    When the root's input comes, child 0 is in and child 2 is not: the root's
+    node folds input 1 with input 0 at once, and when input 2 comes the last
+    step reads that partial result (on its own node) and one stream more."""
+    d = directory()
+    d.handle(s.ReduceRequested("n0", 1, TARGET, (oid(0), oid(1), oid(2)), "sum", 3))
+    assert steps(arrive(d, 0)) == []
+    task = d.reduces[TARGET]
+    assert task.degree == 2, "1 MiB inputs at 125 MB/s: a binary tree"
+    early = steps(arrive(d, 1))
+    assert [c.node for c in early] == ["n2"]
+    first = early[0].step
+    assert first["input"] == oid(1) and "early" not in first
+    assert [c["oid"] for c in first["children"]] == [oid(0)]
+    assert first["output"] == s.step_id(TARGET, 1, task.tag, 0) and first["count"] == 0
+    assert TARGET not in d.objects, "the result exists only once the last step starts"
+    last = steps(arrive(d, 2))
+    assert [c.node for c in last] == ["n2"]
+    root = last[0].step
+    assert root["early"] is True and root["input"] == first["output"]
+    assert [c["oid"] for c in root["children"]] == [oid(2)]
+    assert root["output"] == TARGET and root["count"] == 3
+    assert d.objects[TARGET].holders["n2"].origin
+    # once the result is complete, the early result is freed with the others
+    done = d.handle(s.Completed("n2", TARGET))
+    drops = {(c.node, c.oid) for c in done if isinstance(c, s.Drop)}
+    assert ("n2", first["output"]) in drops
+
+
+def test_inputs_all_at_once_fold_each_child_once():
+    """Seven inputs in order on a binary tree: every position's steps, early
+    ones and its last, name each of its children exactly once, and each
+    step's input is the output of the one before it at that position."""
+    d = directory()
+    d.handle(s.ReduceRequested("n0", 1, TARGET, tuple(oid(i) for i in range(7)), "sum", 7))
+    cmds = []
+    for i in range(7):
+        cmds += steps(arrive(d, i))
+    task = d.reduces[TARGET]
+    _check_every_child_folded_once(task, cmds)
+
+
+def _check_every_child_folded_once(task: s.ReduceTask, cmds: list[s.StartReduceStep]) -> None:
+    parent, children = inorder_tree(task.k, task.degree)
+    by_node: dict[str, list[dict]] = {}
+    for c in cmds:
+        by_node.setdefault(c.node, []).append(c.step)
+    for pos in range(task.k):
+        if not children[pos] and parent[pos] is not None:
+            continue  # a leaf: its parent pulls its input
+        own, node = task.slot(pos)
+        chain = by_node.get(node, [])
+        assert chain, f"position {pos} never started"
+        assert chain[0]["input"] == own
+        for before, after in itertools.pairwise(chain):
+            assert after["input"] == before["output"] and after.get("early") is True
+        final = chain[-1]["output"]
+        assert final == (TARGET if parent[pos] is None else s.step_id(TARGET, pos, task.tag))
+        folded = [k["oid"] for step in chain for k in step["children"]]
+        want = [s.step_id(TARGET, c, task.tag) if children[c] else task.slot(c)[0]
+                for c in children[pos]]
+        assert sorted(folded) == sorted(want) and len(set(folded)) == len(folded), (
+            f"position {pos} folded {len(folded)} streams for {len(want)} children")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), k=st.integers(3, 11))
+def test_any_arrival_order_folds_each_child_once(data, k):
+    order = data.draw(st.permutations(range(k)))
+    d = directory(nodes=k + 1)
+    d.handle(s.ReduceRequested("n0", 1, TARGET, tuple(oid(i) for i in range(k)), "sum", k))
+    cmds = []
+    for i in order:
+        cmds += steps(arrive(d, i))
+    task = d.reduces[TARGET]
+    assert task.degree > 1 or all("early" not in c.step for c in cmds)
+    _check_every_child_folded_once(task, cmds)
+
+
+def test_a_restart_drops_the_early_results_too():
+    d = directory()
+    d.handle(s.ReduceRequested("n0", 1, TARGET, tuple(oid(i) for i in range(4)), "sum", 3))
+    arrive(d, 0)
+    first = steps(arrive(d, 1))[0].step  # the root's early step, on n2
+    out = d.handle(s.NodeLost("n1"))  # input 0's holder: its stream is gone
+    drops = {(c.node, c.oid) for c in out if isinstance(c, s.Drop)}
+    assert ("n2", first["output"]) in drops
+    assert d.reduces[TARGET].phases == {} and d.reduces[TARGET].folded == {}
+
+
+def test_a_failed_reduce_drops_the_early_results_too():
+    d = directory()
+    d.handle(s.ReduceRequested("n0", 1, TARGET, tuple(oid(i) for i in range(3)), "sum", 3))
+    arrive(d, 0)
+    first = steps(arrive(d, 1))[0].step
+    out = d.handle(s.ReduceFailed("n2", TARGET, "a kernel failed", d.reduces[TARGET].tag))
+    drops = {(c.node, c.oid) for c in out if isinstance(c, s.Drop)}
+    assert ("n2", first["output"]) in drops
+
+
+@pytest.mark.parametrize("size,k,chunk", [(16 * MiB, 64, MiB), (MiB, 8, 4 * MiB)])
+def test_late_inputs_on_a_tree_end_sooner_than_when_each_position_waited(size, k, chunk):
+    """In the simulator, inputs 2 S/B apart: folded ahead, the positions above
+    the last input each pull one stream after it, not `d`: after the last
+    input the tree takes S/B plus a chunk time and a hop per level (before:
+    2.256 x S/B for the first row, 3.86 x for the second)."""
+    bw, lat = 1.25e8, 1e-4
+    r = simulate_reduce(k, size, bandwidth=bw, latency=lat, chunk=chunk,
+                        arrivals=[i * 2 * size / bw for i in range(k)])
+    assert r.degree > 1
+    after = r.done_at - r.last_arrival
+    per_level = lat + min(chunk, size) / bw
+    bound = size / bw + r.depth * per_level + 10 * lat
+    assert after <= bound, (f"{after * 1e3:.1f} ms after the last input; S/B and a chunk "
+                            f"and a hop per level is {bound * 1e3:.1f} ms")
+    assert np.isfinite(after)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 2, 0, 3, 1]], ids=["in-order", "shuffled"])
+def test_real_nodes_reduce_inputs_that_trickle_in_and_free_the_early_results(order):
+    """Five nodes on loopback, 1 MiB float32 inputs put 0.15 s apart: the
+    directory's defaults pick a degree-3 tree, so positions get early
+    steps. The result is the NumPy sum, and once it is complete no node
+    holds a partial result (an early one is freed when the next step at its
+    position has read it, the last ones by the directory's drops)."""
+    import asyncio
+
+    from in_process import eventually, run_nodes
+
+    import hoplite_gpu as hg
+
+    n = MiB // 4
+    values = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(5)]
+    ids = [hg.ObjectID.from_name(f"early-in-{i}") for i in range(5)]
+    target = hg.ObjectID.from_name("early-out")
+    config = hg.Config(shared_memory=False, timeout_s=20.0, stall_timeout_s=5.0)
+
+    async def body(directory, *nodes):
+        await nodes[0].reduce(ids, "sum", 5, target)
+        for i in order:
+            await asyncio.sleep(0.15)
+            await nodes[i].put(values[i], ids[i])
+        task = directory.state.reduces[target.binary]
+        assert task.degree == 3 and task.phases, "no early step: nothing tested"
+        got = await nodes[0].get(target, 20, "numpy")
+        np.testing.assert_allclose(got, np.sum(values, axis=0), rtol=1e-5, atol=1e-5)
+        mine = {*ids, target}
+
+        def no_partial_results() -> bool:
+            return all(obj.oid in mine for node in nodes for obj in node.store.objects())
+
+        assert await eventually(no_partial_results, 5.0), [
+            [obj.oid.hex()[:8] for obj in node.store.objects() if obj.oid not in mine]
+            for node in nodes]
+
+    run_nodes([config] * 5, body, bound=60)

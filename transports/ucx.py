@@ -373,8 +373,11 @@ class UCXStream(Stream):
             return  # nothing to send
         device_bytes = self._sync_all(data)
         if not data:  # a head alone (control messages, acks): no tasks to make
-            async with self._send_lock:
-                await self._guard("send", self._send(head, _LANE_HEAD))
+            if self.send_stall_s is None:
+                async with self._send_lock:
+                    await self._guard("send", self._send(head, _LANE_HEAD))
+            else:  # (a head of 8 KiB or more waits for the peer, as data does)
+                await self._post_then_wait([(head, _LANE_HEAD)])
             return
         await self._post_then_wait([(head, _LANE_HEAD)] + [(buf, _LANE_DATA) for buf in data])
         if device_bytes:
@@ -445,8 +448,11 @@ class UCXStream(Stream):
                 return
             if self._sends_done == seen:
                 await self.close()  # (its requests are cancelled; `sent` ends with them)
-                with contextlib.suppress(BaseException):
-                    await sent
+                # Waited for, not awaited: its error is the stream's end, and a
+                # cancel of our caller meanwhile must stay a cancel.
+                await asyncio.wait({sent})
+                if not sent.cancelled():
+                    sent.exception()  # (retrieved: the cut is what we report)
                 raise Timeout(f"{self.peer} took no message for {stall:g}s; cut off")
 
     def _count_sent(self, sent: asyncio.Future) -> None:

@@ -852,12 +852,15 @@ class Node:
         finally:
             self.store.reserved -= need
 
-    async def _make_room(self, need: int, what: str) -> int:
+    async def _make_room(self, need: int, what: str, collect: bool = True) -> int:
         """Make room under `store_bytes` for `need` more bytes of host
         objects: evict pulled copies that another node also holds, least
         recently used first, with the directory's consent; else raise
         `StoreFull`. Nothing is evicted for a call that cannot get room.
-        Returns the bytes that count against the limit (0 without one)."""
+        Returns the bytes that count against the limit (0 without one).
+        `collect`: run the garbage collector once before giving up (see below;
+        not for a background trim, which runs after every inline object made
+        while the store is over its limit and gives up quietly)."""
         limit = self.config.store_bytes
         if not limit:
             return 0
@@ -868,7 +871,7 @@ class Node:
                             f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
         tried: set[ObjectID] = set()
         give_up = time.monotonic() + self.config.timeout_s
-        collected = False
+        collected = not collect
         while self.store.used + need > limit:
             over = self.store.used + need - limit
             # (copies another call offers now are its: their fate comes first)
@@ -931,7 +934,7 @@ class Node:
 
     async def _trim(self) -> None:
         try:
-            await self._make_room(0, "keeping the store within its limit")
+            await self._make_room(0, "keeping the store within its limit", collect=False)
         except HopliteError as exc:  # nothing may go now; the next call tries again
             log.debug("store over its limit: %s", exc)
         finally:

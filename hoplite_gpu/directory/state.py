@@ -1179,9 +1179,7 @@ class Directory:
         reason = f"the reduce into {task.target.hex()} restarts: {why}"
         self._answer_confirms(task, False, out)  # copies of this tree are superseded
         for pos, oid in self._step_outputs(task):
-            node = task.slot(pos)[1]
-            if node in self.nodes:  # (not to the node lost)
-                out.append(Drop(node, oid, reason))
+            self._drop_partial(task.slot(pos)[1], oid, reason, out)
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:
@@ -1356,8 +1354,8 @@ class Directory:
         """The result is complete: intermediate partial results can go."""
         for pos, oid in self._step_outputs(task):
             if pos in task.at:
-                out.append(Drop(task.slot(pos)[1], oid,
-                                "the reduce finished; its partial results are freed"))
+                self._drop_partial(task.slot(pos)[1], oid,
+                                   "the reduce finished; its partial results are freed", out)
         self._forget_watch(task)
 
     def _forget_watch(self, task: ReduceTask) -> None:
@@ -1407,11 +1405,20 @@ class Directory:
                 out.append(Reply(node, request, error_body(kind, message)))
         self._end_all_steps(task, message, out)
 
-    @classmethod
-    def _end_all_steps(cls, task: ReduceTask, message: str, out: list[Command]) -> None:
+    def _end_all_steps(self, task: ReduceTask, message: str, out: list[Command]) -> None:
         """Every started step of `task` ends, its partial result dropped."""
-        for pos, oid in cls._step_outputs(task):
-            out.append(Drop(task.slot(pos)[1], oid, message))
+        for pos, oid in self._step_outputs(task):
+            self._drop_partial(task.slot(pos)[1], oid, message, out)
+
+    def _drop_partial(self, node: NodeId, oid: Key, reason: str, out: list[Command]) -> None:
+        """A reduce step's output on `node` goes. A node declared dead may be
+        alive and come back: it would announce that output as an object of
+        its own, kept for good; remembered as gone, the announcement is
+        answered with a drop instead."""
+        if node in self.nodes:
+            out.append(Drop(node, oid, reason))
+        else:
+            self._remove_entry(oid)
 
     # ------------------------------------------------------------ helpers ---
     def _holder(self, oid: Key, node: NodeId) -> Holder | None:

@@ -17,7 +17,7 @@ from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.protocol import send_msg
 from hoplite_gpu.transports import get_backend
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 STALL = 1.0
 
 
@@ -35,8 +35,10 @@ async def authenticated(address: str, scheme: str = "tcp"):
 
 
 @pytest.mark.parametrize("scheme", tc.scheme_params())
-@pytest.mark.parametrize("bare", [None, MiB], ids=["frames", "bare"])
-def test_a_puller_that_never_reads_pins_the_copy_so_the_node_cannot_evict_it(scheme, bare):
+@pytest.mark.parametrize("bare,offset", [(None, 0), (MiB, 0), (None, 64 * MiB - 12 * KiB)],
+                         ids=["frames", "bare", "small-range"])
+def test_a_puller_that_never_reads_pins_the_copy_so_the_node_cannot_evict_it(scheme, bare,
+                                                                             offset):
     """A puller asks for a 64 MiB object and then takes no byte (a stopped or
     hung process: its socket stays open). The data server has no deadline on
     its sends (`_stream_range` -> `SendWindow.send` -> `sock_sendall`, no
@@ -53,7 +55,12 @@ def test_a_puller_that_never_reads_pins_the_copy_so_the_node_cannot_evict_it(sch
     sends report only their end, one that waits that long while no send of
     the connection completes. A view of the copy that the failed send's
     traceback keeps in a reference cycle is freed by the one garbage
-    collection `_make_room` runs before it gives up.)"""
+    collection `_make_room` runs before it gives up. The small range: its
+    frames of 12 KiB ride inside UCX message heads, whose send took no
+    deadline, and a head of 8 KiB or more waits for the peer like data.)"""
+
+    if offset and scheme == "tcp":
+        pytest.skip("12 KiB fits a socket's buffers: over TCP nothing blocks")
 
     async def body(directory, origin, reader):
         big, small = hg.ObjectID.from_name("review-ds-big"), hg.ObjectID.from_name("review-ds-small")
@@ -61,7 +68,8 @@ def test_a_puller_that_never_reads_pins_the_copy_so_the_node_cannot_evict_it(sch
         await origin.put(np.full(8 * MiB, 2, np.uint8), small)
         await reader.fetch(big, 10)  # a pulled copy: evictable, its origin holds it
         stream = await authenticated(reader.server.address, scheme)
-        pull = {"op": "pull", "oid": big.binary, "offset": 0, "end": 64 * MiB, "stall": STALL}
+        pull = {"op": "pull", "oid": big.binary, "offset": offset, "end": 64 * MiB,
+                "stall": STALL}
         try:
             if bare is not None:
                 if not stream.bare_messages:

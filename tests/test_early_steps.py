@@ -200,3 +200,41 @@ def test_real_nodes_reduce_inputs_that_trickle_in_and_free_the_early_results(ord
             for node in nodes]
 
     run_nodes([config] * 5, body, bound=60)
+
+
+def test_a_step_never_waits_on_inputs_that_have_not_arrived():
+    """Seven 2 MiB inputs on a binary tree (root 3; its later child 5 roots
+    positions 4 to 6). Input 6 comes three call timeouts after the others.
+    A step that named position 5 as soon as 5 was placed would pull its
+    output while that waited for input 6: the data server gives up on bytes
+    that do not come within `timeout_s`, the step reports a lost child and
+    the tree is rebuilt, over and over for a slow enough trickle. A child is
+    folded only once its whole subtree is in, so the reduce ends with no
+    restart and the right sum."""
+    import asyncio
+
+    from in_process import run_nodes
+
+    import hoplite_gpu as hg
+
+    n = (2 * MiB) // 4
+    values = [np.full(n, i + 1, np.float32) for i in range(7)]
+    ids = [hg.ObjectID.from_name(f"trickle-in-{i}") for i in range(7)]
+    target = hg.ObjectID.from_name("trickle-out")
+    timeout = 1.5
+    config = hg.Config(shared_memory=False, timeout_s=timeout, stall_timeout_s=0.5)
+
+    async def body(directory, *nodes):
+        await nodes[0].reduce(ids, "sum", 7, target)
+        for i in range(6):
+            await nodes[i].put(values[i], ids[i])
+        task = directory.state.reduces[target.binary]
+        assert task.degree == 2, "not the binary tree this test is about"
+        await asyncio.sleep(3 * timeout)
+        await nodes[6].put(values[6], ids[6])
+        got = await nodes[0].get(target, 10, "numpy")
+        np.testing.assert_array_equal(got, np.sum(values, axis=0))
+        assert task.restarts == 0, (
+            f"the tree was rebuilt {task.restarts} times while input 6 was on its way")
+
+    run_nodes([config] * 7, body, bound=60)

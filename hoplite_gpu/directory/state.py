@@ -520,6 +520,8 @@ class ReduceTask:
     folded: dict[int, list[int]] = field(default_factory=dict)
     #: tree position -> how many early steps it was sent
     phases: dict[int, int] = field(default_factory=dict)
+    #: tree positions whose whole subtree (itself too) is filled
+    whole: set[int] = field(default_factory=set)
     failed: str | None = None
     done: bool = False
     restarts: int = 0
@@ -1188,7 +1190,7 @@ class Directory:
                 self.pending.setdefault(task.target, Waiters()).extend(entry.waiting)
         order = [*task.chosen, *task.backups]
         task.slots, task.at, task.backups, task.started = [], {}, [], set()
-        task.folded, task.phases = {}, {}
+        task.folded, task.phases, task.whole = {}, {}, set()
         task.placed = set()
         task.tag = self._next_tag()
         for oid in order:
@@ -1235,9 +1237,20 @@ class Directory:
                 out.append(InlineReduce(task.target, task.op, task.layout or {},
                                         tuple(task.inline_data)))
         if not task.inline:
-            # Only the new position and its parent can have become startable.
-            parent = inorder_tree(task.k, task.degree)[0][pos]
-            self._start_ready_steps(task, out, (pos,) if parent is None else (pos, parent))
+            # The new position, and the parent of each subtree it completed,
+            # can have become startable.
+            # Walk up only through the subtrees this arrival completes (each
+            # completes once: O(k·d) for a whole tree, not O(depth) per input,
+            # which is O(k) on a chain).
+            parent, children = inorder_tree(task.k, task.degree)
+            candidates, at = [pos], pos
+            while (at is not None and at in task.at
+                   and all(c in task.whole for c in children[at])):
+                task.whole.add(at)
+                at = parent[at]
+                if at is not None:
+                    candidates.append(at)
+            self._start_ready_steps(task, out, tuple(candidates))
 
     def _check_input(self, task: ReduceTask, oid: Key, entry: Entry) -> str | None:
         if task.layout is None:
@@ -1270,19 +1283,21 @@ class Directory:
     def _start_ready_steps(self, task: ReduceTask, out: list[Command],
                            candidates: tuple[int, ...]) -> None:
         """Start each of `candidates` (tree positions) whose input and children's
-        inputs have arrived. A position whose input is in while some of its
-        children are not gets an early step for the children that are: it
+        subtrees have arrived. A position whose input is in while only some
+        of its children's subtrees are gets an early step for those: it
         folds them ahead into a partial result of its own, and the next step
         there takes that as its input. Otherwise a wide node would pull every
         child's stream only once its last child came: `d·S/B` after a late
         input at each level, where a chain needs `S/B`; folded ahead, the last
-        child's stream is the one left."""
+        child's stream is the one left. A child is folded only once its
+        whole subtree is in, so a step never waits on inputs that have not
+        arrived (which may take longer than any deadline), only on bytes."""
         parent, children = inorder_tree(task.k, task.degree)
-        for pos in sorted(candidates):
+        for pos in sorted(set(candidates)):
             if pos not in task.at or pos in task.started:
                 continue
             folded = task.folded.get(pos, ())
-            fresh = [c for c in children[pos] if c in task.at and c not in folded]
+            fresh = [c for c in children[pos] if c in task.whole and c not in folded]
             is_root = parent[pos] is None
             if len(fresh) + len(folded) < len(children[pos]):
                 if fresh:  # some arrived, others not: fold these ahead

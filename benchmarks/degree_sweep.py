@@ -113,8 +113,10 @@ def sweep(sizes: list[int], inputs: list[int], links: list[tuple[float, float]],
             s_over_b = size / bw
             for k in inputs:
                 degrees = candidates(k, max_degree)
-                chosen = reduce_plan.choose_degree(size, k, lat, bw, chunk, max_degree)
-                predicted = {d: reduce_plan.tree_walk_time(size, k, d, lat, bw, chunk)
+                # (the piece a step hands on, as the directory and the simulator count it)
+                unit = reduce_plan.fold_unit(size, chunk)
+                chosen = reduce_plan.choose_degree(size, k, lat, bw, unit, max_degree)
+                predicted = {d: reduce_plan.tree_walk_time(size, k, d, lat, bw, unit)
                              for d in degrees}
                 for gap in (0.0, gap_factor * s_over_b):
                     sim = {}
@@ -127,7 +129,7 @@ def sweep(sizes: list[int], inputs: list[int], links: list[tuple[float, float]],
                         sim[d] = r.makespan - r.last_arrival
                     best = min(degrees, key=lambda d: (sim[d], d))
                     row = {"size_bytes": size, "inputs": k, "bytes_per_s": bw, "latency_s": lat,
-                           "chunk_bytes": chunk, "s_over_b_s": s_over_b,
+                           "chunk_bytes": chunk, "unit_bytes": unit, "s_over_b_s": s_over_b,
                            "schedule": "all-at-once" if gap == 0 else "gap", "gap_s": gap,
                            "degrees": degrees,
                            "sim_s": [sim[d] for d in degrees],
@@ -138,7 +140,7 @@ def sweep(sizes: list[int], inputs: list[int], links: list[tuple[float, float]],
                            "model_chosen_s": predicted[chosen],
                            "ratio_model_to_sim": predicted[chosen] / sim[chosen]}
                     for name, model in (proposals or {}).items():
-                        alt = model_choice(model, size, k, lat, bw, chunk, max_degree)
+                        alt = model_choice(model, size, k, lat, bw, unit, max_degree)
                         row.setdefault("proposed", {})[name] = {
                             "degree": alt, "sim_s": sim[alt], "ratio_to_best": sim[alt] / sim[best]}
                     rows.append(row)

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .directory import state as s
-from .directory.reduce_plan import tree_depth, tree_walk_time
+from .directory.reduce_plan import fold_unit, tree_depth, tree_walk_time
 from .errors import InvalidArgument
 
 _KEY = b"\x01" * 20
@@ -224,7 +224,9 @@ class ReduceSim:
     ready), and its output is what its parent pulls, chunk by chunk as it is
     folded. Each message to or from the directory costs `latency`, as does
     each chunk's hop. Folding is free unless `fold_bytes_per_s` is given. The
-    unit is a chunk throughout (a host really folds in 1 MiB steps), and
+    unit throughout is the piece a host step with `chunk` as its fold step
+    hands on (`reduce_plan.fold_unit`: `chunk`, or an eighth of a smaller
+    object down to 256 KiB; a real host folds in at most 1 MiB), and
     inputs are never inline (a real put under 64 KiB is reduced by the
     directory itself).
     """
@@ -240,7 +242,10 @@ class ReduceSim:
             raise InvalidArgument(f"num_objects must be 1 to {inputs}; got {num_objects}")
         if arrivals is not None and len(arrivals) != inputs:
             raise InvalidArgument(f"arrivals needs one time per input ({inputs}); got {len(arrivals)}")
-        self.n, self.size, self.bw, self.lat, self.chunk = inputs, size, bandwidth, latency, chunk
+        # A step folds and hands on pieces of `fold_unit(size, chunk)`, as a
+        # host step whose fold step is `chunk` does: the simulation's unit.
+        self.n, self.size, self.bw, self.lat = inputs, size, bandwidth, latency
+        self.chunk = chunk = fold_unit(size, chunk)
         self.chunks = -(-size // chunk)
         if self.chunks > MAX_SIM_CHUNKS:
             raise InvalidArgument(f"{size} bytes in chunks of {chunk} is {self.chunks} chunks; "

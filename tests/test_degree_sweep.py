@@ -33,8 +33,9 @@ def test_one_row_per_cell_and_schedule(rows):
         assert r["degrees"] == degree_sweep.candidates(r["inputs"])
         assert len(r["sim_s"]) == len(r["model_s"]) == len(r["degrees"])
         assert r["chosen_degree"] in r["degrees"] and r["best_degree"] in r["degrees"]
+        assert r["unit_bytes"] == reduce_plan.fold_unit(r["size_bytes"], CHUNK)
         assert r["chosen_degree"] == reduce_plan.choose_degree(
-            r["size_bytes"], r["inputs"], r["latency_s"], r["bytes_per_s"], CHUNK)
+            r["size_bytes"], r["inputs"], r["latency_s"], r["bytes_per_s"], r["unit_bytes"])
         assert r["gap_s"] == (0.0 if r["schedule"] == "all-at-once"
                               else pytest.approx(2 * r["size_bytes"] / r["bytes_per_s"]))
         assert set(r["proposed"]) == set(degree_sweep.PROPOSALS)

@@ -14,11 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hoplite_gpu.directory import state as s
-from hoplite_gpu.directory.reduce_plan import inorder_tree
+from hoplite_gpu.directory.reduce_plan import fold_unit, inorder_tree
 from hoplite_gpu.simulator import simulate_reduce
 
 MiB = 1 << 20
-LAYOUT = {"kind": "numpy", "dtype": "<f4", "shape": [MiB // 4], "nbytes": MiB}
+#: One fold piece (`reduce_plan.fold_unit`): at 125 MB/s the model picks
+#: trees of degree 2 and more for these, where a larger object, folded in
+#: pieces, would get a chain.
+SIZE = MiB // 4
+LAYOUT = {"kind": "numpy", "dtype": "<f4", "shape": [SIZE // 4], "nbytes": SIZE}
 TARGET = (100).to_bytes(20, "big")
 
 
@@ -35,7 +39,7 @@ def directory(nodes: int = 12) -> s.Directory:
 
 def arrive(d: s.Directory, i: int) -> list:
     """Input i, on node n(i+1), put and complete."""
-    out = d.handle(s.Put(f"n{i + 1}", 1, oid(i), MiB, LAYOUT))
+    out = d.handle(s.Put(f"n{i + 1}", 1, oid(i), SIZE, LAYOUT))
     return out + d.handle(s.Completed(f"n{i + 1}", oid(i)))
 
 
@@ -52,7 +56,7 @@ def test_a_position_folds_its_early_child_ahead_and_its_last_step_takes_that_as_
     d.handle(s.ReduceRequested("n0", 1, TARGET, (oid(0), oid(1), oid(2)), "sum", 3))
     assert steps(arrive(d, 0)) == []
     task = d.reduces[TARGET]
-    assert task.degree == 2, "1 MiB inputs at 125 MB/s: a binary tree"
+    assert task.degree == 2, "256 KiB inputs at 125 MB/s: a binary tree"
     early = steps(arrive(d, 1))
     assert [c.node for c in early] == ["n2"]
     first = early[0].step
@@ -155,7 +159,7 @@ def test_late_inputs_on_a_tree_end_sooner_than_when_each_position_waited(size, k
                         arrivals=[i * 2 * size / bw for i in range(k)])
     assert r.degree > 1
     after = r.done_at - r.last_arrival
-    per_level = lat + min(chunk, size) / bw
+    per_level = lat + fold_unit(size, chunk) / bw
     bound = size / bw + r.depth * per_level + 10 * lat
     assert after <= bound, (f"{after * 1e3:.1f} ms after the last input; S/B and a chunk "
                             f"and a hop per level is {bound * 1e3:.1f} ms")
@@ -164,7 +168,7 @@ def test_late_inputs_on_a_tree_end_sooner_than_when_each_position_waited(size, k
 
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 2, 0, 3, 1]], ids=["in-order", "shuffled"])
 def test_real_nodes_reduce_inputs_that_trickle_in_and_free_the_early_results(order):
-    """Five nodes on loopback, 1 MiB float32 inputs put 0.15 s apart: the
+    """Five nodes on loopback, 256 KiB float32 inputs put 0.15 s apart: the
     directory's defaults pick a degree-3 tree, so positions get early
     steps. The result is the NumPy sum, and once it is complete no node
     holds a partial result (an early one is freed when the next step at its
@@ -175,7 +179,7 @@ def test_real_nodes_reduce_inputs_that_trickle_in_and_free_the_early_results(ord
 
     import hoplite_gpu as hg
 
-    n = MiB // 4
+    n = SIZE // 4
     values = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(5)]
     ids = [hg.ObjectID.from_name(f"early-in-{i}") for i in range(5)]
     target = hg.ObjectID.from_name("early-out")
@@ -225,6 +229,9 @@ def test_a_step_never_waits_on_inputs_that_have_not_arrived():
     config = hg.Config(shared_memory=False, timeout_s=timeout, stall_timeout_s=0.5)
 
     async def body(directory, *nodes):
+        # (a directory told of 1 ms links gives these a binary tree; with
+        # 0.1 ms, 2 MiB folded in eighths goes down a chain)
+        directory.state.latency_s = 1e-3
         await nodes[0].reduce(ids, "sum", 7, target)
         for i in range(6):
             await nodes[i].put(values[i], ids[i])

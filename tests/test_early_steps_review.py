@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 
 def test_a_node_declared_dead_while_alive_keeps_its_early_partial_result_forever():
-    """Three nodes, three 1 MiB inputs (a binary tree: the root, position 1,
+    """Three nodes, three 256 KiB inputs (a binary tree: the root, position 1,
     has children 0 and 2). Inputs 0 and 1 are in, so node b (the root's)
     runs an early step and holds its output. Then b misses its lease while
     alive and reconnects. `_restart_reduce` sends its drops only to live
@@ -28,7 +28,7 @@ def test_a_node_declared_dead_while_alive_keeps_its_early_partial_result_forever
     object it holds, partial results included (`own`, so the directory even
     registers it as an object b put, one it never evicts). The reduce
     finishes on the rebuilt tree with the right sum, but b keeps the old
-    tree's early result, 1 MiB of memory nothing will ever free or read,
+    tree's early result, 256 KiB of memory nothing will ever free or read,
     after every lease blip (docs/fault-tolerance.md: "a node declared dead
     while alive keeps no stale copy")."""
     from hoplite_gpu.directory.server import DirectoryServer
@@ -48,7 +48,7 @@ def test_a_node_declared_dead_while_alive_keeps_its_early_partial_result_forever
             a, b, c = nodes
             ids = [hg.ObjectID.from_name(f"early-lease-in-{i}") for i in range(3)]
             target = hg.ObjectID.from_name("early-lease-out")
-            values = [np.full(MiB // 4, i + 1, np.float32) for i in range(3)]
+            values = [np.full(MiB // 16, i + 1, np.float32) for i in range(3)]
             await a.reduce(ids, "sum", 3, target)
             await a.put(values[0], ids[0])
             await b.put(values[1], ids[1])  # the root's input: folds input 0 ahead

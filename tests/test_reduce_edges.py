@@ -176,3 +176,33 @@ def test_a_lost_stream_of_a_superseded_tree_does_not_rebuild_the_new_one(monkeyp
         assert directory.state.reduces[target.binary].restarts == 1
 
     run_nodes([CONFIG] * 5, body, bound=30)
+
+
+@pytest.mark.parametrize("size,pieces", [(MiB, 4), (4 * MiB, 8), (16 * MiB, 16)])
+def test_a_host_step_hands_on_a_small_result_in_pieces(size, pieces):
+    """A host step folds and hands on its output in `fold_unit` pieces: a
+    1 MiB output in four (each level of a tree then adds a quarter of the
+    object's time after the last input, not all of it), a large one in
+    1 MiB pieces. Every piece is the exact sum."""
+    from hoplite_gpu.ids import ObjectID
+    from hoplite_gpu.node.store import StoredObject
+    from hoplite_gpu.values import to_buffer
+
+    n = size // 4
+    arrays = [np.arange(n, dtype=np.float32) * (i + 1) for i in range(3)]
+    objs = []
+    for i, a in enumerate(arrays):
+        buf, layout = to_buffer(a)
+        obj = StoredObject(ObjectID.from_name(f"pieces-in-{i}"), layout,
+                           np.frombuffer(buf, np.uint8).copy())
+        obj.advance(obj.size)
+        objs.append(obj)
+    out = StoredObject(ObjectID.from_name("pieces-out"), objs[0].layout, np.empty(size, np.uint8))
+    marks: list[int] = []
+    real = out.advance
+    out.advance = lambda ready: (marks.append(ready), real(ready))
+
+    asyncio.run(reducer._fold(objs[0], objs[1:], None, out, "sum", 0, np.dtype(np.float32),
+                              hg.Config(), 5.0, []))
+    assert len(marks) == pieces and marks[-1] == size, marks
+    np.testing.assert_array_equal(out.buffer.view(np.float32), np.sum(arrays, axis=0))

@@ -10,6 +10,7 @@ from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.reduce_plan import (
     allreduce_slices,
     choose_degree,
+    fold_unit,
     inorder_tree,
     reduce_time,
     tree_depth,
@@ -139,15 +140,30 @@ def steps(cmds):
     return [c for c in cmds if isinstance(c, s.StartReduceStep)]
 
 
+@pytest.mark.parametrize("size,step,unit", [
+    (64 << 10, MiB, 256 << 10),      # smaller than a piece: folded whole
+    (MiB, MiB, 256 << 10),           # an eighth would be under the receive step
+    (4 * MiB, MiB, 512 << 10),       # an eighth
+    (8 * MiB, MiB, MiB),
+    (256 * MiB, MiB, MiB),           # at most the fold step
+    (256 * MiB, 4 * MiB, 4 * MiB),
+    (4 * MiB, 64 << 10, 64 << 10),   # a smaller fold step (a simulator's chunk) is kept
+])
+def test_a_small_object_is_folded_in_eighths_down_to_the_receive_step(size, step, unit):
+    assert fold_unit(size, step) == unit
+
+
 @pytest.mark.parametrize("kind,fold_step,degree", [
-    ("numpy", None, 1), ("numpy", 4 * MiB, 2), ("device", None, 2)])
+    ("numpy", None, 1), ("numpy", 4 * MiB, 1), ("device", None, 2)])
 def test_the_model_counts_the_pieces_a_step_hands_on(kind, fold_step, degree):
     """Three 4 MiB inputs, 4 MiB chunks, 1.25 GB/s. A host step folds and
-    hands on 1 MiB pieces (`FOLD_STEP`), so a chain fills in a quarter of the
-    object and beats a binary tree (whose root takes both streams through
-    one downlink); counted in whole 4 MiB chunks, as a device step moves
-    them, the tree wins by a hop. With the chunk as the unit, host reduces
-    got the tree the data path makes slower."""
+    hands on pieces of at most 1 MiB (`FOLD_STEP`), an eighth of an object
+    smaller than 8 MiB (`fold_unit`: so even with a 4 MiB fold step), so a
+    chain fills in a fraction of the object and beats a binary tree (whose
+    root takes both streams through one downlink); counted in whole 4 MiB
+    chunks, as a device step moves them, the tree wins by a hop. With the
+    chunk as the unit, host reduces got the tree the data path makes
+    slower."""
     kw = {} if fold_step is None else {"fold_step": fold_step}
     d = directory(chunk_size=4 * MiB, **kw)
     layout = {"kind": kind, "dtype": "<f4", "shape": [MiB], "nbytes": 4 * MiB}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hoplite_gpu import cli
-from hoplite_gpu.directory.reduce_plan import reduce_time, tree_depth, tree_walk_time
+from hoplite_gpu.directory.reduce_plan import fold_unit, reduce_time, tree_depth, tree_walk_time
 from hoplite_gpu.simulator import simulate_reduce
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def test_the_walked_model_is_within_ten_percent_of_any_simulated_tree(size, chun
     over other trees the model picks the simulation is 0.86 to 1.32 x the
     walk, docs/cost-model.md)."""
     r = simulate_reduce(k, size, bandwidth=B, latency=L, chunk=chunk)
-    walked = tree_walk_time(size, k, r.degree, L, B, chunk)
+    walked = tree_walk_time(size, k, r.degree, L, B, fold_unit(size, chunk))
     assert 0.9 * walked <= r.makespan - CONTROL <= walked * (1 + 1e-9)
 
 
@@ -122,7 +122,7 @@ def test_three_thousand_inputs_simulate():
     # (the test's time is the point: the state machine is linear per arrival)
     r = simulate_reduce(3000, 4 * MiB, bandwidth=1.25e9, latency=L, chunk=4 * MiB)
     assert r.degree > 1 and r.depth == tree_depth(3000, r.degree)
-    assert r.makespan <= r.model
+    assert r.makespan - CONTROL <= r.model
 
 
 def test_a_single_input_is_its_own_result():

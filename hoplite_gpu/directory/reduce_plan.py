@@ -19,6 +19,20 @@ import functools
 #: call at 256 KiB; 2.56 s and 4.4 CPU s at 1 MiB). It is the pipelining unit
 #: the cost model counts for host objects.
 FOLD_STEP = 1 << 20
+#: A smaller object folds in `FOLD_PIECES` pieces, down to this size: a step's
+#: parent sees pulled bytes in pieces of the receive step (256 KiB,
+#: node/transfer.py `STEP`), so smaller pieces would gain nothing.
+MIN_FOLD_STEP = 1 << 18
+FOLD_PIECES = 8
+
+
+def fold_unit(size: int, step: int = FOLD_STEP) -> int:
+    """Bytes per piece that a host reduce step folds and hands on for an
+    object of `size` bytes: `step` (at most), or an eighth of the object down
+    to `MIN_FOLD_STEP`. After the last input every level of a tree adds one
+    piece's time, so a 1 MiB object folded whole pays its full `S/B` per
+    level; in 256 KiB pieces, a quarter of it."""
+    return max(1, min(step, max(MIN_FOLD_STEP, -(-size // FOLD_PIECES))))
 
 
 @functools.lru_cache(maxsize=4096)

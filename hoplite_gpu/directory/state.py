@@ -18,7 +18,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .reduce_plan import FOLD_STEP, broadcast_fanout, choose_degree, inorder_tree, tree_root
+from .reduce_plan import (
+    FOLD_STEP,
+    broadcast_fanout,
+    choose_degree,
+    fold_unit,
+    inorder_tree,
+    tree_root,
+)
 
 NodeId = str
 Key = bytes  # an ObjectID's 20 raw bytes
@@ -1267,7 +1274,7 @@ class Directory:
             # links twice while every other slice runs too).
             # (the pipelining unit: a host step's fold pieces, a device step's chunks)
             unit = self.chunk_size if entry.layout.get("kind") == "device" \
-                else min(self.chunk_size, self.fold_step)
+                else fold_unit(entry.size, min(self.chunk_size, self.fold_step))
             task.degree = 1 if task.relay else choose_degree(
                 task.size, task.k, self.latency_s, self.bytes_per_s, unit)
             return None

@@ -18,7 +18,7 @@ import numpy as np
 from hoplite_gpu import kernels
 from hoplite_gpu.config import Config
 from hoplite_gpu.device import element_view, is_device_buffer
-from hoplite_gpu.directory.reduce_plan import FOLD_STEP
+from hoplite_gpu.directory.reduce_plan import FOLD_STEP, fold_unit
 from hoplite_gpu.errors import ObjectNotFound
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.values import Layout, numpy_dtype
@@ -91,10 +91,11 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
 async def _fold(own: StoredObject, kids: list[StoredObject], inplace: StoredObject | None,
                 out: StoredObject, op: str, count: int, dtype: np.dtype, config: Config,
                 timeout: float, pulls: list[asyncio.Task]) -> None:
-    # Host folds go in FOLD_STEP pieces, so the parent can pull each at once;
-    # device folds keep whole chunks (fewer kernel launches; a GPU adds fast).
+    # Host folds go in pieces of at most FOLD_STEP (smaller objects in
+    # eighths, `fold_unit`), so the parent can pull each at once; device
+    # folds keep whole chunks (fewer kernel launches; a GPU adds fast).
     chunk = config.chunk_bytes(True) if is_device_buffer(out.buffer) \
-        else min(config.chunk_size, FOLD_STEP)
+        else fold_unit(out.size, min(config.chunk_size, FOLD_STEP))
     chunk = max(dtype.itemsize, chunk - chunk % dtype.itemsize)
     for pos in range(out.ready, out.size, chunk):
         end = min(pos + chunk, out.size)

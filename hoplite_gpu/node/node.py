@@ -1059,11 +1059,13 @@ class Node:
         except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
+            self._drop_unfinished(step)
             self._post({"op": "step_lost", "target": target, "tag": step.get("tag"),
                         "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
             return
         except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
+            self._drop_unfinished(step)
             self._post({"op": "reduce_failed", "target": target, "tag": step.get("tag"),
                         "message": f"a reduce step on node {self.node_id} failed: "
                                    f"{type(exc).__name__}: {exc}"})
@@ -1077,6 +1079,20 @@ class Node:
             self._post(self._complete_msg(out))
         else:  # an intermediate result: its parent is already pulling it
             self._post({"op": "complete", "oid": out.oid.binary})
+
+    def _drop_unfinished(self, step: dict) -> None:
+        """A failed step's output, if it is half made: nothing will finish it.
+        Its readers (a get here waiting on its watermark, a parent pulling
+        it) ask again. The directory drops it too when it rebuilds the tree,
+        but not on a node it has declared dead meanwhile, whose step may fail
+        only after it is back: such a copy would be kept, and taken by this
+        node's own gets for a put under way, for good."""
+        out = ObjectID(step["output"])
+        obj = self.store.get(out)
+        if (obj is not None and not obj.complete and not obj.receiving
+                and self._steps.get(out) is not None
+                and self._steps[out].msg is step):
+            self.store.remove(out, _Retry("its reduce step failed"))
 
     async def _room_for_step(self, step: dict) -> None:
         """Evict, as a get would, for the output a reduce step is about to
@@ -1171,7 +1187,13 @@ class Node:
             stale = self.store.get(out)
             # (A first step into memory set aside by `receive_into` keeps it.)
             fresh = stale is not None and stale.receiving and old is None and not stale.ready
-            if stale is not None and not stale.complete and not fresh:
+            # The target's id is the same in every tree: a copy made here by an
+            # earlier tree's root step (this node was declared dead meanwhile,
+            # and the step finished all the same) holds other inputs, complete
+            # or not, and must not be taken for this step's output.
+            earlier = (stale is not None and out.binary == msg["target"]
+                       and stale.reduce_tag is not None and stale.reduce_tag != msg.get("tag"))
+            if stale is not None and (not stale.complete or earlier) and not fresh:
                 # a partial result of an earlier tree (e.g. before a directory restart)
                 # may hold other inputs: start over; its readers ask again
                 self.store.remove(out, _Retry("the reduce restarted"))

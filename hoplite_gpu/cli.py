@@ -128,6 +128,7 @@ def _simulate_broadcast(args: argparse.Namespace, size: int, chunk: int) -> int:
 def _simulate_reduce(args: argparse.Namespace, size: int, chunk: int) -> int:
     """Two schedules: every input at once, and (with --gap) one input every gap
     seconds; the directory picks the tree's degree in both."""
+    from .directory.reduce_plan import fold_unit
     from .simulator import simulate_reduce
 
     bw, k = float(args.bandwidth), args.inputs
@@ -137,16 +138,21 @@ def _simulate_reduce(args: argparse.Namespace, size: int, chunk: int) -> int:
     if not args.gap * k < float("inf"):
         raise SystemExit(f"hoplite-gpu simulate: --gap {args.gap:g} for {k} inputs puts the last "
                          "input past any time a float holds")
-    hops = -(-size // chunk) * k
+    # A step folds and hands on pieces of `fold_unit(size, chunk)`: what is simulated.
+    unit = fold_unit(size, chunk)
+    pieces = -(-size // unit)
+    hops = pieces * k
     if hops > MAX_SIM_HOPS:
         # (some 80,000 chunk transfers a second on one core)
-        raise SystemExit(f"hoplite-gpu simulate: {-(-size // chunk)} chunks from each of {k} "
-                         f"inputs is {hops} chunk transfers per schedule; at most "
+        raise SystemExit(f"hoplite-gpu simulate: {pieces} pieces of {format_size(unit)} from "
+                         f"each of {k} inputs is {hops} chunk transfers per schedule; at most "
                          f"{MAX_SIM_HOPS} are simulated (about 15 s each, two schedules). "
-                         "Use a larger --chunk or fewer --inputs")
+                         "Use fewer --inputs, or a larger --chunk (a step folds an input in "
+                         "pieces of at most --chunk and at most an eighth of it, down to 256 KiB)")
     print(f"simulated reduce (sum) of {k} float32 inputs of {format_size(size)}, "
           f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
-          f"{format_size(chunk)} chunks (the real directory state machine decides)")
+          f"{format_size(unit)} pieces (fold step {format_size(chunk)}; the real directory "
+          "state machine decides)")
     for gap in sorted({0.0, args.gap}):
         r = simulate_reduce(k, size, bandwidth=bw, latency=args.latency, chunk=chunk,
                             arrivals=[i * gap for i in range(k)])

@@ -35,9 +35,19 @@ def hold_child_pulls(monkeypatch) -> dict[str, asyncio.Event]:
     return gate
 
 
+def reduce_of_four(name: str):
+    """Four input ids, the target id and the inputs' values (1, 2, 3, 4)."""
+    ids = [hg.ObjectID.from_name(f"{name}-in-{i}") for i in range(4)]
+    values = [np.full(64 * KiB, i + 1, np.float32) for i in range(4)]
+    return ids, hg.ObjectID.from_name(f"{name}-out"), values
+
+
 @contextlib.asynccontextmanager
-async def cluster(count: int):
-    """A directory (1 s lease, 0.2 s heartbeats) and `count` TCP nodes."""
+async def cluster(count: int, monkeypatch):
+    """A directory (1 s lease, 0.2 s heartbeats), `count` TCP nodes, and the
+    event that lets reduce steps' child pulls go (`hold_child_pulls`)."""
+    gate = hold_child_pulls(monkeypatch)
+    gate["event"] = asyncio.Event()
     from hoplite_gpu.directory.server import DirectoryServer
     from hoplite_gpu.node.node import Node
 
@@ -51,7 +61,7 @@ async def cluster(count: int):
             node = Node(config, "tok", address)
             await node.start()
             nodes.append(node)
-        yield server, nodes
+        yield server, nodes, gate["event"]
     finally:
         for node in reversed(nodes):
             await node.close()
@@ -76,15 +86,10 @@ def test_every_rank_reads_the_result_after_the_old_root_missed_its_lease(monkeyp
     while every other rank's succeeds), and r keeps the 256 KiB buffer
     for good, listed by the directory as a holder of the result that
     never completes (a sender other readers may be sent to)."""
-    gate = hold_child_pulls(monkeypatch)
-
     async def main() -> None:
-        async with cluster(4) as (server, nodes):
-            gate["event"] = asyncio.Event()
+        async with cluster(4, monkeypatch) as (server, nodes, release):
             n0, n1, r, n3 = nodes
-            ids = [hg.ObjectID.from_name(f"lease-root-in-{i}") for i in range(4)]
-            target = hg.ObjectID.from_name("lease-root-out")
-            values = [np.full(64 * KiB, i + 1, np.float32) for i in range(4)]
+            ids, target, values = reduce_of_four("lease-root")
             for node in nodes:
                 await node.reduce(ids, "sum", 4, target)
             for node, oid, value in zip(nodes, ids, values, strict=True):
@@ -95,7 +100,7 @@ def test_every_rank_reads_the_result_after_the_old_root_missed_its_lease(monkeyp
                 "the root's final step did not start"
             gets = [asyncio.ensure_future(node.get(target, 6.0, "numpy")) for node in nodes]
             await miss_the_lease(server, r)  # declared dead, then back
-            gate["event"].set()
+            release.set()
             got = await asyncio.gather(*gets, return_exceptions=True)
             want = np.sum(values, axis=0)
             used = sorted(ids.index(i) for i in await n0.reduced_inputs(target, 3.0))
@@ -133,15 +138,10 @@ def test_a_rebuilt_root_on_the_old_roots_node_does_not_reuse_the_old_trees_resul
     element while `reduced_inputs` names inputs 0, 2 and 3 (1+3+4 = 8):
     a silently wrong sum (docs: "a get and reduced_inputs always
     agree")."""
-    gate = hold_child_pulls(monkeypatch)
-
     async def main() -> None:
-        async with cluster(4) as (server, nodes):
-            gate["event"] = asyncio.Event()
+        async with cluster(4, monkeypatch) as (server, nodes, release):
             reader, r, c, d = nodes
-            ids = [hg.ObjectID.from_name(f"lease-reuse-in-{i}") for i in range(4)]
-            target = hg.ObjectID.from_name("lease-reuse-out")
-            values = [np.full(64 * KiB, i + 1, np.float32) for i in range(4)]
+            ids, target, values = reduce_of_four("lease-reuse")
             await reader.reduce(ids, "sum", 3, target, root_input=ids[1])
             for node, i in ((r, 0), (r, 1), (c, 2), (d, 3)):
                 await node.put(values[i], ids[i])
@@ -154,7 +154,7 @@ def test_a_rebuilt_root_on_the_old_roots_node_does_not_reuse_the_old_trees_resul
             r._heartbeat.cancel()
             r.directory_address = "tcp://127.0.0.1:1"
             assert await eventually(lambda: r.node_id not in server.state.nodes, 4.0)
-            gate["event"].set()  # its data links work: the old step finishes
+            release.set()  # its data links work: the old step finishes
             assert await eventually(lambda: r.store.get(target).complete, 3.0)
             r.directory_address = address  # the partition heals
             assert await eventually(lambda: r._connected.is_set()

@@ -937,6 +937,14 @@ class Directory:
             self._forget_holder(ev.oid, entry, ev.node)
             self._after_loss(ev.oid, entry, out)
             self._slot_lost(ev.oid, ev.node, f"node {ev.node} dropped input {ev.oid.hex()}", out)
+        entry = self.objects.get(ev.oid)
+        if entry is not None and ev.node in entry.relay_at:
+            # It gave its copy up (its call ended, or it gave up on the
+            # object): the next node of the relay, which waits for this one
+            # alone, waits no more, as if this one had died.
+            entry.set_relay(n for n in entry.relay if n != ev.node)
+            if entry.waiting:
+                self._serve_waiting(ev.oid, entry, out)
 
     def _slot_lost(self, oid: Key, node: NodeId, why: str, out: list[Command]) -> None:
         """`node` no longer holds `oid`: an unfinished tree that took it from

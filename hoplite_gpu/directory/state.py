@@ -14,7 +14,6 @@ transitively, so failover can never create a cycle.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -485,11 +484,6 @@ class Entry:
     #: from (a superset: a full or departed one is dropped when met), so a
     #: broadcast to N receivers costs O(N), not O(N^2) scans of every holder
     open: dict[NodeId, None] = field(default_factory=dict)
-    #: (seq, node) for each holder put in `open`, oldest first: the sender a
-    #: get wants is the oldest complete copy it may use, found here without a
-    #: scan of every open holder (a hot object's finished copies pile up
-    #: there). Entries whose holder left `open` are skipped when met.
-    open_order: list[tuple[int, NodeId]] = field(default_factory=list)
     #: the fanout `open` was last checked against (a larger one reopens all)
     open_fanout: int = 0
     #: holders so far (numbers `Holder.seq`)
@@ -499,15 +493,6 @@ class Entry:
     #: complete, so a chain seen anchored stays so: `_can_complete` need not
     #: walk a long chain again for every receiver of a broadcast.
     epoch: int = 0
-
-    def reopen(self, node: NodeId) -> None:
-        """`node`'s copy may have a free serving slot (or has just completed)."""
-        self.open[node] = None
-        heapq.heappush(self.open_order, (self.holders[node].seq, node))
-
-    def reopen_all(self) -> None:
-        self.open = dict.fromkeys(self.holders)
-        self.open_order = sorted((h.seq, n) for n, h in self.holders.items())
 
     def set_relay(self, nodes: Any) -> None:
         self.relay = tuple(nodes)
@@ -784,7 +769,6 @@ class Directory:
             holder.origin = True
             if complete:
                 holder.complete, holder.nbytes = True, ev.size
-                entry.reopen(ev.node)  # (into `open_order` as a complete copy)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
         waiters = self.pending.pop(ev.oid, ())
         entry.waiting.extend(waiters)
@@ -841,7 +825,6 @@ class Directory:
         if task is not None and not task.done and self._stale(task, ev.tag):
             return  # the root of a tree since rebuilt, on this node too: not this tree's result
         holder.complete, holder.nbytes = True, entry.size
-        entry.reopen(ev.node)  # (into `open_order` as a complete copy)
         self._detach(entry, ev.node)
         self._serve_waiting(ev.oid, entry, out)
         self._input_ready(ev.oid, ev.node, out)
@@ -1477,7 +1460,7 @@ class Directory:
         holder = entry.holders[node]
         if holder.upstream is not None and holder.upstream in entry.holders:
             entry.holders[holder.upstream].serving.discard(node)
-            entry.reopen(holder.upstream)  # (a slot of it is free again)
+            entry.open[holder.upstream] = None  # (a slot of it is free again)
         if holder.upstream is not None:
             entry.epoch += 1  # (a link breaks: chains through it are anchored no more)
         holder.upstream = None
@@ -1552,7 +1535,7 @@ class Directory:
         entry.joined += 1
         holder.seq = entry.joined
         entry.holders[node] = holder
-        entry.reopen(node)
+        entry.open[node] = None
         mine = self.holding.get(node)  # (`_holds`, inline: once per holder of every object)
         if mine is None:
             mine = self.holding[node] = {}
@@ -1616,15 +1599,12 @@ class Directory:
                 if holder.complete or holder.origin or holder.nbytes >= have:
                     return before
             # that node is gone, failed us, or is behind us: any other holder
-        fanout = self._fanout(entry)
-        if fanout > entry.open_fanout:  # (holders found full before may have room now)
-            entry.reopen_all()
-        entry.open_fanout = fanout
-        oldest = self._oldest_complete(entry, receiver, mine, avoid_failed, served, fanout)
-        if oldest is not None:  # (what the scan below would choose: complete ranks first)
-            return oldest
         best: tuple[bool, int, int] | None = None
         choice: NodeId | None = None
+        fanout = self._fanout(entry)
+        if fanout > entry.open_fanout:  # (holders found full before may have room now)
+            entry.open = dict.fromkeys(entry.holders)
+        entry.open_fanout = fanout
         for node in list(entry.open):
             holder = entry.holders.get(node)
             if holder is None or len(holder.serving) >= fanout:
@@ -1642,38 +1622,6 @@ class Directory:
             rank = (holder.complete, holder.nbytes, -holder.seq)
             if best is None or rank > best:
                 best, choice = rank, node
-        return choice
-
-    def _oldest_complete(self, entry: Entry, receiver: NodeId, mine: Holder | None,
-                         avoid_failed: bool, served: bool, fanout: int) -> NodeId | None:
-        """The open complete copy with the lowest `seq` that `receiver` may
-        pull from, taken from `entry.open_order` oldest first: O(log n) when
-        the oldest can serve, where a scan of `open` is O(holders). Partial
-        copies and copies this receiver may not use are met and put back;
-        full and departed ones leave `open`; partial ones leave only
-        `open_order` (they come back as they complete)."""
-        heap, kept, choice = entry.open_order, [], None
-        while heap:
-            seq, node = heap[0]
-            holder = entry.holders.get(node)
-            if node not in entry.open or holder is None or holder.seq != seq:
-                heapq.heappop(heap)  # (left `open` since, or another incarnation)
-                continue
-            if len(holder.serving) >= fanout:
-                heapq.heappop(heap)
-                del entry.open[node]  # (reopened when it frees a slot or the fanout grows)
-                continue
-            if not holder.complete:
-                heapq.heappop(heap)  # (the scan of `open` still sees it)
-                continue
-            if (node != receiver and node in self.nodes
-                    and not (avoid_failed and mine is not None and node in mine.failed_from)
-                    and not (served and self._depends_on(entry, node, receiver))):
-                choice = node
-                break
-            kept.append(heapq.heappop(heap))  # (complete, but not for this receiver)
-        for item in kept:
-            heapq.heappush(heap, item)
         return choice
 
     def _serve_waiting(self, oid: Key, entry: Entry, out: list[Command]) -> None:

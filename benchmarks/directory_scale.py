@@ -99,6 +99,21 @@ def gets_after_put(n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def gets_over_time(n: int) -> float:
+    """`n` gets of one object, each pull finished before the next get comes
+    (a model's weights fetched by workers over time: every finished copy is
+    a sender with a free slot), per get."""
+    d, key = joined(n + 1), oid(7)
+    put_complete(d, "n0", key)
+    took = 0.0
+    for i in range(1, n + 1):
+        start = time.perf_counter()
+        d.handle(s.Locate(f"n{i}", 1, key))
+        took += time.perf_counter() - start
+        d.handle(s.Completed(f"n{i}", key))
+    return took / n
+
+
 def relayed_slice(n: int) -> float:
     """The gets of one relayed allreduce slice of `n` ranks, in random order, per get."""
     d = joined(n)
@@ -133,6 +148,7 @@ CASES: list[tuple[str, str, Callable[[int], float], int]] = [
     ("a node's loss, finished reduces kept", "event", node_lost_reduces, 300),
     ("a put answering waiting gets", "get", put_to_waiters, 300),
     ("gets arriving after the put", "get", gets_after_put, 300),
+    ("gets over time, each pull done first", "get", gets_over_time, 300),
     ("a relayed slice's gets, ranks", "get", relayed_slice, 32),
     ("waits on one id cancelled", "cancel", cancels, 1_000),
 ]

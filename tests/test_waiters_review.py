@@ -6,26 +6,12 @@ tests/test_scale_review.py do: no network, no nodes.
 
 from __future__ import annotations
 
+from benchmarks import directory_scale
 from hoplite_gpu.directory import state as s
 
-BIG = {"kind": "bytes", "nbytes": 1 << 20}  # never inline
+# (the directory and objects as the directory-scale benchmark builds them)
+oid, joined, put_complete = directory_scale.oid, directory_scale.joined, directory_scale.put_complete
 ARRAY = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 18], "nbytes": 1 << 20}
-
-
-def oid(i: int) -> bytes:
-    return i.to_bytes(20, "big")
-
-
-def joined(nodes: int, **kw: object) -> s.Directory:
-    d = s.Directory(**kw)
-    for i in range(nodes):
-        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}", 0.0))
-    return d
-
-
-def put_complete(d: s.Directory, node: str, key: bytes, layout: dict = BIG) -> None:
-    d.handle(s.Put(node, 1, key, layout["nbytes"], layout))
-    d.handle(s.Completed(node, key))
 
 
 def senders(out: list[s.Command], node: str) -> list[str]:

@@ -26,7 +26,7 @@ from .directory.reduce_plan import allreduce_slices
 from .errors import HopliteError, InvalidArgument, Timeout
 from .ids import ObjectID
 from .runtime import GIVE_UP_S
-from .values import encode, to_buffer
+from .values import encode, is_masked, to_buffer
 
 
 def input_id(name: str, rank: int) -> ObjectID:
@@ -208,7 +208,7 @@ def _slices(value: Any, size: int, num_objects: int | None) -> int:
     rank is sliced: with a subset (`num_objects` < size), the slices' reduces
     could each choose different inputs."""
     if (not _slicing(size, num_objects) or not isinstance(value, np.ndarray)
-            or isinstance(value, np.ma.MaskedArray) or value.size < size):
+            or is_masked(value) or value.size < size):
         return 1  # (a masked array is refused by the put of the whole path)
     return allreduce_slices(value.nbytes, size, api.runtime().config.chunk_size)
 

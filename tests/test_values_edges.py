@@ -148,3 +148,31 @@ def test_reduce_of_an_unsupported_dtype_fails_waiting_gets_with_reduce_failed():
     run_nodes([config, config], body, bound=20)
     for name, exc in seen.items():
         assert isinstance(exc, ReduceFailed), f"{name} get raised {exc!r}"
+
+
+def test_plain_arrays_never_import_numpy_ma():
+    """Checking for a masked array by `isinstance(value, np.ma.MaskedArray)`
+    imports `numpy.ma` (NumPy 2 loads it on first use): 10-18 ms of CPU in
+    every process's first allreduce (`collectives._slices`) or first put of
+    a non-contiguous array. A masked array cannot exist before `numpy.ma` is
+    imported, so plain arrays must not import it; a masked one is still
+    refused."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from hoplite_gpu import collectives, values\n"
+        "values.to_buffer(np.arange(16.0)[::2])\n"
+        "assert not values.is_masked(np.zeros(4))\n"
+        "collectives._slicing = lambda size, num_objects: True  # (no runtime here)\n"
+        "collectives._slices(np.zeros(4, np.float32), 8, None)\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "a plain array imported numpy.ma"
+    with pytest.raises(UnsupportedValue, match="masked"):
+        to_buffer(np.ma.masked_array(np.arange(4.0)[::2], mask=[0, 1]))

@@ -1195,8 +1195,7 @@ class Directory:
             return
         reason = f"the reduce into {task.target.hex()} restarts: {why}"
         self._answer_confirms(task, False, out)  # copies of this tree are superseded
-        for pos, oid in self._step_outputs(task):
-            self._drop_partial(task.slot(pos)[1], oid, reason, out)
+        self._end_all_steps(task, reason, out)
         entry = self._remove_entry(task.target)
         if entry is not None:
             for node in entry.holders:

@@ -1088,10 +1088,9 @@ class Node:
         only after it is back: such a copy would be kept, and taken by this
         node's own gets for a put under way, for good."""
         out = ObjectID(step["output"])
-        obj = self.store.get(out)
+        obj, mine = self.store.get(out), self._steps.get(out)
         if (obj is not None and not obj.complete and not obj.receiving
-                and self._steps.get(out) is not None
-                and self._steps[out].msg is step):
+                and mine is not None and mine.msg is step):  # (not a newer step's)
             self.store.remove(out, _Retry("its reduce step failed"))
 
     async def _room_for_step(self, step: dict) -> None:

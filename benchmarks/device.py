@@ -6,7 +6,7 @@
    both are reported as bytes moved per second.
 2. UCX between two processes on the GPU (CUDA IPC): a device buffer sent with
    the project's UCX transport (head + data, one send in flight and two; bare
-   messages, as a pull sends), and
+   messages, as a pull sends and receives them), and
    with ucxx alone, against the same device copy; then ucxx alone in the
    transport's message patterns (benchmarks/ucx_patterns.py).
 3. Device get between 2 processes, broadcast and allreduce among 4 processes
@@ -26,6 +26,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from hoplite_gpu.node.transfer import BARE_RECEIVES
 
 MiB = 1 << 20
 PARTS = ("kernel", "ucx", "raw", "patterns", "collectives")
@@ -55,6 +57,13 @@ def _timed(cp: Any, fn, repeats: int) -> float:
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
     return float(np.median(times))
+
+
+def _copy_s(cp: Any, size: int, repeats: int = 10) -> float:
+    """Median seconds of one device-to-device copy of `size` bytes."""
+    src = cp.ones(size, cp.uint8)
+    dst = cp.empty_like(src)
+    return _timed(cp, lambda: dst.__setitem__(Ellipsis, src), repeats)
 
 
 def kernel_vs_copy(size: int, repeats: int = 20) -> dict:
@@ -88,9 +97,23 @@ def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool,
             # ucxx alone: one tagged message per buffer; the transport: its stream.
             recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (
                 conn.recv_bare if bare else conn.recv_into, b"k")
+            # Bare messages are received as a pull receives them: with
+            # BARE_RECEIVES receives posted at once (all into one buffer here).
+            posted = BARE_RECEIVES if bare else 1
             for group in groups:
+                flying: set = set()
                 for _ in range(group):
-                    await recv(dest)
+                    if posted == 1:
+                        await recv(dest)
+                        continue
+                    if len(flying) == posted:
+                        finished, flying = await asyncio.wait(
+                            flying, return_when=asyncio.FIRST_COMPLETED)
+                        for f in finished:
+                            f.result()
+                    flying.add(asyncio.ensure_future(recv(dest)))
+                for f in flying:
+                    await f
                 await conn.send(ack)
             done.set()
 
@@ -124,8 +147,7 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
     from hoplite_gpu.transports import SendWindow, get_backend, ucx
 
     src = cp.ones(size, cp.uint8)
-    dst = cp.empty_like(src)
-    copy_s = _timed(cp, lambda: dst.__setitem__(Ellipsis, src), repeats)
+    copy_s = _copy_s(cp, size, repeats)
     groups = [1] * (repeats + 1) + [window] * repeats
     ctx = mp.get_context("spawn")
     port_q, out_q = ctx.Queue(), ctx.Queue()
@@ -230,15 +252,16 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
         if "kernel" in parts:
             rows.append(kernel_vs_copy(size))
             print(json.dumps(rows[-1]), flush=True)
-        if "ucx" not in parts:
+        if "ucx" not in parts and "collectives" not in parts:
             continue
         try:
             # By default one send at a time, then as a pull sends (the stream's window).
-            for depth in depths:
+            for depth in depths if "ucx" in parts else ():
                 rows.append(ucx_vs_copy(size, depth=depth))
                 print(json.dumps(rows[-1]), flush=True)
-            rows.append(ucx_vs_copy(size, bare=True))  # as a pull over UCX sends
-            print(json.dumps(rows[-1]), flush=True)
+            if "ucx" in parts:
+                rows.append(ucx_vs_copy(size, bare=True))  # as a pull over UCX sends
+                print(json.dumps(rows[-1]), flush=True)
         except Exception as exc:  # no ucxx: say so, keep the kernel numbers
             rows.append({"what": "UCX transfer", "size": size,
                          "error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -261,7 +284,9 @@ def run(sizes_mib: list[int], chunks_mib: list[int], save: str | None,
                              "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 print(json.dumps(rows[-1]), flush=True)
         if "collectives" in parts:
-            copy_s = next(r["copy_s"] for r in reversed(rows) if "streamed_s" in r)
+            copy_s = next((r["copy_s"] for r in reversed(rows) if "streamed_s" in r), None)
+            if copy_s is None:  # the collectives alone: time the copy here
+                copy_s = _copy_s(cp, size)
             for reuse in (False, True):
                 rows.extend(collectives(size, copy_s, [c * MiB for c in chunks_mib], reuse=reuse))
     name = dev["name"]
@@ -323,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256],
                    help="device chunk sizes (MiB) for the collectives")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                   help="what to run (the collectives need the UCX part)")
+                   help="what to run")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 0],
                    help="UCX transport rows: sends in flight (0: the stream's own window)")
     args = p.parse_args(argv)

@@ -222,8 +222,9 @@ def test_a_sender_refuses_a_bad_bare_size(bare):
 
 
 @needs_ucx
-def test_bare_pulls_are_off_by_default(caplog):
-    """Without `bare_pulls` a pull over UCX is answered in frames, as before."""
+def test_host_pulls_are_framed_by_default(caplog):
+    """By default (`bare_pulls="device"`) a pull of a host object over UCX is
+    answered in frames: on a CPU host bare messages were no faster."""
     config = Config(transport="ucx", chunk_size=MiB, shared_memory=False)
 
     async def main():
@@ -242,3 +243,57 @@ def test_bare_pulls_are_off_by_default(caplog):
         await server.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("given, stored", [
+    (True, "on"), (False, "off"), ("1", "on"), ("no", "off"), ("ON", "on"),
+    ("device", "device"), ("Device", "device")])
+def test_bare_pulls_takes_a_switch_or_device(given, stored):
+    assert Config(bare_pulls=given).bare_pulls == stored
+    assert Config.from_env({"HOPLITE_BARE_PULLS": str(given)}).bare_pulls == stored
+
+
+def test_bare_pulls_refuses_other_values():
+    with pytest.raises(ConfigError, match="bare_pulls must be 'off', 'device' or 'on'"):
+        Config(bare_pulls="sometimes")
+
+
+def test_which_pulls_are_bare():
+    """(device object, reduce input) -> bare, for each setting."""
+    cases = [(True, False), (True, True), (False, False), (False, True)]
+    assert [Config().bare_pull(*c) for c in cases] == [True, False, False, False]
+    assert [Config(bare_pulls="on").bare_pull(*c) for c in cases] == [True] * 4
+    assert [Config(bare_pulls="off").bare_pull(*c) for c in cases] == [False] * 4
+
+
+def test_reduce_steps_pull_their_children_as_reduce_inputs(monkeypatch):
+    """A reduce step's pulls of its children ask as reduce inputs (framed by
+    default on a GPU: a bare receive posted for a child still being reduced
+    would be polled while the step folds); a get's pull does not."""
+    from in_process import run_nodes
+
+    import hoplite_gpu as hg
+
+    asked = []
+    real = Config.bare_pull
+
+    def spy(self, device, reduce_input):
+        asked.append(reduce_input)
+        return real(self, device, reduce_input)
+
+    monkeypatch.setattr(Config, "bare_pull", spy)
+    values = [np.full(MiB // 4, i + 1, np.float32) for i in range(3)]
+    ids = [ObjectID.from_name(f"bare-rule-in-{i}") for i in range(3)]
+    target = ObjectID.from_name("bare-rule-out")
+
+    async def body(directory, *nodes):
+        for node, value, oid in zip(nodes, values, ids, strict=True):
+            await node.put(value, oid)
+        await nodes[0].reduce(ids, "sum", 3, target)
+        for node in nodes:
+            got = await node.get(target, 20, "numpy")
+            np.testing.assert_array_equal(got, np.sum(values, axis=0))
+
+    run_nodes([hg.Config(shared_memory=False)] * 3, body, bound=60)
+    assert True in asked, "no reduce step pulled a child as a reduce input"
+    assert False in asked, "no get pulled the result"

@@ -630,8 +630,10 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
 
 
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
-                      config: Config, on_progress: Callable[[int], None]) -> None:
-    """Pull bytes [obj.ready, end) of `obj` from the peer at `address` into its buffer.
+                      config: Config, on_progress: Callable[[int], None],
+                      reduce_input: bool = False) -> None:
+    """Pull bytes [obj.ready, end) of `obj` from the peer at `address` into its buffer
+    (for a reduce step, one of its children: `reduce_input`, see `Config.bare_pulls`).
 
     Every frame must start within the stall timeout, or the peer counts as
     failed. On any error the connection is closed, never reused.
@@ -645,8 +647,10 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         pos = obj.ready
         moded = host and getattr(stream, "local", False)
         view = _sendable(obj.buffer, stream)
-        # One message per chunk, no frame headers (UCX, opt-in): docs/protocol.md.
-        bare = (config.chunk_bytes(not host) if config.bare_pulls and not moded
+        # One message per chunk, no frame headers (UCX; device objects by
+        # default, `Config.bare_pulls`): docs/protocol.md.
+        bare = (config.chunk_bytes(not host)
+                if config.bare_pull(not host, reduce_input) and not moded
                 and stream.bare_messages and view is not None and pos < end else None)
         req = {"op": "pull", "oid": obj.oid.binary, "offset": pos, "end": end,
                "stall": config.stall_timeout_s}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import numbers
 from dataclasses import dataclass, field
 
 from .directory import state as s
@@ -59,6 +60,17 @@ class SimResult:
         return best
 
 
+def _check_model(bandwidth: float, latency: float, chunk: int) -> None:
+    """The link model and chunk size both simulators take: refused unless a
+    run with them means something (a 0-byte chunk ran with 1-byte pieces)."""
+    if isinstance(chunk, bool) or not (isinstance(chunk, numbers.Integral) and chunk > 0):
+        raise InvalidArgument(f"chunk must be a positive number of bytes; got {chunk!r}")
+    if not 0 < bandwidth < float("inf"):
+        raise InvalidArgument(f"bandwidth must be a positive number of bytes/s; got {bandwidth!r}")
+    if not 0 <= latency < float("inf"):
+        raise InvalidArgument(f"latency must be 0 or more seconds; got {latency!r}")
+
+
 class BroadcastSim:
     """Simulate one object of `size` bytes put on node "n0" at time 0 and gotten by
     `receivers` other nodes, each asking at its `arrivals` time (default all at 0)."""
@@ -66,6 +78,7 @@ class BroadcastSim:
     def __init__(self, receivers: int, size: int, *, bandwidth: float = 1.25e9,
                  latency: float = 1e-4, chunk: int = 4 << 20,
                  max_receivers_per_sender: int = 1, arrivals: list[float] | None = None) -> None:
+        _check_model(bandwidth, latency, chunk)
         self.n, self.size, self.bw, self.lat, self.chunk = receivers, size, bandwidth, latency, chunk
         self.chunks = max(1, -(-size // chunk))
         if self.chunks > MAX_SIM_CHUNKS:
@@ -237,6 +250,7 @@ class ReduceSim:
                  fold_bytes_per_s: float | None = None) -> None:
         if size < 4 or size % 4:
             raise InvalidArgument(f"a float32 input needs a positive multiple of 4 bytes; got {size}")
+        _check_model(bandwidth, latency, chunk)
         self.k = inputs if num_objects is None else num_objects
         if not 1 <= self.k <= inputs:
             raise InvalidArgument(f"num_objects must be 1 to {inputs}; got {num_objects}")

@@ -8,10 +8,12 @@ import resource
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hoplite_gpu import cli
-from hoplite_gpu.simulator import simulate_broadcast
+from hoplite_gpu.errors import InvalidArgument
+from hoplite_gpu.simulator import simulate_broadcast, simulate_reduce
 
 MiB = 1 << 20
 
@@ -104,3 +106,22 @@ def test_cli_simulate_refuses_a_run_of_hours_at_once():
                        capture_output=True, text=True, timeout=30)
     assert r.returncode != 0
     assert "chunk transfers per schedule" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sim", [simulate_broadcast, simulate_reduce])
+@pytest.mark.parametrize("bad, says", [
+    ({"chunk": 0}, "chunk must be a positive"),
+    ({"chunk": -4096}, "chunk must be a positive"),
+    ({"chunk": 1.5}, "chunk must be a positive"),
+    ({"bandwidth": 0.0}, "bandwidth must be a positive"),
+    ({"bandwidth": float("nan")}, "bandwidth must be a positive"),
+    ({"latency": -1e-3}, "latency must be 0 or more"),
+    ({"latency": float("inf")}, "latency must be 0 or more"),
+])
+def test_a_model_that_means_nothing_is_refused(sim, bad, says):
+    """A 0-byte chunk ran the reduce with 1-byte pieces, a 0 bandwidth divided
+    by zero, a negative latency never finished: each is refused by name."""
+    with pytest.raises(InvalidArgument, match=says):
+        sim(4, 4096, **bad)
+    r = sim(4, 4096, chunk=np.int64(4096))  # (NumPy integers are fine)
+    assert (r.makespan if sim is simulate_broadcast else r.done_at) > 0

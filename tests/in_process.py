@@ -210,3 +210,22 @@ class ThreadedDirectory:
             self.thread.join(5)
             if not self.loop.is_running():
                 self.loop.close()
+
+
+def hold_child_pulls(monkeypatch: Any, only_from: Any = None) -> dict[str, asyncio.Event]:
+    """Reduce steps' pulls of their children wait for the returned dict's
+    "event" (set it before the reduce starts): all pulls, or only those from
+    the data addresses in `only_from` (a slow network: the steps are under
+    way, their outputs not yet made)."""
+    import hoplite_gpu.node.reducer as reducer
+
+    real = reducer.fetch_range
+    gate: dict[str, asyncio.Event] = {}
+
+    async def held(pool, address, obj, end, config, progress, **kw):
+        if only_from is None or address in only_from:
+            await gate["event"].wait()
+        return await real(pool, address, obj, end, config, progress, **kw)
+
+    monkeypatch.setattr(reducer, "fetch_range", held)
+    return gate

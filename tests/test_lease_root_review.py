@@ -13,26 +13,11 @@ import asyncio
 import contextlib
 
 import numpy as np
-from in_process import eventually, miss_the_lease
+from in_process import eventually, hold_child_pulls, miss_the_lease
 
 import hoplite_gpu as hg
-import hoplite_gpu.node.reducer as reducer
 
 KiB = 1 << 10
-
-
-def hold_child_pulls(monkeypatch) -> dict[str, asyncio.Event]:
-    """Reduce steps' pulls of their children wait for the returned event (a
-    slow network: the steps are under way, their outputs not yet made)."""
-    real = reducer.fetch_range
-    gate: dict[str, asyncio.Event] = {}
-
-    async def held(pool, address, obj, end, config, progress):
-        await gate["event"].wait()
-        return await real(pool, address, obj, end, config, progress)
-
-    monkeypatch.setattr(reducer, "fetch_range", held)
-    return gate
 
 
 def reduce_of_four(name: str):

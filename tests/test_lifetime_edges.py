@@ -23,11 +23,11 @@ def test_a_root_waiting_on_its_result_survives_a_reduce_restart(monkeypatch):
     real = reducer.fetch_range
     failed = []
 
-    async def fails_once(pool, address, obj, end, config, progress):
+    async def fails_once(pool, address, obj, end, config, progress, **kw):
         if not failed:
             failed.append(obj.oid)
             raise PeerLost("a child stream failed (test)")
-        return await real(pool, address, obj, end, config, progress)
+        return await real(pool, address, obj, end, config, progress, **kw)
 
     monkeypatch.setattr(reducer, "fetch_range", fails_once)
     config = hg.Config(shared_memory=False, chunk_size=MiB)

@@ -10,28 +10,13 @@ import asyncio
 
 import numpy as np
 import pytest
-from in_process import eventually, run_nodes
+from in_process import eventually, hold_child_pulls, run_nodes
 
 import hoplite_gpu as hg
 import hoplite_gpu.node.reducer as reducer
 
 MiB = 1 << 20
 CONFIG = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10)
-
-
-def hold_child_pulls(monkeypatch, only_from=None):
-    """Reduce steps' pulls of their children wait for the returned event
-    (all pulls, or only those from the data addresses in `only_from`)."""
-    real = reducer.fetch_range
-    gate: dict[str, asyncio.Event] = {}
-
-    async def held(pool, address, obj, end, config, progress):
-        if only_from is None or address in only_from:
-            await gate["event"].wait()
-        return await real(pool, address, obj, end, config, progress)
-
-    monkeypatch.setattr(reducer, "fetch_range", held)
-    return gate
 
 
 async def check_result(reader, target, ids, values, timeout=3.0):

@@ -461,6 +461,76 @@ class Holder:
 
 
 @dataclass
+class EarliestFirst:
+    """Nodes keyed by a number, the lowest first: a binary heap of (key, node)
+    that also knows each node's place in it, so that any node is taken out in
+    O(log n) the moment it leaves and the heap holds its members only.
+    (Dropped lazily, only once they reached the top, entries would pile up
+    for every reader that left while the first copy of a hot object kept
+    serving: the heap would grow with every pull for the object's life.)"""
+
+    items: list[tuple[int, NodeId]] = field(default_factory=list)
+    #: node -> its index in `items`
+    at: dict[NodeId, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def first(self) -> NodeId:
+        return self.items[0][1]
+
+    def add(self, key: int, node: NodeId) -> None:
+        i = self.at.get(node)
+        if i is not None and self.items[i][0] == key:
+            return
+        if i is not None:
+            self.discard(node)
+        self.items.append((key, node))
+        self._up(len(self.items) - 1)
+
+    def discard(self, node: NodeId) -> None:
+        i = self.at.pop(node, None)
+        if i is None:
+            return
+        last = self.items.pop()
+        if i < len(self.items):  # the last item fills the hole, then finds its place
+            self._put(i, last)
+            self._down(self._up(i))
+
+    def rebuild(self, pairs: Any) -> None:
+        self.items = sorted(pairs)  # (a sorted list is a heap)
+        self.at = {node: i for i, (_, node) in enumerate(self.items)}
+
+    def _put(self, i: int, item: tuple[int, NodeId]) -> None:
+        self.items[i] = item
+        self.at[item[1]] = i
+
+    def _up(self, i: int) -> int:
+        """Move item `i` up to its place; where it ends."""
+        items, item = self.items, self.items[i]
+        while i > 0:
+            parent = (i - 1) // 2
+            if items[parent][0] <= item[0]:
+                break
+            self._put(i, items[parent])
+            i = parent
+        self._put(i, item)
+        return i
+
+    def _down(self, i: int) -> None:
+        items, item, n = self.items, self.items[i], len(self.items)
+        while 2 * i + 1 < n:
+            child = 2 * i + 1
+            if child + 1 < n and items[child + 1][0] < items[child][0]:
+                child += 1
+            if items[child][0] >= item[0]:
+                break
+            self._put(i, items[child])
+            i = child
+        self._put(i, item)
+
+
+@dataclass
 class Entry:
     size: int
     layout: dict[str, Any]
@@ -493,10 +563,40 @@ class Entry:
     #: complete, so a chain seen anchored stays so: `_can_complete` need not
     #: walk a long chain again for every receiver of a broadcast.
     epoch: int = 0
+    #: the complete copies in `open`, the earliest holder first. Complete
+    #: copies (all of `size` bytes) rank alike but for `Holder.seq`, and
+    #: above every partial one, so the first of these is the sender whenever
+    #: it may serve the receiver: a get need not scan every finished copy of
+    #: a hot object fetched over time (each of them stays open). Exactly
+    #: those copies, kept in step with `open` and `Holder.complete` through
+    #: the methods below, so it never outgrows `open`.
+    senders: EarliestFirst = field(default_factory=EarliestFirst)
 
     def set_relay(self, nodes: Any) -> None:
         self.relay = tuple(nodes)
         self.relay_at = {node: i for i, node in enumerate(self.relay)}
+
+    def reopen(self, node: NodeId) -> None:
+        """`node` (a holder) may have a free serving slot."""
+        self.open[node] = None
+        self.ranked(node)
+
+    def close(self, node: NodeId) -> None:
+        """`node` is full or no holder any more (it is reopened when it frees a slot)."""
+        self.open.pop(node, None)
+        self.senders.discard(node)
+
+    def reopen_all(self) -> None:
+        self.open = dict.fromkeys(self.holders)
+        self.senders.rebuild((h.seq, n) for n, h in self.holders.items() if h.complete)
+
+    def ranked(self, node: NodeId) -> None:
+        """`node`'s holder, its completeness or its place in `open` changed."""
+        holder = self.holders.get(node)
+        if holder is not None and holder.complete and node in self.open:
+            self.senders.add(holder.seq, node)
+        else:
+            self.senders.discard(node)
 
 
 @dataclass
@@ -769,6 +869,7 @@ class Directory:
             holder.origin = True
             if complete:
                 holder.complete, holder.nbytes = True, ev.size
+                entry.ranked(ev.node)
         out.append(Reply(ev.node, ev.request, {"ok": True}))
         waiters = self.pending.pop(ev.oid, ())
         entry.waiting.extend(waiters)
@@ -825,6 +926,7 @@ class Directory:
         if task is not None and not task.done and self._stale(task, ev.tag):
             return  # the root of a tree since rebuilt, on this node too: not this tree's result
         holder.complete, holder.nbytes = True, entry.size
+        entry.ranked(ev.node)
         self._detach(entry, ev.node)
         self._serve_waiting(ev.oid, entry, out)
         self._input_ready(ev.oid, ev.node, out)
@@ -1459,7 +1561,7 @@ class Directory:
         holder = entry.holders[node]
         if holder.upstream is not None and holder.upstream in entry.holders:
             entry.holders[holder.upstream].serving.discard(node)
-            entry.open[holder.upstream] = None  # (a slot of it is free again)
+            entry.reopen(holder.upstream)  # (a slot of it is free again)
         if holder.upstream is not None:
             entry.epoch += 1  # (a link breaks: chains through it are anchored no more)
         holder.upstream = None
@@ -1467,7 +1569,7 @@ class Directory:
     def _forget_holder(self, oid: Key, entry: Entry, node: NodeId) -> None:
         self._detach(entry, node)
         gone = entry.holders.pop(node)
-        entry.open.pop(node, None)
+        entry.close(node)
         entry.epoch += 1
         if node not in entry.relay_at:
             self._let_go(node, oid)
@@ -1534,7 +1636,7 @@ class Directory:
         entry.joined += 1
         holder.seq = entry.joined
         entry.holders[node] = holder
-        entry.open[node] = None
+        entry.reopen(node)
         mine = self.holding.get(node)  # (`_holds`, inline: once per holder of every object)
         if mine is None:
             mine = self.holding[node] = {}
@@ -1602,12 +1704,26 @@ class Directory:
         choice: NodeId | None = None
         fanout = self._fanout(entry)
         if fanout > entry.open_fanout:  # (holders found full before may have room now)
-            entry.open = dict.fromkeys(entry.holders)
+            entry.reopen_all()
         entry.open_fanout = fanout
+        while entry.senders:
+            # The earliest open complete copy outranks every other candidate:
+            # if it may serve this receiver (the checks below, for a complete
+            # copy), it is the scan's choice too.
+            node = entry.senders.first()
+            holder = entry.holders[node]
+            if len(holder.serving) >= fanout:
+                entry.close(node)  # (as the scan would: full)
+                continue
+            if not (node == receiver or node not in self.nodes
+                    or (avoid_failed and mine is not None and node in mine.failed_from)
+                    or (served and self._depends_on(entry, node, receiver))):
+                return node
+            break  # (not for this receiver: any other may be)
         for node in list(entry.open):
             holder = entry.holders.get(node)
             if holder is None or len(holder.serving) >= fanout:
-                del entry.open[node]  # (reopened when it frees a slot or the fanout grows)
+                entry.close(node)  # (reopened when it frees a slot or the fanout grows)
                 continue
             if (node == receiver or node not in self.nodes
                     or (avoid_failed and mine is not None and node in mine.failed_from)

@@ -579,12 +579,17 @@ class Entry:
     def reopen(self, node: NodeId) -> None:
         """`node` (a holder) may have a free serving slot."""
         self.open[node] = None
-        self.ranked(node)
+        holder = self.holders[node]
+        if holder.complete:
+            self.senders.add(holder.seq, node)
+        elif node in self.senders.at:  # (a holder replaced by a partial one)
+            self.senders.discard(node)
 
     def close(self, node: NodeId) -> None:
         """`node` is full or no holder any more (it is reopened when it frees a slot)."""
         self.open.pop(node, None)
-        self.senders.discard(node)
+        if node in self.senders.at:
+            self.senders.discard(node)
 
     def reopen_all(self) -> None:
         self.open = dict.fromkeys(self.holders)
@@ -595,7 +600,7 @@ class Entry:
         holder = self.holders.get(node)
         if holder is not None and holder.complete and node in self.open:
             self.senders.add(holder.seq, node)
-        else:
+        elif node in self.senders.at:
             self.senders.discard(node)
 
 
@@ -1706,7 +1711,7 @@ class Directory:
         if fanout > entry.open_fanout:  # (holders found full before may have room now)
             entry.reopen_all()
         entry.open_fanout = fanout
-        while entry.senders:
+        while entry.senders.items:
             # The earliest open complete copy outranks every other candidate:
             # if it may serve this receiver (the checks below, for a complete
             # copy), it is the scan's choice too.

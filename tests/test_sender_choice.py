@@ -52,51 +52,11 @@ from hoplite_gpu.directory.state import (
 )
 
 
-def scan_best_sender(self: Directory, entry: Entry, receiver: NodeId,
-                     avoid_failed: bool) -> NodeId | None:
-    """`Directory._best_sender` as it was before `Entry.senders`: a scan of
-    every open holder for the highest (complete, nbytes, -seq)."""
-    mine = entry.holders.get(receiver)
-    have = mine.nbytes if mine else 0
-    served = mine is not None and bool(mine.serving)
-    if entry.relay_at.get(receiver, 0) > 0:
-        before = entry.relay[entry.relay_at[receiver] - 1]
-        if before in self.nodes and not (avoid_failed and mine is not None
-                                         and before in mine.failed_from):
-            holder = entry.holders.get(before)
-            if (holder is None or not (holder.complete or self._can_complete(entry, before))
-                    or (served and self._depends_on(entry, before, receiver))):
-                return None
-            if holder.complete or holder.origin or holder.nbytes >= have:
-                return before
-    best: tuple[bool, int, int] | None = None
-    choice: NodeId | None = None
-    fanout = self._fanout(entry)
-    if fanout > entry.open_fanout:
-        entry.open = dict.fromkeys(entry.holders)
-    entry.open_fanout = fanout
-    for node in list(entry.open):
-        holder = entry.holders.get(node)
-        if holder is None or len(holder.serving) >= fanout:
-            del entry.open[node]
-            continue
-        if (node == receiver or node not in self.nodes
-                or (avoid_failed and mine is not None and node in mine.failed_from)
-                or not (holder.complete or self._can_complete(entry, node))
-                or (served and self._depends_on(entry, node, receiver))):
-            continue
-        if not holder.complete and holder.nbytes < have and not holder.origin:
-            continue
-        rank = (holder.complete, holder.nbytes, -holder.seq)
-        if best is None or rank > best:
-            best, choice = rank, node
-    return choice
-
-
 class ScanDirectory(Directory):
-    """The reference: every sender found by the scan."""
+    """The reference: every sender found by the scan of the open holders, as
+    before `Entry.senders` (the scan there is unchanged)."""
 
-    _best_sender = scan_best_sender
+    _scan_only = True
 
 
 class CountingDirectory(Directory):

@@ -682,6 +682,11 @@ def step_id(target: Key, position: int, tag: bytes = b"", phase: int | None = No
 class Directory:
     """Pure scheduling state of the directory. Feed events to `handle`."""
 
+    #: Pick every sender by the scan of `Entry.open` alone, never by the
+    #: earliest open complete copy (`Entry.senders`): the reference that
+    #: tests/test_sender_choice.py holds the fast choice to.
+    _scan_only = False
+
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, instance: bytes = b"",
@@ -1711,7 +1716,7 @@ class Directory:
         if fanout > entry.open_fanout:  # (holders found full before may have room now)
             entry.reopen_all()
         entry.open_fanout = fanout
-        while entry.senders.items:
+        while entry.senders.items and not self._scan_only:
             # The earliest open complete copy outranks every other candidate:
             # if it may serve this receiver (the checks below, for a complete
             # copy), it is the scan's choice too.

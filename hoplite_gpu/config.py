@@ -71,8 +71,8 @@ class Config:
     #: default): pulls of device objects by a get or a relay; a reduce step's
     #: pulls of its children keep frames. ``"on"``: every pull, host objects
     #: and reduce inputs too. ``"off"``: none. On one H100, 256 MiB
-    #: (benchmarks/results/gpu-2026-11-24): bare messages moved at 0.78 of a
-    #: device copy (median of 3 runs; frames 0.54); device gets and
+    #: (benchmarks/results/gpu-2026-11-24): bare messages moved at 0.75 of a
+    #: device copy (median of 4 runs; frames 0.51); device gets and
     #: broadcasts among 4 processes took 5.1 and 12.7 ms against 5.6 and
     #: 13.6 framed (medians of 10 and 12 runs), but allreduces 22.0 with every
     #: pull bare against 20.3 framed (20.8 with reduce inputs framed, 4 runs;

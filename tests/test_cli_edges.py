@@ -43,10 +43,13 @@ class _Demo:
     def __init__(self, tmp_path, **extra: str) -> None:
         self.log = tmp_path / "demo.out"
         self.file = open(self.log, "w")  # noqa: SIM115
+        # Ctrl-C as a terminal delivers it: a shell that started these tests in
+        # the background left SIGINT ignored, and children inherit that.
         self.proc = subprocess.Popen(
             [*CLI, "demo", "--workers", "3", "--size", "1MiB", "--repeats", "100000"],
             env=_env(**extra), stdout=self.file, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def wait_running(self, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout

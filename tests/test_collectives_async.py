@@ -152,6 +152,9 @@ def test_ctrl_c_in_a_blocking_allreduce_returns_only_once_its_input_is_given_bac
 
     value = np.ones(30_000)
     mine = collectives.input_id("interrupted", 0)
+    # Ctrl-C as Python in a terminal takes it (tests started in the background
+    # by a shell have SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     # (a real signal: a blocked wait is interrupted by one, not by interrupt_main)
     timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident,
                                                        signal.SIGINT))
@@ -163,6 +166,7 @@ def test_ctrl_c_in_a_blocking_allreduce_returns_only_once_its_input_is_given_bac
         assert time.monotonic() - start < 5
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert not hg.api.runtime().node.is_lent(mine)
     with pytest.raises(hg.ObjectNotFound):
         hg.object_info(mine)

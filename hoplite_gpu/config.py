@@ -133,9 +133,10 @@ class Config:
 
     def __post_init__(self) -> None:
         switch = self.bare_pulls.lower() if isinstance(self.bare_pulls, str) else self.bare_pulls
-        if isinstance(switch, bool) or switch in _SWITCHES:  # (True, "1", "no", ...)
-            switch = "on" if _SWITCHES[switch] else "off"
-        if isinstance(switch, str):  # (frozen: set through object, as dataclasses does)
+        if isinstance(switch, (bool, str)):  # (anything else: refused as not a str below)
+            if switch in _SWITCHES:  # (True, "1", "no", ...)
+                switch = "on" if _SWITCHES[switch] else "off"
+            # (frozen: set through object, as dataclasses itself does)
             object.__setattr__(self, "bare_pulls", switch)
         for f in fields(self):
             _check_type(f, getattr(self, f.name))

@@ -256,6 +256,9 @@ def test_bare_pulls_takes_a_switch_or_device(given, stored):
 def test_bare_pulls_refuses_other_values():
     with pytest.raises(ConfigError, match="bare_pulls must be 'off', 'device' or 'on'"):
         Config(bare_pulls="sometimes")
+    for wrong in (["on"], 1.5, None):
+        with pytest.raises(ConfigError, match="bare_pulls must be str"):
+            Config(bare_pulls=wrong)
 
 
 def test_which_pulls_are_bare():

@@ -1,24 +1,17 @@
-"""hoplite-gpu: dynamic, pipelined, fault-tolerant collectives for task-based systems."""
+"""hoplite-gpu: dynamic, pipelined, fault-tolerant collectives for task-based systems.
 
-from .api import (
-    delete,
-    delete_async,
-    get,
-    get_async,
-    init,
-    node_id,
-    node_stats,
-    object_info,
-    object_info_async,
-    put,
-    put_async,
-    reduce,
-    reduce_async,
-    reduced_inputs,
-    reduced_inputs_async,
-    runtime,
-    shutdown,
-)
+Importing the package is cheap: the errors, ids and config load at once (the
+standard library alone), while the runtime's API (numpy, msgpack, the node and
+its transports) loads on first use of one of its names. So the pure parts,
+`hoplite_gpu.directory` and `hoplite_gpu.simulator`, work where only the
+standard library is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import Config
 from .errors import (
     AuthenticationFailed,
@@ -42,7 +35,48 @@ from .errors import (
 )
 from .ids import ObjectID
 
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
+    from .api import (
+        delete,
+        delete_async,
+        get,
+        get_async,
+        init,
+        node_id,
+        node_stats,
+        object_info,
+        object_info_async,
+        put,
+        put_async,
+        reduce,
+        reduce_async,
+        reduced_inputs,
+        reduced_inputs_async,
+        runtime,
+        shutdown,
+    )
+
 __version__ = "0.1.0"
+
+# The names that live in .api, loaded on first access (PEP 562).
+_API = frozenset({
+    "delete", "delete_async", "get", "get_async", "init", "node_id", "node_stats",
+    "object_info", "object_info_async", "put", "put_async", "reduce", "reduce_async",
+    "reduced_inputs", "reduced_inputs_async", "runtime", "shutdown",
+})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'hoplite_gpu' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _API)
+
 
 __all__ = [
     "AuthenticationFailed", "Config", "ConfigError", "ConnectionRefused", "DirectoryUnavailable",

@@ -1,0 +1,58 @@
+"""The pure parts import with the standard library alone, and the package stays cheap."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# -I -S: no site-packages, no user site, no PYTHON* variables: only the standard
+# library and the repository's own hoplite_gpu folder are importable.
+BARE = [sys.executable, "-I", "-S", "-c"]
+
+
+def _bare(code: str) -> subprocess.CompletedProcess:
+    prelude = f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+    return subprocess.run(BARE + [prelude + code], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("module", [
+    "hoplite_gpu", "hoplite_gpu.directory", "hoplite_gpu.directory.state",
+    "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator",
+])
+def test_pure_modules_import_with_the_standard_library_alone(module):
+    r = _bare(f"import {module}; print('ok')")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_simulator_runs_with_the_standard_library_alone():
+    r = _bare(
+        "from hoplite_gpu.simulator import simulate_broadcast; "
+        "print(simulate_broadcast(receivers=7, size=1 << 20).makespan > 0)"
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+
+
+def test_importing_the_package_loads_no_runtime():
+    r = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, hoplite_gpu; "
+         "print(sorted(m for m in ('numpy', 'msgpack', 'hoplite_gpu.api', 'hoplite_gpu.node.node') "
+         "if m in sys.modules))"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_the_api_names_load_on_first_use():
+    import hoplite_gpu as hg
+    from hoplite_gpu import api
+
+    assert hg.put is api.put and hg.init is api.init
+    assert "get_async" in dir(hg)
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        hg.nonesuch  # noqa: B018

@@ -10,6 +10,8 @@ standard library is installed.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from .config import Config
@@ -76,6 +78,26 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | _API)
+
+
+class _Package(types.ModuleType):
+    """The package's own module type: a submodule named like an API function
+    (`hoplite_gpu.runtime`, the module, beside `hoplite_gpu.runtime()`, the
+    function) is not bound over that name when it is imported, so
+    `hg.runtime()` is the function whichever was imported first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple:
+        # pickled by reference, as a plain module is (Ray's cloudpickle sends
+        # the functions that name `hoplite_gpu`)
+        return importlib.import_module, (self.__name__,)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -42,12 +42,18 @@ async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
 SMALL_MESSAGE = 4096
 
 
-async def recv_msg(stream: Stream, limit: int = MAX_MESSAGE) -> dict[str, Any]:
+#: Turns one message's body from a peer into what its reader takes: a map
+#: (`decode`), or a typed message (`hoplite_gpu.messages`).
+Decode = Callable[[str, "bytes | bytearray | memoryview"], Any]
+
+
+async def recv_msg(stream: Stream, limit: int = MAX_MESSAGE,
+                   decoder: Decode | None = None) -> Any:
     n = message_length(await stream.recv_exactly(LENGTH.size), stream.peer)
     if n > limit:
         raise ProtocolError(f"message of {n} bytes from {stream.peer} where at most {limit} "
                             "may come")
-    return decode(stream.peer, await stream.recv_exactly(n))
+    return (decoder or decode)(stream.peer, await stream.recv_exactly(n))
 
 
 def message_length(head: bytes | bytearray | memoryview, peer: str) -> int:
@@ -72,18 +78,19 @@ def decode(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return msg
 
 
-async def read_messages(stream: Stream, on_message: Callable[[dict[str, Any]], None],
-                        size: int = 64 * 1024) -> None:
+async def read_messages(stream: Stream, on_message: Callable[[Any], None],
+                        size: int = 64 * 1024, decoder: Decode | None = None) -> None:
     """Hand every message from `stream` to `on_message`, in order, until the
     stream ends: raises TransportClosed then, ProtocolError for a bad message,
     or what `on_message` raised. On a byte stream (TCP) one receive takes
     whatever has arrived, often several messages, and the messages are handed
     over from the receive itself: a control connection costs one system call
     per burst, and no task wake-up. Other streams are read one message at a time."""
+    decoder = decoder or decode
     if not stream.partial_receive:
         while True:
-            on_message(await recv_msg(stream))
-    framer = _Framer(stream, on_message, size)
+            on_message(await recv_msg(stream, decoder=decoder))
+    framer = _Framer(stream, on_message, size, decoder)
     await stream.receive_continuously(framer.space, framer.received)
 
 
@@ -91,9 +98,10 @@ class _Framer:
     """Cuts received bytes into messages. The buffer grows for a message larger
     than it and shrinks back once that message is out."""
 
-    def __init__(self, stream: Stream, on_message: Callable[[dict[str, Any]], None],
-                 size: int) -> None:
+    def __init__(self, stream: Stream, on_message: Callable[[Any], None], size: int,
+                 decode: Decode) -> None:
         self._stream = stream
+        self._decode = decode
         self._on_message = on_message
         self._size = size
         self._buf = bytearray(size)
@@ -114,7 +122,7 @@ class _Framer:
                 break
             at = self._start + LENGTH.size
             self._start = at + body
-            msg = decode(self._stream.peer, self._view[at:self._start])
+            msg = self._decode(self._stream.peer, self._view[at:self._start])
             need = LENGTH.size
             self._on_message(msg)
         self._make_room(need)

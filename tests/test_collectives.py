@@ -399,6 +399,7 @@ def test_a_collectives_delete_of_many_ranks_keeps_the_real_ids_remembered():
 def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
     """A sliced allreduce of N ranks makes about N^2 objects; `delete` frees
     them in batches (here of 7), not one request each."""
+    from hoplite_gpu import messages
     from hoplite_gpu.directory import server
     from hoplite_gpu.node import node as node_module
 
@@ -409,7 +410,7 @@ def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
         inputs, results, ready = collectives._slice_ids("batched-delete", 3, "sum")
         ops = []
         real = server.to_event
-        monkeypatch.setattr(server, "to_event", lambda node, msg: (ops.append(msg["op"]),
+        monkeypatch.setattr(server, "to_event", lambda node, msg: (ops.append(messages.op(msg)),
                                                                    real(node, msg))[1])
         monkeypatch.setattr(node_module, "_DELETE_BATCH", 7)
         collectives.delete("batched-delete", size=3)

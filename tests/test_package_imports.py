@@ -56,3 +56,27 @@ def test_the_api_names_load_on_first_use():
     assert "get_async" in dir(hg)
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         hg.nonesuch  # noqa: B018
+
+
+def test_the_runtime_function_is_not_shadowed_by_the_runtime_module():
+    """Regression: with the API loaded lazily, importing the module
+    `hoplite_gpu.runtime` first (as `from hoplite_gpu.runtime import Runtime`
+    does) bound the module over the function, and `hg.runtime()` raised
+    "'module' object is not callable"."""
+    r = subprocess.run(
+        [sys.executable, "-c",
+         "from hoplite_gpu.runtime import Runtime; import hoplite_gpu as hg; "
+         "import hoplite_gpu.api as api; print(hg.runtime is api.runtime)"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stdout + r.stderr
+
+
+def test_the_package_pickles_by_reference():
+    """Regression: the package's own module type could not be pickled, so Ray
+    failed to send any task function that names `hoplite_gpu`."""
+    import pickle
+
+    import hoplite_gpu
+
+    assert pickle.loads(pickle.dumps(hoplite_gpu)) is hoplite_gpu

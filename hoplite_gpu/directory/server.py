@@ -9,11 +9,13 @@ import itertools
 import logging
 import os
 
+import msgspec
 import numpy as np
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.auth import server_handshake
 from hoplite_gpu.errors import HopliteError, InvalidArgument, ProtocolError, Timeout
-from hoplite_gpu.protocol import SMALL_MESSAGE, Outbox, field, read_messages, recv_msg, send_msg
+from hoplite_gpu.protocol import SMALL_MESSAGE, Outbox, read_messages, recv_msg, send_msg
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from . import state
@@ -64,7 +66,7 @@ class _Direct:
 
 #: What a direct connection may ask: a caller's own puts and gets of small
 #: objects, and the reduces of collectives of them.
-_DIRECT_OPS = ("locate", "put", "cancel", "reduce", "reduced_inputs")
+_DIRECT_OPS = (m.Locate, m.Put, m.Reduce, m.ReducedInputs)
 
 
 def _inline_reduce(cmd: state.InlineReduce) -> state.Event:
@@ -200,16 +202,17 @@ class DirectoryServer:
             authenticated = True
             try:
                 async with asyncio.timeout(self.handshake_timeout):
-                    hello = await recv_msg(stream, SMALL_MESSAGE)
+                    hello = await recv_msg(stream, SMALL_MESSAGE, m.decode_hello)
             except TimeoutError:
                 raise Timeout(f"{stream.peer} sent no 'register' within "
                               f"{self.handshake_timeout:g}s of its handshake") from None
-            if hello.get("op") == "attach":
-                await self._serve_direct(stream, field(hello, "node", str))
+            if isinstance(hello, m.Attach):
+                await self._serve_direct(stream, hello.node)
                 return
-            if hello.get("op") != "register":
-                raise ProtocolError(f"expected 'register' from {stream.peer}, got {hello.get('op')!r}")
-            node, address = field(hello, "node", str), field(hello, "address", str)
+            if not isinstance(hello, m.Register):
+                raise ProtocolError(f"expected 'register' or 'attach' from {stream.peer}, got "
+                                    f"{hello.op!r}: {hello.message}")
+            node, address = hello.node, hello.address
             try:
                 split_address(address)  # (other nodes will dial it)
             except InvalidArgument as exc:
@@ -252,7 +255,8 @@ class DirectoryServer:
         peer.directs.add(direct)
         direct.outbox.post({"ok": True, "node": node})
         try:
-            await read_messages(stream, functools.partial(self._received_direct, direct))
+            await read_messages(stream, functools.partial(self._received_direct, direct),
+                                decoder=m.decode_to_directory)
         except HopliteError as exc:
             log.debug("a direct connection of node %s ended: %s", node, exc)
         finally:
@@ -264,42 +268,36 @@ class DirectoryServer:
             direct.requests.clear()
             await direct.outbox.close()
 
-    def _received_direct(self, direct: _Direct, msg: dict) -> None:
-        op, theirs = msg.get("op"), msg.get("rid", 0)
+    def _received_direct(self, direct: _Direct, msg: m.Message | m.Invalid) -> None:
         node = direct.peer.node
         if node not in self.state.nodes or self.peers.get(node) is not direct.peer:
             return  # its node is gone (this connection is being closed): nothing is its
-        if op == "cancel":
-            request = msg.get("request")
-            if not isinstance(request, int):
-                direct.outbox.post({"rid": 0, "error": "ProtocolError",
-                                    "message": f"cancel needs an int request id; got {request!r}"})
-                return
-            rid = direct.requests.pop(request, None)
+        if isinstance(msg, m.Invalid):
+            direct.outbox.post(_refusal(msg.rid, msg.message))
+            return
+        if isinstance(msg, m.Cancel):
+            rid = direct.requests.pop(msg.request, None)
             if rid is not None:
                 self._direct_requests.pop(rid, None)
                 self.apply(state.CancelLocate(direct.peer.node, rid))
             return
-        if op == "dropped":  # a put given up, withdrawn behind it (`DirectLink.requests`)
-            try:
-                self.apply(to_event(direct.peer.node, msg))
-            except ProtocolError as exc:
-                direct.outbox.post({"rid": 0, "error": "ProtocolError", "message": str(exc)})
+        if isinstance(msg, m.Dropped):  # a put given up, withdrawn behind it (`DirectLink.requests`)
+            self.apply(to_event(direct.peer.node, msg))
             return
-        if (op not in _DIRECT_OPS or not isinstance(theirs, int) or theirs in direct.requests
-                or (op == "put" and not isinstance(msg.get("inline"), bytes))):
-            direct.outbox.post({"rid": theirs if isinstance(theirs, int) else 0,
-                                "error": "ProtocolError",
-                                "message": f"a direct connection cannot ask {op!r} so (it may "
-                                           f"ask {', '.join(_DIRECT_OPS)}, puts with their "
-                                           "bytes inline, one request id at a time)"})
+        theirs = msg.rid if isinstance(msg, m.Request) else 0
+        if (not isinstance(msg, _DIRECT_OPS) or theirs in direct.requests
+                or (isinstance(msg, m.Put) and msg.inline is None)):
+            direct.outbox.post(_refusal(
+                theirs, f"a direct connection cannot ask {m.op(msg)!r} so (it "
+                        f"may ask {', '.join(m.op(t) for t in _DIRECT_OPS)}, "
+                        "cancel, puts with their bytes inline, one request id at a time)"))
             return
         rid = -next(self._direct_ids)
-        try:
-            event = to_event(direct.peer.node, {**msg, "rid": rid, "direct": True})
-        except ProtocolError as exc:
-            direct.outbox.post({"rid": theirs, "error": "ProtocolError", "message": str(exc)})
-            return
+        if isinstance(msg, m.Locate):
+            msg = msgspec.structs.replace(msg, rid=rid, direct=True)
+        else:
+            msg = msgspec.structs.replace(msg, rid=rid)
+        event = to_event(direct.peer.node, msg)
         direct.requests[theirs] = rid
         self._direct_requests[rid] = (direct, theirs)
         self.apply(event)
@@ -313,32 +311,29 @@ class DirectoryServer:
         direct.outbox.post({"rid": theirs, **cmd.body})
 
     async def _read_loop(self, peer: _Peer) -> None:
-        await read_messages(peer.stream, functools.partial(self._received, peer))
+        await read_messages(peer.stream, functools.partial(self._received, peer),
+                            decoder=m.decode_to_directory)
 
-    def _received(self, peer: _Peer, msg: dict) -> None:
-        op = msg.get("op")
-        rid = msg.get("rid")
-        if isinstance(rid, int) and rid < 0 or "direct" in msg:
-            # (negative request ids and "direct" are the direct connections' own)
-            peer.outbox.post({"rid": 0, "error": "ProtocolError",
-                              "message": "a node's request ids are positive, and only a direct "
-                                         "connection's locates are direct"})
+    def _received(self, peer: _Peer, msg: m.Message | m.Invalid) -> None:
+        if isinstance(msg, m.Invalid):
+            peer.outbox.post(_refusal(msg.rid, msg.message))
             return
-        if op == "ping":
+        rid = msg.rid if isinstance(msg, m.Request | m.Ping | m.Nodes) else None
+        if isinstance(rid, int) and rid < 0 or isinstance(msg, m.Locate) and msg.direct:
+            # (negative request ids and direct locates are the direct connections' own)
+            peer.outbox.post(_refusal(0, "a node's request ids are positive, and only a direct "
+                                         "connection's locates are direct"))
+            return
+        if isinstance(msg, m.Ping):
             self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
-            if "rid" in msg:
-                peer.outbox.post({"rid": msg["rid"], "ok": True})
+            if msg.rid is not None:
+                peer.outbox.post({"rid": msg.rid, "ok": True})
             return
-        if op == "nodes":
-            peer.outbox.post({"rid": msg.get("rid", 0), "nodes": dict(self.state.nodes)})
+        if isinstance(msg, m.Nodes):
+            peer.outbox.post({"rid": msg.rid, "nodes": dict(self.state.nodes)})
             return
-        try:
-            event = to_event(peer.node, msg)
-        except ProtocolError as exc:
-            peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError", "message": str(exc)})
-            return
-        if event is None:
-            peer.outbox.post({"rid": msg.get("rid", 0), "error": "ProtocolError",
-                              "message": f"unknown op {op!r}"})
-            return
-        self.apply(event)
+        self.apply(to_event(peer.node, msg))
+
+
+def _refusal(rid: int, message: str) -> dict:
+    return {"rid": rid, "error": "ProtocolError", "message": message}

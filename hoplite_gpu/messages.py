@@ -1,0 +1,236 @@
+"""The messages between processes, typed and defined once, with their codec.
+
+Each message is a msgspec Struct whose tag (`op`) and field names are the keys
+of the msgpack map that travels (docs/protocol.md), so the bytes on the wire
+are the same map a peer has always sent: a message is decoded and validated
+in one step (a missing or mistyped field, an object id that is not 20 bytes,
+an unknown reduce op), and a bad one is answered by name, never half taken.
+
+Fields that may be left out default to None or their neutral value and are
+left out of what is sent (`omit_defaults`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .errors import ProtocolError
+from .kernels.numpy_ops import OPS
+
+#: An object id: 20 raw bytes (a shorter one would reach other nodes in
+#: pushes and fail there).
+Id = Annotated[bytes, msgspec.Meta(min_length=20, max_length=20)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Message(msgspec.Struct, tag_field="op", omit_defaults=True, kw_only=True):
+    """A message; `op` names its kind on the wire."""
+
+
+class Request(Message):
+    """A node's request to the directory, answered under its `rid`."""
+
+    rid: int
+
+
+# ------------------------------------------------ first message of a connection ---
+class Register(Message, tag="register"):
+    node: str
+    address: str
+
+
+class Attach(Message, tag="attach"):
+    node: str
+
+
+# -------------------------------------------------- a node to the directory ---
+class Ping(Message, tag="ping"):
+    """A heartbeat; answered only when it carries a `rid`."""
+
+    rid: int | None = None
+
+
+class Nodes(Message, tag="nodes"):
+    rid: int = 0
+
+
+class Put(Request, tag="put"):
+    oid: Id
+    size: int
+    layout: dict[str, Any]
+    inline: bytes | None = None
+    print_: bytes | None = msgspec.field(default=None, name="print")
+
+
+class Locate(Request, tag="locate"):
+    oid: Id
+    direct: bool = False
+
+
+class Cancel(Message, tag="cancel"):
+    request: int
+
+
+class Progress(Message, tag="progress"):
+    oid: Id
+    nbytes: int
+
+
+class Complete(Message, tag="complete"):
+    oid: Id
+    size: int = -1
+    layout: dict[str, Any] | None = None
+    own: bool = False
+    tag: bytes | None = None
+    print_: bytes | None = msgspec.field(default=None, name="print")
+
+
+class Failed(Message, tag="failed"):
+    oid: Id
+    sender: str
+    have: int
+
+
+class Dropped(Message, tag="dropped"):
+    oid: Id
+
+
+class Evict(Request, tag="evict"):
+    oids: list[Id]
+    need: NonNegative = 0
+
+
+class Delete(Request, tag="delete"):
+    oid: Id
+
+
+class DeleteMany(Request, tag="delete_many"):
+    oids: list[Id]
+
+
+class Query(Request, tag="query"):
+    oid: Id
+
+
+class ChannelPublish(Request, tag="channel_publish"):
+    name: str
+    version: int
+
+
+class ChannelHead(Request, tag="channel_head"):
+    name: str
+    newer_than: int
+    wait: bool = True
+
+
+class Reduce(Request, tag="reduce"):
+    target: Id
+    inputs: list[Id]
+    op_name: str
+    num_objects: int
+    root_input: Id | None = None
+    relay: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op_name not in OPS:  # (else it would fail only later, inside a step)
+            raise ValueError(f"unknown reduce op {self.op_name!r}; expected one of "
+                             f"{', '.join(OPS)}")
+
+
+class ReduceFailed(Message, tag="reduce_failed"):
+    target: Id
+    message: str
+    tag: bytes | None = None
+
+
+class StepLost(Message, tag="step_lost"):
+    target: Id
+    message: str
+    tag: bytes | None = None
+
+
+class ReducedInputs(Request, tag="reduced_inputs"):
+    target: Id
+
+
+class ReduceConfirm(Request, tag="reduce_confirm"):
+    target: Id
+    tag: bytes
+
+
+#: What a node may send the directory on its connection, after `register`.
+ToDirectory = (Ping | Nodes | Put | Locate | Cancel | Progress | Complete | Failed | Dropped
+               | Evict | Delete | DeleteMany | Query | ChannelPublish | ChannelHead | Reduce
+               | ReduceFailed | StepLost | ReducedInputs | ReduceConfirm)
+#: A connection's first message after the handshake.
+Hello = Register | Attach
+
+
+# ------------------------------------------------------------------- codec ---
+class Invalid(msgspec.Struct, frozen=True):
+    """A message that was a map but not a valid one: what to answer it with."""
+
+    op: str
+    rid: int
+    message: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_to_directory = msgspec.msgpack.Decoder(ToDirectory)
+_hello = msgspec.msgpack.Decoder(Hello)
+_any = msgspec.msgpack.Decoder()
+
+
+def op(msg: Message | type[Message]) -> str:
+    """The name a message (or a message type) travels under."""
+    return msg.__struct_config__.tag
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, peer: str,
+            body: bytes | bytearray | memoryview) -> Message | Invalid:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raw = _raw(peer, body)
+        op, rid = raw.get("op"), raw.get("rid")
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+        what = f"unknown op {op!r}" if "$.op" in str(exc) and "Invalid value" in str(exc) \
+            else f"bad {op!r} message: {exc}"
+        return Invalid(op=str(op), rid=rid, message=what)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
+
+
+def _raw(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        raw = _any.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"expected a map from {peer}; got {type(raw).__name__}")
+    return raw
+
+
+def decode_to_directory(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
+    """A node's message to the directory, or what is wrong with it; ProtocolError
+    for bytes that are no map at all (the connection is then dropped)."""
+    return _decode(_to_directory, peer, body)
+
+
+def decode_hello(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
+    return _decode(_hello, peer, body)
+
+
+def from_map(msg: dict[str, Any], kind: Any = ToDirectory) -> Message:
+    """A message from its map form (tests and tools that build maps by hand);
+    ProtocolError naming the field when it is not a valid one."""
+    try:
+        return msgspec.convert(msg, kind)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"bad {msg.get('op', '?')!r} message: {exc}") from None

@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                     "against the simulator's best, per size, inputs and link")
     _module_command(sub, "directory-scale", "directory_scale", "what one event costs the "
                     "directory's state machine at n and 10 n objects, gets, ranks or waits")
+    _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
+                    "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
                    "on emulated hosts: python -m benchmarks rayemu {all,rl,sgd,collectives,sweep}")
     g = sub.add_parser("plot", help="draw PNGs of the saved results (needs matplotlib)")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from . import messages as m
 from .auth import check_verdict, client_answer
 from .directory.wire import raise_for_error
 from .errors import HopliteError, Timeout, TransportClosed, TransportError
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from .node.node import Node
 
 log = logging.getLogger("hoplite_gpu.direct")
-_packb = msgpack.packb
 _unpackb = msgpack.unpackb
 
 #: What a direct call returns when the loop's path must do the call instead.
@@ -101,7 +101,7 @@ class DirectLink:
             s_nonce, c_nonce, answer = client_answer(self._recv(deadline), token, self.peer)
             self._send_all([answer], deadline)
             check_verdict(self._recv(deadline), token, s_nonce, c_nonce, self.peer)
-            self._send_all([{"op": "attach", "node": node_id}], deadline)
+            self._send_all([m.Attach(node=node_id)], deadline)
             raise_for_error(self._recv(deadline))
         except _Expired:
             self.close()
@@ -123,11 +123,8 @@ class DirectLink:
         tight loop (`python -m benchmarks coldget`): hence few calls here."""
         first = self._next_rid
         self._next_rid = first + len(msgs)
-        data = b""
-        for i, m in enumerate(msgs):
-            body = _packb({**m, "rid": first + i}, use_bin_type=True)
-            data += LENGTH.pack(len(body)) + body
-        self._send(data, deadline)
+        self._send(b"".join(pack(m.with_rid(msg, first + i)) for i, msg in enumerate(msgs)),
+                   deadline)
         replies: list[dict[str, Any] | None] = [None] * len(msgs)
         waiting = len(msgs)
         while waiting:
@@ -137,9 +134,8 @@ class DirectLink:
                 # A put given up is withdrawn here, behind it on this link: on
                 # the node's own connection `dropped` could overtake it.
                 self._send(b"".join(
-                    pack({"op": "cancel", "request": first + i}) + (
-                        pack({"op": "dropped", "oid": msgs[i]["oid"]})
-                        if msgs[i].get("op") == "put" else b"")
+                    pack(m.Cancel(request=first + i)) + (
+                        pack(m.Dropped(oid=msgs[i].oid)) if isinstance(msgs[i], m.Put) else b"")
                     for i, r in enumerate(replies) if r is None),
                     time.monotonic() + _CANCEL_S)
                 raise
@@ -168,8 +164,8 @@ class DirectLink:
         except OSError:
             pass
 
-    def _send_all(self, msgs: list[dict[str, Any]], deadline: float) -> None:
-        self._send(b"".join(pack(m) for m in msgs), deadline)
+    def _send_all(self, msgs: list, deadline: float) -> None:
+        self._send(b"".join(pack(msg) for msg in msgs), deadline)
 
     def _send(self, data: bytes, deadline: float) -> None:
         try:
@@ -214,8 +210,8 @@ class DirectLink:
             buf += chunk
 
 
-def _locate(oid: ObjectID) -> dict[str, Any]:
-    return {"op": "locate", "oid": oid.binary}  # (direct: the directory knows from the connection)
+def _locate(oid: ObjectID) -> m.Locate:
+    return m.Locate(rid=0, oid=oid.binary)  # (direct: the directory knows from the connection)
 
 
 def _not_available(oids: list[ObjectID], timeout: float) -> str:
@@ -288,7 +284,7 @@ class DirectCalls:
         if not self._usable() or self._node.store.get(oid) is not None:
             return MISS
         # (get_all's work for one object, with fewer calls: see DirectLink.requests)
-        replies = self._ask([{"op": "locate", "oid": oid.binary}], timeout,
+        replies = self._ask([_locate(oid)], timeout,
                             lambda: _not_available([oid], timeout))
         if replies is MISS:
             return MISS
@@ -332,7 +328,7 @@ class DirectCalls:
         if then == "get":
             msgs.append(_locate(target))
         elif then == "wait":
-            msgs.append({"op": "reduced_inputs", "target": request["target"]})
+            msgs.append(m.ReducedInputs(rid=0, target=request["target"]))
         try:
             replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} "
                                                        f"did not finish within {timeout:g}s")
@@ -356,7 +352,7 @@ class DirectCalls:
         self._count(puts=1, gets=then == "get" and result is not PULL)
         return result
 
-    def _put_msg(self, value: Any, oid: ObjectID) -> tuple[dict, ObjectID, Layout, bytes] | None:
+    def _put_msg(self, value: Any, oid: ObjectID) -> tuple[m.Put, ObjectID, Layout, bytes] | None:
         """The put message of a small host value not held here yet, else None."""
         from . import device
 
@@ -372,8 +368,8 @@ class DirectCalls:
         if layout.nbytes > self._threshold or self.held(oid):
             return None  # large, or here already (the loop's path checks its layout)
         data = bytes(buf)
-        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes,
-               "layout": layout.to_wire(), "inline": data, "print": fingerprint(data)}
+        msg = m.Put(rid=0, oid=oid.binary, size=layout.nbytes, layout=layout.to_wire(),
+                    inline=data, print_=fingerprint(data))
         return msg, oid, layout, data
 
     def held(self, oid: ObjectID) -> bool:
@@ -381,7 +377,7 @@ class DirectCalls:
         on its way into the store (the loop may not have run since)."""
         return self._node.store.get(oid) is not None or oid in self._keeping
 
-    def _keep(self, put: tuple[dict, ObjectID, Layout, bytes], since: int) -> None:
+    def _keep(self, put: tuple[m.Put, ObjectID, Layout, bytes], since: int) -> None:
         # The node holds what it put (for its reconnects and local gets): hand
         # the bytes to the loop, which keeps them before any later call of ours.
         _, oid, layout, data = put
@@ -435,7 +431,7 @@ class DirectCalls:
             raise Timeout(expired()) from None
         except HopliteError as exc:
             log.info("direct %s to the directory failed (%s): the loop's path takes it",
-                     "/".join(str(m.get("op")) for m in msgs), exc)
+                     "/".join(m.op(msg) for msg in msgs), exc)
             self._drop(link)
             return MISS
         except BaseException:  # e.g. KeyboardInterrupt mid-request: the link's state is unknown

@@ -45,6 +45,23 @@ class Attach(Message, tag="attach"):
     node: str
 
 
+# ------------------------------------------------ the directory to a node ---
+class Drop(Message, tag="drop"):
+    """A push: the node's copy or wait for `oid` is void (`reason`); `retry`:
+    ask again; `kind` names the error when it is not ObjectNotFound."""
+
+    oid: bytes
+    reason: str
+    retry: bool
+    kind: str | None = None
+
+
+class DirectoryLost(Message, tag="directory_lost"):
+    """Not sent: what a node's client hands its node when the connection ends."""
+
+    reason: str
+
+
 # -------------------------------------------------- a node to the directory ---
 class Ping(Message, tag="ping"):
     """A heartbeat; answered only when it carries a `rid`."""
@@ -183,13 +200,25 @@ _hello = msgspec.msgpack.Decoder(Hello)
 _any = msgspec.msgpack.Decoder()
 
 
-def op(msg: Message | type[Message]) -> str:
-    """The name a message (or a message type) travels under."""
-    return msg.__struct_config__.tag
+def op(msg: Message | type[Message] | dict[str, Any]) -> str:
+    """The name a message (or a message type, or a map) travels under."""
+    return str(msg.get("op")) if isinstance(msg, dict) else msg.__struct_config__.tag
 
 
 def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
+
+
+def as_map(msg: Message) -> dict[str, Any]:
+    """A message as the map a peer decodes it to (for code that reads maps)."""
+    return msgspec.to_builtins(msg, builtin_types=(bytes,))
+
+
+def with_rid(msg: Request | dict[str, Any], rid: int) -> Request | dict[str, Any]:
+    """`msg` sent as request `rid` (a map: the node's messages not typed yet)."""
+    if isinstance(msg, dict):
+        return {**msg, "rid": rid}
+    return msgspec.structs.replace(msg, rid=rid)
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, peer: str,

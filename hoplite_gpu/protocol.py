@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 
 from .errors import HopliteError, ProtocolError, Timeout, TransportClosed, TransportError
 from .transports import SendWindow, Stream
@@ -28,12 +29,17 @@ FRAME_ERROR = 1
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
-def pack(msg: dict[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack(msg: msgspec.Struct | dict[str, Any]) -> bytes:
+    """A message with its length in front: a typed one (`hoplite_gpu.messages`)
+    travels as the map of its fields, tagged by `op`."""
+    body = _encoder.encode(msg)
     return LENGTH.pack(len(body)) + body
 
 
-async def send_msg(stream: Stream, msg: dict[str, Any]) -> None:
+async def send_msg(stream: Stream, msg: msgspec.Struct | dict[str, Any]) -> None:
     await stream.send(pack(msg))
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
 from hoplite_gpu.protocol import Outbox, read_messages, recv_msg, send_msg
@@ -56,7 +57,7 @@ class DirectoryClient:
             left = max(deadline - time.monotonic(), 0.0)
             async with asyncio.timeout(left):
                 await client_handshake(stream, token, left)
-                await send_msg(stream, {"op": "register", "node": node, "address": data_address})
+                await send_msg(stream, m.Register(node=node, address=data_address))
                 answer = raise_for_error(await recv_msg(stream))
         except (TimeoutError, Timeout) as exc:
             await stream.close()
@@ -80,10 +81,10 @@ class DirectoryClient:
         try:
             body = await until(fut, time.monotonic() + timeout)
         except Expired:
-            self.post({"op": "cancel", "request": rid})  # (one that waits would wait on)
+            self.post(m.Cancel(request=rid))  # (one that waits would wait on)
             raise Timeout(f"the directory did not answer {msg.get('op')!r} within {timeout:g}s") from None
         except asyncio.CancelledError:
-            self.post({"op": "cancel", "request": rid})
+            self.post(m.Cancel(request=rid))
             raise
         finally:
             self._pending.pop(rid, None)
@@ -96,7 +97,7 @@ class DirectoryClient:
         rid = next(self._ids) if rid is None else rid
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self._outbox.post({**msg, "rid": rid})
+        self._outbox.post(m.with_rid(msg, rid))
         return fut
 
     def forget(self, rid: int) -> None:
@@ -143,7 +144,7 @@ class DirectoryClient:
                 fut.set_exception(err)
         self._pending.clear()
         with contextlib.suppress(Exception):
-            self._on_push({"op": "directory_lost", "reason": str(exc)})
+            self._on_push(m.as_map(m.DirectoryLost(reason=str(exc))))
 
     async def close(self) -> None:
         self._closing = True

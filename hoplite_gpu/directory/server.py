@@ -190,10 +190,8 @@ class DirectoryServer:
         elif isinstance(cmd, state.PushLocated):
             peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
         else:
-            drop = {"op": "drop", "oid": cmd.oid, "reason": cmd.reason, "retry": cmd.retry}
-            if cmd.kind != "ObjectNotFound":
-                drop["kind"] = cmd.kind
-            peer.outbox.post(drop)
+            peer.outbox.post(m.Drop(oid=cmd.oid, reason=cmd.reason, retry=cmd.retry,
+                                    kind=None if cmd.kind == "ObjectNotFound" else cmd.kind))
 
     async def _serve(self, stream: Stream) -> None:
         authenticated = False

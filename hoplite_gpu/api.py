@@ -12,10 +12,9 @@ from typing import Any
 
 from .config import Config, check_timeout
 from .device import AS_CHOICES
-from .direct import MISS
 from .errors import InvalidArgument, NotInitialized
 from .ids import ObjectID, as_object_id
-from .runtime import Runtime
+from .runtime import Runtime, time_left
 
 _lock = threading.Lock()
 _runtime: Runtime | None = None
@@ -98,8 +97,7 @@ def put(value: Any, object_id: ObjectID | None = None) -> ObjectID:
     oid = _new_id(object_id)
     # A small host value goes straight from this thread (hoplite_gpu.direct).
     deadline = time.monotonic() + rt.config.timeout_s
-    direct = rt.direct_here()
-    if direct is not None and direct.put(value, oid, rt.config.timeout_s):
+    if rt.put_here(value, oid, rt.config.timeout_s):
         return oid
     left = time_left(deadline)  # (what the direct try left)
     return rt.call(rt.node.put(value, oid, timeout=left, same_bytes=True), left)
@@ -121,22 +119,9 @@ def get(object_id: ObjectID, *, timeout: float | None = None, array_type: str = 
     limit = rt.config.timeout_s if timeout is None else _timeout(rt, timeout)
     if array_type not in AS_CHOICES:
         _check_array_type(array_type)
-    direct = rt.direct_here()
-    if direct is not None:
-        # An inline object comes straight to this thread (hoplite_gpu.direct);
-        # anything else is the loop's, with the time left.
-        deadline = time.monotonic() + limit
-        value = direct.get(oid, limit, array_type)
-        if value is not MISS:
-            return value
-        left = time_left(deadline)
-        return rt.call(rt.node.get(oid, left, array_type, limit), left)
-    return rt.call(rt.node.get(oid, limit, array_type), limit)
-
-
-def time_left(deadline: float) -> float:
-    """Seconds left until `deadline` (time.monotonic()), at least a millisecond."""
-    return max(0.001, deadline - time.monotonic())
+    # An inline object comes straight to this thread (hoplite_gpu.direct);
+    # anything else is the loop's, with the time left.
+    return rt.get(oid, limit, array_type)
 
 
 def _check_array_type(array_type: str) -> None:

@@ -21,11 +21,9 @@ from typing import Any
 import numpy as np
 
 from . import api
-from .direct import MISS, PULL
 from .directory.reduce_plan import allreduce_slices
 from .errors import HopliteError, InvalidArgument, Timeout
 from .ids import ObjectID
-from .runtime import GIVE_UP_S
 from .values import encode, is_masked, to_buffer
 
 
@@ -53,12 +51,11 @@ def _check(name: str, rank: int, size: int, root: int = 0) -> None:
 def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
     """Put a rank's `value` as `oid` within the call's `timeout`; returns the
     call's deadline (time.monotonic()) for what follows. A put given up at
-    the deadline is withdrawn (see `_joint`)."""
+    the deadline is withdrawn (see `Runtime.together`)."""
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
     deadline = time.monotonic() + limit
-    direct = rt.direct_here()
-    if direct is None or not direct.put(value, oid, limit):
+    if not rt.put_here(value, oid, limit):
         _together(lambda node, _limit: [node.put(value, oid)], api.time_left(deadline))
     return deadline
 
@@ -434,23 +431,17 @@ def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,
     done, so it lends its input instead of copying it; one that does neither (a
     non-root of `reduce`) returns once its input is put, and a restarted tree
     may still need it, so it copies."""
-    target = args[3]
     rt = api.runtime()
     limit = api._timeout(rt, timeout)
-    deadline = time.monotonic() + limit
-    direct = rt.direct_here()
-    if direct is not None:
-        # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
-        out = direct.reduce(rt.node.reduce_msg(*args), value, mine,
-                            "get" if fetch else "wait" if wait else None, limit)
-        if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
-            left = api.time_left(deadline)
-            return rt.call(rt.node.get(target, left), left)
-        if out is not MISS:
-            return out
-    steps, lent = _reduce_steps(args, value, mine, fetch, wait)
-    out = _together(steps, api.time_left(deadline), lent)  # (what the direct try left)
-    return out[2] if fetch else None
+
+    def through_the_loop(left: float) -> Any:  # (with what the direct try left)
+        steps, lent = _reduce_steps(args, value, mine, fetch, wait)
+        out = _together(steps, left, lent)
+        return out[2] if fetch else None
+
+    # Small host inputs: the whole call from this thread (hoplite_gpu.direct).
+    return rt.reduce_here(rt.node.reduce_msg(*args), value, mine,
+                          "get" if fetch else "wait" if wait else None, limit, through_the_loop)
 
 
 async def _reduce_and_get_async(args: tuple, value: Any, mine: ObjectID, fetch: bool,
@@ -489,23 +480,7 @@ def _get_all(ids: list[ObjectID], timeout: float | None) -> list[Any]:
     """Every object of `ids`, pulled at once (not one after another: a gather
     of small objects then costs one round trip, not N)."""
     rt = api.runtime()
-    limit = api._timeout(rt, timeout)
-    deadline = time.monotonic() + limit
-    direct = rt.direct_here()
-    if direct is not None:
-        values = direct.get_all(ids, limit)
-        if values is not MISS:
-            # what came inline is here; the loop pulls the rest from the
-            # senders the directory gave us
-            pulls = [i for i, v in enumerate(values) if v is PULL]
-            if pulls:
-                got = _together(lambda node, left: [node.get(ids[i], left) for i in pulls],
-                                api.time_left(deadline))
-                for i, value in zip(pulls, got, strict=True):
-                    values[i] = value
-            return values
-    return _together(lambda node, left: [node.get(oid, left) for oid in ids],
-                     api.time_left(deadline))
+    return rt.get_many(ids, api._timeout(rt, timeout))
 
 
 def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | None,
@@ -518,8 +493,7 @@ def _together(steps: Callable[[Any, float], list[Coroutine]], timeout: float | N
     the whole call. `lent`: inputs put with ``lend=True``, reclaimed before the
     call returns, however it ends."""
     rt = api.runtime()
-    limit = api._timeout(rt, timeout)
-    return rt.call(_joint(rt, steps, limit, lent), limit)
+    return rt.together(steps, api._timeout(rt, timeout), lent)
 
 
 async def _together_async(steps: Callable[[Any, float], list[Coroutine]],
@@ -528,37 +502,7 @@ async def _together_async(steps: Callable[[Any, float], list[Coroutine]],
     """`_together` awaited from another event loop; cancelling the awaiting
     task cancels the steps (and reclaims `lent`) as a failed step does."""
     rt = api.runtime()
-    return await rt.call_async(_joint(rt, steps, api._timeout(rt, timeout), lent))
-
-
-async def _joint(rt: Any, steps: Callable[[Any, float], list[Coroutine]], limit: float,
-                 lent: ObjectID | list[ObjectID] | None) -> list[Any]:
-    """`_together`'s work, on the runtime's loop."""
-    tasks = [asyncio.ensure_future(c) for c in steps(rt.node, limit)]
-    try:
-        # A step may wait on its own, longer deadline (a put's directory
-        # request is bounded by timeout_s); steps bounded by `limit` end
-        # first, with their own errors (the margin).
-        async with asyncio.timeout(limit + 0.1):
-            return await asyncio.gather(*tasks)
-    except TimeoutError as exc:
-        if isinstance(exc, Timeout):
-            raise
-        raise Timeout(f"the call did not finish within {limit:g}s") from None
-    finally:
-        for task in tasks:
-            task.cancel()  # the rest, once one failed; finished ones ignore it
-        # ... and the call returns once they have stopped: a put given up
-        # (registering, or copying the caller's array) withdraws its copy, so
-        # none is left that would never complete, and the array is read no more.
-        running = [task for task in tasks if not task.done()]
-        if running:
-            await asyncio.wait(running, timeout=GIVE_UP_S)
-        loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
-        loans = [oid for oid in loans if rt.node.is_lent(oid)]  # (small inputs are copied)
-        # All at once: each may wait up to a second for a reader to let go.
-        if loans:
-            await asyncio.gather(*[rt.node.reclaim(oid) for oid in loans])
+    return await rt.together_async(steps, api._timeout(rt, timeout), lent)
 
 
 def delete(name: str, *, size: int, op: str = "sum", num_objects: int | None = None) -> None:

@@ -10,17 +10,21 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .auth import new_token
 from .config import Config
-from .direct import DirectCalls
+from .direct import MISS, PULL, DirectCalls
 from .directory.server import DirectoryServer
 from .errors import ConfigError, HopliteError, RuntimeClosed, Timeout
+from .ids import ObjectID
 from .node.node import Node
 
 T = TypeVar("T")
+#: A call's node operations: (node, seconds left) -> the coroutines to run together.
+Steps = Callable[[Node, float], list[Coroutine]]
 log = logging.getLogger("hoplite_gpu")
 
 #: Extra seconds a blocking call waits beyond the operation's own deadline, so
@@ -30,6 +34,11 @@ _GRACE_S = 5.0
 #: its work on the loop to end: that work reclaims lent inputs, and the caller's
 #: memory must be its own again when the call has returned.
 GIVE_UP_S = 5.0
+
+
+def time_left(deadline: float) -> float:
+    """Seconds left until `deadline` (time.monotonic()), at least a millisecond."""
+    return max(0.001, deadline - time.monotonic())
 
 
 class _Call(concurrent.futures.Future):
@@ -230,6 +239,106 @@ class Runtime:
     def direct_here(self) -> DirectCalls | None:
         """The direct path, where this thread may take it (not the loop's own)."""
         return None if self.direct is None or self.on_loop_thread() else self.direct
+
+    # ---------------------------------------- blocking verbs of a caller's thread ---
+    # Each tries the direct path first (a small host object, `hoplite_gpu.direct`)
+    # and hands the loop what that path leaves, within the same deadline.
+    def put_here(self, value: Any, oid: ObjectID, limit: float) -> bool:
+        """Register a small host `value` from this thread; False: the loop must."""
+        direct = self.direct_here()
+        return direct is not None and direct.put(value, oid, limit)
+
+    def get(self, oid: ObjectID, limit: float, array_type: str) -> Any:
+        """`oid`'s value within `limit` seconds."""
+        direct = self.direct_here()
+        if direct is None:
+            return self.call(self.node.get(oid, limit, array_type), limit)
+        deadline = time.monotonic() + limit
+        value = direct.get(oid, limit, array_type)
+        if value is not MISS:
+            return value
+        left = time_left(deadline)
+        return self.call(self.node.get(oid, left, array_type, limit), left)
+
+    def get_many(self, oids: list[ObjectID], limit: float) -> list[Any]:
+        """The values of `oids`, asked for at once, within `limit` seconds."""
+        deadline = time.monotonic() + limit
+        direct = self.direct_here()
+        values = MISS if direct is None else direct.get_all(oids, limit)
+        if values is MISS:
+            return self.together(lambda node, left: [node.get(oid, left) for oid in oids],
+                                 limit)
+        # what came inline is here; the loop pulls the rest from the senders
+        # the directory gave us
+        pulls = [i for i, v in enumerate(values) if v is PULL]
+        if pulls:
+            got = self.together(lambda node, left: [node.get(oids[i], left) for i in pulls],
+                                time_left(deadline))
+            for i, value in zip(pulls, got, strict=True):
+                values[i] = value
+        return values
+
+    def reduce_here(self, request: Any, value: Any, mine: ObjectID, then: str | None,
+                    limit: float, otherwise: Callable[[float], Any]) -> Any:
+        """A collective's reduce of a small host input from this thread (see
+        `DirectCalls.reduce`); `otherwise(seconds left)` runs the call through
+        the loop when the direct path cannot."""
+        deadline = time.monotonic() + limit
+        direct = self.direct_here()
+        if direct is not None:
+            out = direct.reduce(request, value, mine, then, limit)
+            if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
+                left = time_left(deadline)
+                return self.call(self.node.get(ObjectID(request["target"]), left), left)
+            if out is not MISS:
+                return out
+        return otherwise(time_left(deadline))
+
+    def together(self, steps: Steps, limit: float,
+                 lent: ObjectID | list[ObjectID] | None = None) -> list[Any]:
+        """Run a call's node operations at once, in one blocking call, and return
+        their results. Each starts in order (so the directory sees e.g. a reduce
+        request before the put of an input, on the one ordered connection), and
+        a call of small objects costs one round trip instead of one per step. If
+        one fails, the others are cancelled and its error is raised; `limit`
+        bounds the whole call. `lent`: inputs put with ``lend=True``, reclaimed
+        before the call returns, however it ends."""
+        return self.call(self._joint(steps, limit, lent), limit)
+
+    async def together_async(self, steps: Steps, limit: float,
+                             lent: ObjectID | list[ObjectID] | None = None) -> list[Any]:
+        """`together` awaited from another event loop; cancelling the awaiting
+        task cancels the steps (and reclaims `lent`) as a failed step does."""
+        return await self.call_async(self._joint(steps, limit, lent))
+
+    async def _joint(self, steps: Steps, limit: float,
+                     lent: ObjectID | list[ObjectID] | None) -> list[Any]:
+        """`together`'s work, on the runtime's loop."""
+        tasks = [asyncio.ensure_future(c) for c in steps(self.node, limit)]
+        try:
+            # A step may wait on its own, longer deadline (a put's directory
+            # request is bounded by timeout_s); steps bounded by `limit` end
+            # first, with their own errors (the margin).
+            async with asyncio.timeout(limit + 0.1):
+                return await asyncio.gather(*tasks)
+        except TimeoutError as exc:
+            if isinstance(exc, Timeout):
+                raise
+            raise Timeout(f"the call did not finish within {limit:g}s") from None
+        finally:
+            for task in tasks:
+                task.cancel()  # the rest, once one failed; finished ones ignore it
+            # ... and the call returns once they have stopped: a put given up
+            # (registering, or copying the caller's array) withdraws its copy, so
+            # none is left that would never complete, and the array is read no more.
+            running = [task for task in tasks if not task.done()]
+            if running:
+                await asyncio.wait(running, timeout=GIVE_UP_S)
+            loans = [] if lent is None else [lent] if isinstance(lent, ObjectID) else lent
+            loans = [oid for oid in loans if self.node.is_lent(oid)]  # (small inputs are copied)
+            # All at once: each may wait up to a second for a reader to let go.
+            if loans:
+                await asyncio.gather(*[self.node.reclaim(oid) for oid in loans])
 
     def close(self) -> None:
         self._closing = True

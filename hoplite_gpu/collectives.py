@@ -230,26 +230,27 @@ def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], lis
 
 def _sliced_allreduce(value: np.ndarray, name: str, rank: int, size: int, op: str,
                       timeout: float | None) -> np.ndarray:
-    run, limit, mine, finish = _sliced(value, name, rank, size, op, timeout)
-    return finish(_together(lambda node, _limit: [run(node)], limit, lent=mine)[0])
+    call = _SlicedAllreduce(value, name, rank, size, op, timeout)
+    return call.finish(_together(lambda node, _limit: [call.run(node)], call.limit,
+                                 lent=call.lent)[0])
 
 
 async def _sliced_allreduce_async(value: np.ndarray, name: str, rank: int, size: int, op: str,
                                   timeout: float | None) -> np.ndarray:
-    run, limit, mine, finish = _sliced(value, name, rank, size, op, timeout)
-    return finish((await _together_async(lambda node, _limit: [run(node)], limit, lent=mine))[0])
+    call = _SlicedAllreduce(value, name, rank, size, op, timeout)
+    return call.finish((await _together_async(lambda node, _limit: [call.run(node)],
+                                              call.limit, lent=call.lent))[0])
 
 
 def _vote_ids(name: str, size: int, op: str) -> list[ObjectID]:
-    """votes[r] of an adaptive sliced allreduce named `name` (see `_sliced`)."""
+    """votes[r] of an adaptive sliced allreduce named `name` (see `_SlicedAllreduce`)."""
     return [ObjectID.from_name(f"{name}/slice/vote/{op}/{r}") for r in range(size)]
 
 
-def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
-            timeout: float | None) -> tuple[Callable, float, list[ObjectID], Callable]:
-    """(run on the loop, its time limit, the lent inputs, what makes the
-    result of run's answer) of the allreduce as `size` reduces and broadcasts
-    of slices, a ring's traffic with the directory's trees.
+class _SlicedAllreduce:
+    """One rank's allreduce as `size` reduces and broadcasts of slices, a
+    ring's traffic with the directory's trees: `run` on the loop (within
+    `limit`, lending `lent`), then `finish` on its answer makes the result.
 
     1. Every rank lends its slices (views of `value`, no copy).
     2. A barrier (a tiny marker object per rank, each fetched by every rank):
@@ -276,39 +277,49 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
        reduced) straight into its part of the output array, which is
        returned read-only, as `get` returns a view of the node's copy: the
        node serves those bytes to other ranks until `delete`."""
-    flat = value.reshape(-1)
-    edges = [flat.size * j // size for j in range(size + 1)]
-    inputs, results, ready = _slice_ids(name, size, op)
-    votes = _vote_ids(name, size, op)
-    whole, target = _reduce_ids(name, size, op, None)
-    mine = [inputs[j][rank] for j in range(size)]
-    rt = api.runtime()
-    limit = api._timeout(rt, timeout)
-    whole_args = api._reduce_args(whole, op, None, target)  # a bad op: refused before any put
-    window = (rt.config.allreduce_slicing_window_s
-              if rt.config.allreduce_slicing == "adaptive" else None)
-    # The barrier's marker says what this rank passed: ranks whose arrays
-    # differ fail at once, as a whole-object reduce does, instead of reducing
-    # slices that do not line up. (A node whose host is unknown is a host of
-    # its own.)
-    marker = _marker(value, sliced=True, domain=rt.node.host_key or os.urandom(8).hex())
-    shape = marker.split(b"\n")[0]
-    out: list[np.ndarray] = []  # filled on the loop thread, which owns the pool
-    targets: list[np.ndarray] = []
 
-    async def barrier(node: Any, prepared: list[ObjectID], later: list[asyncio.Future]) -> bool:
+    def __init__(self, value: np.ndarray, name: str, rank: int, size: int, op: str,
+                 timeout: float | None) -> None:
+        self.value, self.name, self.rank, self.size, self.op = value, name, rank, size, op
+        self.flat = value.reshape(-1)
+        self.edges = [self.flat.size * j // size for j in range(size + 1)]
+        self.inputs, self.results, self.ready = _slice_ids(name, size, op)
+        self.votes = _vote_ids(name, size, op)
+        self.whole, target = _reduce_ids(name, size, op, None)
+        self.mine = [self.inputs[j][rank] for j in range(size)]
+        self.rt = rt = api.runtime()
+        self.limit = api._timeout(rt, timeout)
+        # a bad op: refused before any put
+        self.whole_args = api._reduce_args(self.whole, op, None, target)
+        self.window = (rt.config.allreduce_slicing_window_s
+                       if rt.config.allreduce_slicing == "adaptive" else None)
+        # The barrier's marker says what this rank passed: ranks whose arrays
+        # differ fail at once, as a whole-object reduce does, instead of reducing
+        # slices that do not line up. (A node whose host is unknown is a host of
+        # its own.)
+        self.marker = _marker(value, sliced=True, domain=rt.node.host_key or os.urandom(8).hex())
+        self.shape = self.marker.split(b"\n")[0]
+        self.out: list[np.ndarray] = []  # filled on the loop thread, which owns the pool
+        self.targets: list[np.ndarray] = []
+        #: the inputs the call lends, reclaimed however it ends
+        self.lent = [*self.mine, self.whole[rank]]
+
+    async def barrier(self, node: Any, prepared: list[ObjectID],
+                      later: list[asyncio.Future]) -> bool:
         """Whether the call is sliced (steps 1 and 2)."""
+        window, size, rank = self.window, self.size, self.rank
         if window is None:
-            await lend_slices(node, prepared)  # before any rank can pass the barrier
-        await node.put(marker, ready[rank])
-        markers = asyncio.ensure_future(asyncio.gather(*[node.get(oid, limit) for oid in ready]))
+            await self.lend_slices(node, prepared)  # before any rank can pass the barrier
+        await node.put(self.marker, self.ready[rank])
+        markers = asyncio.ensure_future(asyncio.gather(*[node.get(oid, self.limit)
+                                                         for oid in self.ready]))
         # (cancelled by the window or a call given up, its error is nobody's)
         markers.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if window is not None and rt.one_host_groups.get(size):
+        if window is not None and self.rt.one_host_groups.get(size):
             # As the last call of this many ranks found: no wait, and the
             # markers are read once the call is done, for the next one.
             later.append(markers)
-            await node.put(b"whole", votes[rank])
+            await node.put(b"whole", self.votes[rank])
             return False
         try:
             shapes = await (markers if window is None else asyncio.wait_for(markers, window))
@@ -316,90 +327,83 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
             if isinstance(exc, Timeout) or window is None:
                 raise  # a step's own deadline error
             shapes = None  # (wait_for has cancelled the gets)
-        one_host = shapes is not None and await check(node, shapes)
+        one_host = shapes is not None and await self.check(node, shapes)
         if window is None:
             return True
+        return await self.vote(node, prepared, shapes, one_host)
+
+    async def vote(self, node: Any, prepared: list[ObjectID], shapes: list[Any] | None,
+                   one_host: bool) -> bool:
+        """An adaptive call's vote (step 2): whether every rank voted "sliced"."""
         if shapes is not None:
-            rt.one_host_groups[size] = one_host
+            self.rt.one_host_groups[self.size] = one_host
         if shapes is None or one_host:
             # Late inputs; or every rank on one host, where no byte crosses a
             # link, the CPU is the limit, and slicing only adds work
             # (docs/cost-model.md, "Sliced allreduce").
-            await node.put(b"whole", votes[rank])
+            await node.put(b"whole", self.votes[self.rank])
             return False
-        await lend_slices(node, prepared)  # before any rank can read our vote
-        await node.put(b"sliced", votes[rank])
+        await self.lend_slices(node, prepared)  # before any rank can read our vote
+        await node.put(b"sliced", self.votes[self.rank])
         return all(bytes(v) == b"sliced"
-                   for v in await asyncio.gather(*[node.get(oid, limit) for oid in votes]))
+                   for v in await asyncio.gather(*[node.get(oid, self.limit)
+                                                   for oid in self.votes]))
 
+    @staticmethod
     def hosts(shapes: list[Any]) -> int:
         return len({bytes(s).split(b"\n")[-1] for s in shapes})
 
-    async def check(node: Any, shapes: list[Any]) -> bool:
+    async def check(self, node: Any, shapes: list[Any]) -> bool:
         """Whether every rank passed what we did (or else fail), and every
         rank's node is on one host."""
         kinds = [bytes(s).split(b"\n")[0] for s in shapes]
-        odd = {r: k.decode() for r, k in enumerate(kinds) if k != shape}
+        odd = {r: k.decode() for r, k in enumerate(kinds) if k != self.shape}
         if odd:
             # A rank that does not slice ("(not sliced)"), or that gave up
             # waiting for our marker, waits on the whole-object reduce: our
             # whole input, whose layout differs, fails it at once there.
-            await node.put(value, whole[rank])
+            await node.put(self.value, self.whole[self.rank])
             raise InvalidArgument(
-                f"allreduce {name!r}: rank {rank} passed {shape.decode()}, but "
+                f"allreduce {self.name!r}: rank {self.rank} passed {self.shape.decode()}, but "
                 + ", ".join(f"rank {r} {s}" for r, s in odd.items())
                 + "; every rank must pass the same dtype and shape")
-        return hosts(shapes) == 1
+        return self.hosts(shapes) == 1
 
-    async def lend_slices(node: Any, prepared: list[ObjectID]) -> None:
+    async def lend_slices(self, node: Any, prepared: list[ObjectID]) -> None:
         """Lend our slices, and have every slice's result made, pulled or
         relayed here, straight into its part of the output array."""
-        await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], mine[j], lend=True)
+        edges, flat, size = self.edges, self.flat, self.size
+        await asyncio.gather(*[node.put(flat[edges[j]:edges[j + 1]], self.mine[j], lend=True)
                                for j in range(size)])
         # The output is one of the store pool's buffers (plain pages, already
         # touched when reused: a fresh 256 MiB cost each rank 65,536 page
         # faults per call on the emulated hosts), lent to the caller: the pool
         # takes it back once the caller and the store have dropped every view.
-        buffer = node.store.pool.acquire(value.nbytes)
+        buffer = node.store.pool.acquire(self.value.nbytes)
         node.store.pool.lend(buffer)
-        out.append(buffer.view(value.dtype).reshape(value.shape))
-        parts = out[0].reshape(-1)
-        targets.extend(parts[edges[j]:edges[j + 1]] for j in range(size))
-        prepared += [results[j] for j in range(size) if node.receive_into(results[j], targets[j])]
+        self.out.append(buffer.view(self.value.dtype).reshape(self.value.shape))
+        parts = self.out[0].reshape(-1)
+        self.targets.extend(parts[edges[j]:edges[j + 1]] for j in range(size))
+        prepared += [self.results[j] for j in range(size)
+                     if node.receive_into(self.results[j], self.targets[j])]
 
-    async def run(node: Any) -> Any:
+    async def run(self, node: Any) -> Any:
         prepared: list[ObjectID] = []
         later: list[asyncio.Future] = []
         done = False
         try:
-            async with asyncio.timeout(limit):
-                if not await barrier(node, prepared, later):
-                    for oid in prepared:
-                        node.unreceived(oid)
-                    prepared.clear()
-                    out.clear()  # (the pool takes the buffer back)
-                    targets.clear()
-                    # The whole-object allreduce, as `allreduce` runs it.
-                    steps, _ = _reduce_steps(whole_args, value, whole[rank], True, False)
-                    got = (await asyncio.gather(*steps(node, limit)))[2]
-                    for markers in later:
-                        # Every rank put its marker before its input: here by now.
-                        with contextlib.suppress(TimeoutError, HopliteError):
-                            rt.one_host_groups[size] = \
-                                hosts(await asyncio.wait_for(markers, 1.0)) == 1
-                    done = True
-                    return got
-                await asyncio.gather(*[
-                    node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], op, size,
-                                results[j], inputs[j][j], relay=True)
-                    for j in range(size)])
-                got = await asyncio.gather(*[node.get(oid, limit) for oid in results])
+            async with asyncio.timeout(self.limit):
+                if await self.barrier(node, prepared, later):
+                    got = await self.sliced(node)
+                else:
+                    got = await self.unsliced(node, prepared, later)
                 done = True
                 return got
         except TimeoutError as exc:
             if isinstance(exc, Timeout):
                 raise  # a step's own, more precise deadline error
-            raise Timeout(f"allreduce {name!r} did not finish within {limit:g}s") from None
+            raise Timeout(f"allreduce {self.name!r} did not finish within "
+                          f"{self.limit:g}s") from None
         finally:
             for oid in prepared:
                 node.unreceived(oid)  # only those that did not complete
@@ -408,20 +412,44 @@ def _sliced(value: np.ndarray, name: str, rank: int, size: int, op: str,
             if not done:
                 # An error the caller keeps (a retry's log, a cancelled task)
                 # holds this frame: it must not hold the output buffer too.
-                out.clear()
-                targets.clear()
+                self.out.clear()
+                self.targets.clear()
 
-    def finish(got: Any) -> Any:
-        if not out:
+    async def sliced(self, node: Any) -> list[Any]:
+        """Steps 3 and 4: every slice's chain asked for, every result got."""
+        size, inputs = self.size, self.inputs
+        await asyncio.gather(*[
+            node.reduce([inputs[j][(j + 1 + i) % size] for i in range(size)], self.op, size,
+                        self.results[j], inputs[j][j], relay=True)
+            for j in range(size)])
+        return await asyncio.gather(*[node.get(oid, self.limit) for oid in self.results])
+
+    async def unsliced(self, node: Any, prepared: list[ObjectID],
+                       later: list[asyncio.Future]) -> Any:
+        """The whole-object allreduce, as `allreduce` runs it."""
+        for oid in prepared:
+            node.unreceived(oid)
+        prepared.clear()
+        self.out.clear()  # (the pool takes the buffer back)
+        self.targets.clear()
+        steps, _ = _reduce_steps(self.whole_args, self.value, self.whole[self.rank], True, False)
+        got = (await asyncio.gather(*steps(node, self.limit)))[2]
+        for markers in later:
+            # Every rank put its marker before its input: here by now.
+            with contextlib.suppress(TimeoutError, HopliteError):
+                self.rt.one_host_groups[self.size] = \
+                    self.hosts(await asyncio.wait_for(markers, 1.0)) == 1
+        return got
+
+    def finish(self, got: Any) -> Any:
+        if not self.out:
             return got  # reduced whole
-        for part_target, part in zip(targets, got, strict=True):
+        for part_target, part in zip(self.targets, got, strict=True):
             if not np.may_share_memory(part_target, part):  # pulled again elsewhere (a reduce restarted)
                 part_target[...] = part
-        result = out[0]
+        result = self.out[0]
         result.flags.writeable = False
         return result
-
-    return run, limit, [*mine, whole[rank]], finish
 
 
 def _reduce_and_get(args: tuple, value: Any, mine: ObjectID, fetch: bool,

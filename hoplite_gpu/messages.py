@@ -8,24 +8,38 @@ an unknown reduce op), and a bad one is answered by name, never half taken.
 
 Fields that may be left out default to None or their neutral value and are
 left out of what is sent (`omit_defaults`).
+
+Where msgspec is not installed (the pure scheduling core used alone, with the
+standard library only), the same classes are built on `plain_struct`: they
+construct and compare alike, with no codec and no validation.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
-import msgspec
-
 from .errors import ProtocolError
-from .kernels.numpy_ops import OPS
+
+try:
+    import msgspec
+    from msgspec import Meta, Struct, field
+    from msgspec.structs import replace
+except ImportError:  # the pure core alone: see the module's docstring
+    msgspec = None
+    from .plain_struct import Meta, Struct, field, replace
+
+#: The reduce ops a `reduce` may name (kernels/numpy_ops.py implements each;
+#: tests/test_messages.py checks the two agree).
+REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
 
 #: An object id: 20 raw bytes (a shorter one would reach other nodes in
 #: pushes and fail there).
-Id = Annotated[bytes, msgspec.Meta(min_length=20, max_length=20)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Id = Annotated[bytes, Meta(min_length=20, max_length=20)]
+NonNegative = Annotated[int, Meta(ge=0)]
 
 
-class Message(msgspec.Struct, tag_field="op", omit_defaults=True, kw_only=True):
+class Message(Struct, tag_field="op", omit_defaults=True, kw_only=True):
     """A message; `op` names its kind on the wire."""
 
 
@@ -78,7 +92,7 @@ class Put(Request, tag="put"):
     size: int
     layout: dict[str, Any]
     inline: bytes | None = None
-    print_: bytes | None = msgspec.field(default=None, name="print")
+    print_: bytes | None = field(default=None, name="print")
 
 
 class Locate(Request, tag="locate"):
@@ -101,7 +115,7 @@ class Complete(Message, tag="complete"):
     layout: dict[str, Any] | None = None
     own: bool = False
     tag: bytes | None = None
-    print_: bytes | None = msgspec.field(default=None, name="print")
+    print_: bytes | None = field(default=None, name="print")
 
 
 class Failed(Message, tag="failed"):
@@ -151,9 +165,9 @@ class Reduce(Request, tag="reduce"):
     relay: bool = False
 
     def __post_init__(self) -> None:
-        if self.op_name not in OPS:  # (else it would fail only later, inside a step)
+        if self.op_name not in REDUCE_OPS:  # (else it would fail only later, inside a step)
             raise ValueError(f"unknown reduce op {self.op_name!r}; expected one of "
-                             f"{', '.join(OPS)}")
+                             f"{', '.join(REDUCE_OPS)}")
 
 
 class ReduceFailed(Message, tag="reduce_failed"):
@@ -186,7 +200,7 @@ Hello = Register | Attach
 
 
 # ------------------------------------------------------------------- codec ---
-class Invalid(msgspec.Struct, frozen=True):
+class Invalid(Struct, frozen=True):
     """A message that was a map but not a valid one: what to answer it with."""
 
     op: str
@@ -194,10 +208,11 @@ class Invalid(msgspec.Struct, frozen=True):
     message: str
 
 
-_encoder = msgspec.msgpack.Encoder()
-_to_directory = msgspec.msgpack.Decoder(ToDirectory)
-_hello = msgspec.msgpack.Decoder(Hello)
-_any = msgspec.msgpack.Decoder()
+@functools.cache
+def _codec(kind: Any) -> Any:
+    """The encoder (kind None) or the decoder of `kind`: made on first use, as
+    only processes with msgspec talk on the wire."""
+    return msgspec.msgpack.Encoder() if kind is None else msgspec.msgpack.Decoder(kind)
 
 
 def op(msg: Message | type[Message] | dict[str, Any]) -> str:
@@ -206,7 +221,7 @@ def op(msg: Message | type[Message] | dict[str, Any]) -> str:
 
 
 def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
+    return _codec(None).encode(msg)
 
 
 def as_map(msg: Message) -> dict[str, Any]:
@@ -218,13 +233,12 @@ def with_rid(msg: Request | dict[str, Any], rid: int) -> Request | dict[str, Any
     """`msg` sent as request `rid` (a map: the node's messages not typed yet)."""
     if isinstance(msg, dict):
         return {**msg, "rid": rid}
-    return msgspec.structs.replace(msg, rid=rid)
+    return replace(msg, rid=rid)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, peer: str,
-            body: bytes | bytearray | memoryview) -> Message | Invalid:
+def _decode(kind: Any, peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
     try:
-        return decoder.decode(body)
+        return _codec(kind).decode(body)
     except msgspec.ValidationError as exc:
         raw = _raw(peer, body)
         op, rid = raw.get("op"), raw.get("rid")
@@ -238,7 +252,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, peer: str,
 
 def _raw(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
-        raw = _any.decode(body)
+        raw = _codec(Any).decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
     if not isinstance(raw, dict):
@@ -249,11 +263,11 @@ def _raw(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
 def decode_to_directory(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
     """A node's message to the directory, or what is wrong with it; ProtocolError
     for bytes that are no map at all (the connection is then dropped)."""
-    return _decode(_to_directory, peer, body)
+    return _decode(ToDirectory, peer, body)
 
 
 def decode_hello(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
-    return _decode(_hello, peer, body)
+    return _decode(Hello, peer, body)
 
 
 def from_map(msg: dict[str, Any], kind: Any = ToDirectory) -> Message:

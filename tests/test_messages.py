@@ -75,6 +75,12 @@ def test_bytes_that_are_no_map_are_a_protocol_error(body):
         m.decode_to_directory("peer", body)
 
 
+def test_the_reduce_ops_the_protocol_accepts_are_the_kernels_ops():
+    from hoplite_gpu.kernels.numpy_ops import OPS
+
+    assert m.REDUCE_OPS == OPS
+
+
 def test_from_map_names_the_bad_field():
     with pytest.raises(ProtocolError, match="relay"):
         m.from_map({"op": "reduce", "rid": 1, "target": OID, "inputs": [OID],

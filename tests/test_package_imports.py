@@ -22,7 +22,7 @@ def _bare(code: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("module", [
     "hoplite_gpu", "hoplite_gpu.directory", "hoplite_gpu.directory.state",
-    "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator",
+    "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator", "hoplite_gpu.messages",
 ])
 def test_pure_modules_import_with_the_standard_library_alone(module):
     r = _bare(f"import {module}; print('ok')")
@@ -33,6 +33,18 @@ def test_the_simulator_runs_with_the_standard_library_alone():
     r = _bare(
         "from hoplite_gpu.simulator import simulate_broadcast; "
         "print(simulate_broadcast(receivers=7, size=1 << 20).makespan > 0)"
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+
+
+def test_typed_messages_build_and_compare_with_the_standard_library_alone():
+    r = _bare(
+        "from hoplite_gpu import messages as m; "
+        "a = m.Put(rid=1, oid=b'o' * 20, size=3, layout={}, print_=b'p'); "
+        "assert a == m.Put(rid=1, oid=b'o' * 20, size=3, layout={}, print_=b'p'); "
+        "assert a.inline is None and m.op(a) == 'put' and m.with_rid(a, 7).rid == 7; "
+        "assert m.Complete(oid=b'o' * 20).size == -1 and m.Complete(oid=b'o' * 20).own is False; "
+        "print(m.msgspec is None)"
     )
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
 
@@ -80,3 +92,30 @@ def test_the_package_pickles_by_reference():
     import hoplite_gpu
 
     assert pickle.loads(pickle.dumps(hoplite_gpu)) is hoplite_gpu
+
+
+def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
+    """Every message class built on plain_struct (no msgspec) has the same
+    fields, in order, the same defaults and the same tag as with msgspec."""
+    import json
+
+    import msgspec
+
+    from hoplite_gpu import messages as m
+
+    listing = (
+        "import json; from hoplite_gpu import messages as m; "
+        "print(json.dumps({c.__name__: [m.op(c), list(c.__struct_fields__), "
+        "{k: repr(v) for k, v in c.__struct_defaults__.items()}] "
+        "for c in m.Message.__subclasses__() + m.Request.__subclasses__() if c is not m.Request}))"
+    )
+    r = _bare(listing)
+    assert r.returncode == 0, r.stderr
+    bare = json.loads(r.stdout)
+    classes = [c for c in m.Message.__subclasses__() + m.Request.__subclasses__()
+               if c is not m.Request]
+    assert set(bare) == {c.__name__ for c in classes}
+    for c in classes:
+        fields = msgspec.structs.fields(c)
+        defaults = {f.name: repr(f.default) for f in fields if f.default is not msgspec.NODEFAULT}
+        assert bare[c.__name__] == [m.op(c), [f.name for f in fields], defaults], c.__name__

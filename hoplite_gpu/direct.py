@@ -311,7 +311,7 @@ class DirectCalls:
         self._count(gets=sum(v is not PULL for v in values))
         return values
 
-    def reduce(self, request: dict[str, Any], value: Any, mine: ObjectID, then: str | None,
+    def reduce(self, request: m.Reduce, value: Any, mine: ObjectID, then: str | None,
                timeout: float) -> Any:
         """A collective's reduce of small host inputs, from this thread: the
         `request` (a node's "reduce" message), the put of our input `value` as
@@ -322,13 +322,13 @@ class DirectCalls:
         put = self._put_msg(value, mine)
         if put is None:
             return MISS
-        target = ObjectID(request["target"])
+        target = ObjectID(request.target)
         since = self._node.forgets
         msgs = [request, put[0]]
         if then == "get":
             msgs.append(_locate(target))
         elif then == "wait":
-            msgs.append(m.ReducedInputs(rid=0, target=request["target"]))
+            msgs.append(m.ReducedInputs(rid=0, target=request.target))
         try:
             replies = self._ask(msgs, timeout, lambda: f"the reduce producing {target.hex()} "
                                                        f"did not finish within {timeout:g}s")

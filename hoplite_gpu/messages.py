@@ -224,8 +224,10 @@ def encode(msg: Message) -> bytes:
     return _codec(None).encode(msg)
 
 
-def as_map(msg: Message) -> dict[str, Any]:
+def as_map(msg: Message | dict[str, Any]) -> dict[str, Any]:
     """A message as the map a peer decodes it to (for code that reads maps)."""
+    if isinstance(msg, dict):
+        return msg
     return msgspec.to_builtins(msg, builtin_types=(bytes,))
 
 

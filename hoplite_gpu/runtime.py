@@ -289,7 +289,7 @@ class Runtime:
             out = direct.reduce(request, value, mine, then, limit)
             if out is PULL:  # the result is the loop's to pull: the reduce and our put are in
                 left = time_left(deadline)
-                return self.call(self.node.get(ObjectID(request["target"]), left), left)
+                return self.call(self.node.get(ObjectID(request.target), left), left)
             if out is not MISS:
                 return out
         return otherwise(time_left(deadline))

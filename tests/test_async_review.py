@@ -12,7 +12,7 @@ import pytest
 from in_process import channel_object_exists, run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu import api, collectives
+from hoplite_gpu import api, collectives, messages
 from hoplite_gpu.channel import WeightChannel, _oid
 from hoplite_gpu.channel import _exists as channel_exists
 
@@ -91,7 +91,7 @@ def _late_deletes(node, delay: float, count: int = 1) -> None:
     real, seen = node._request, []
 
     async def request(msg, timeout):
-        if msg.get("op", "").startswith("delete") and len(seen) < count:
+        if messages.op(msg).startswith("delete") and len(seen) < count:
             seen.append(msg)
             await asyncio.sleep(delay)
         return await real(msg, timeout)

@@ -11,6 +11,7 @@ import pytest
 from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
+from hoplite_gpu import messages
 
 MiB = 1 << 20
 
@@ -30,7 +31,7 @@ def slow_answers(node, op: str, delay: float = 0.5):
 
     def start(msg, rid=None):
         fut = asking(msg, rid)
-        if msg.get("op") != op:
+        if messages.op(msg) != op:
             return fut
         late = loop.create_future()
 
@@ -208,6 +209,6 @@ def test_a_reduce_given_up_while_its_answer_was_on_the_wire_is_asked_again_after
         # a refused one is not remembered, and leaves the remembered one as it was
         with pytest.raises(hg.ObjectExists):
             await node.reduce([a, b], "max", 2, target)
-        assert node._my_reduces[target]["op_name"] == "sum"
+        assert node._my_reduces[target].op_name == "sum"
 
     with_nodes(1, body)

@@ -13,6 +13,7 @@ import pytest
 from in_process import run_nodes
 
 import hoplite_gpu as hg
+from hoplite_gpu import messages
 from hoplite_gpu.cluster import LocalCluster
 
 MiB = 1 << 20
@@ -106,7 +107,7 @@ def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_fo
 
         def start_then_give_up(msg, rid=None):
             fut = asking(msg, rid)
-            if msg.get("op") == "evict":
+            if messages.op(msg) == "evict":
                 asyncio.get_running_loop().call_soon(get.cancel)
             return fut
 

@@ -14,6 +14,7 @@ from in_process import eventually, hold_child_pulls, run_nodes
 
 import hoplite_gpu as hg
 import hoplite_gpu.node.reducer as reducer
+from hoplite_gpu import messages
 
 MiB = 1 << 20
 CONFIG = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10)
@@ -100,7 +101,7 @@ def test_a_stale_completion_of_the_root_does_not_finish_the_rebuilt_tree(monkeyp
         post = n2._post
 
         def holding(msg):  # n2's completion of the result is slow on the wire
-            if msg.get("op") == "complete" and msg.get("oid") == target.binary:
+            if messages.as_map(msg).get("op") == "complete" and messages.as_map(msg).get("oid") == target.binary:
                 held.append(msg)
             else:
                 post(msg)

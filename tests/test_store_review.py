@@ -11,6 +11,7 @@ import pytest
 from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
+from hoplite_gpu import messages
 
 MiB = 1 << 20
 
@@ -66,7 +67,7 @@ def test_a_copy_read_while_its_eviction_is_asked_is_kept_or_read_anew():
 
         def start(msg, rid=None):
             fut = asking(msg, rid)
-            if msg.get("op") == "evict" and not readers:
+            if messages.op(msg) == "evict" and not readers:
                 # another task reads x from the cache while the eviction is asked
                 readers.append(asyncio.ensure_future(reader.get(x, 10, "numpy")))
             return fut

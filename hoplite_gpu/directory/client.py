@@ -74,7 +74,7 @@ class DirectoryClient:
             client.lease_s = float(lease)
         return client
 
-    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def request(self, msg: m.Message | dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a request and wait for its reply; errors in the reply are raised."""
         rid = next(self._ids)
         fut = self.start(msg, rid)
@@ -82,7 +82,7 @@ class DirectoryClient:
             body = await until(fut, time.monotonic() + timeout)
         except Expired:
             self.post(m.Cancel(request=rid))  # (one that waits would wait on)
-            raise Timeout(f"the directory did not answer {msg.get('op')!r} within {timeout:g}s") from None
+            raise Timeout(f"the directory did not answer {m.op(msg)!r} within {timeout:g}s") from None
         except asyncio.CancelledError:
             self.post(m.Cancel(request=rid))
             raise
@@ -90,7 +90,7 @@ class DirectoryClient:
             self._pending.pop(rid, None)
         return raise_for_error(body)
 
-    def start(self, msg: dict[str, Any], rid: int | None = None) -> asyncio.Future:
+    def start(self, msg: m.Message | dict[str, Any], rid: int | None = None) -> asyncio.Future:
         """Send a request now; return the future of its reply body (unchecked)."""
         if self._lost is not None:
             raise DirectoryUnavailable(f"lost the directory connection: {self._lost}")
@@ -109,7 +109,7 @@ class DirectoryClient:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def post(self, msg: m.Message | dict[str, Any]) -> None:
         """Send a one-way notice; dropped silently once the directory is gone."""
         if self._lost is None:
             self._outbox.post(msg)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hoplite_gpu import device
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
@@ -114,7 +115,7 @@ class Node:
         self._reconnector: asyncio.Task | None = None
         self._connected = asyncio.Event()
         #: reduces this node asked for, re-sent to a restarted directory
-        self._my_reduces: dict[ObjectID, dict] = {}
+        self._my_reduces: dict[ObjectID, m.Reduce] = {}
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
@@ -160,7 +161,7 @@ class Node:
             lease = self.client.lease_s if self.client is not None else None
             interval = self.config.heartbeat_interval_s
             await asyncio.sleep(interval if lease is None else min(interval, lease / 3))
-            self._post({"op": "ping"})
+            self._post(m.Ping())
 
     async def close(self) -> None:
         if self._closed is not None:
@@ -183,13 +184,13 @@ class Node:
         if self._closed is not None:
             raise self._closed
 
-    def _post(self, msg: dict) -> None:
+    def _post(self, msg: m.Message | dict) -> None:
         """A one-way notice to the directory (lost if it is away; holdings are
         re-announced when we reconnect)."""
         if self.client is not None:
             self.client.post(msg)
 
-    async def _request(self, msg: dict, timeout: float) -> dict:
+    async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
         """A request to the directory; if the directory goes away, wait for the
         reconnection and ask again, all within `timeout`."""
         deadline = time.monotonic() + timeout
@@ -254,7 +255,7 @@ class Node:
             # place (a get that gave up would otherwise take the value with it);
             # the get asks again and finds the put's copy.
             self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
-            self._post({"op": "dropped", "oid": oid.binary})
+            self._post(m.Dropped(oid=oid.binary))
         inline = layout.nbytes <= self.config.inline_threshold
         if inline and device.is_device_buffer(buf):
             buf = memoryview(device.to_host(buf))
@@ -287,12 +288,11 @@ class Node:
                         lent: bool, timeout: float | None = None) -> ObjectID:
         """The rest of a put: register `obj` and copy its value in."""
         oid, layout = obj.oid, obj.layout
-        msg = {"op": "put", "oid": oid.binary, "size": layout.nbytes, "layout": layout.to_wire(),
-               "inline": bytes(buf) if inline else None}
-        if not device.is_device_buffer(buf):
-            # (device bytes are not sampled: it would wait for their producer;
-            # inline ones have one too, for nodes of another inline threshold)
-            msg["print"] = fingerprint(buf)
+        # (device bytes are not sampled: it would wait for their producer;
+        # inline ones have one too, for nodes of another inline threshold)
+        msg = m.Put(rid=0, oid=oid.binary, size=layout.nbytes, layout=layout.to_wire(),
+                    inline=bytes(buf) if inline else None,
+                    print_=None if device.is_device_buffer(buf) else fingerprint(buf))
         try:
             await self._request(msg, self.config.timeout_s if timeout is None else timeout)
         except (Timeout, DirectoryUnavailable, asyncio.CancelledError):
@@ -358,7 +358,7 @@ class Node:
             # Everything a drop does (`_forget`), and the directory hears.
             self._forget(oid, ObjectNotFound(
                 f"the call receiving object {oid.hex()} into its own array gave up"))
-            self._post({"op": "dropped", "oid": oid.binary})
+            self._post(m.Dropped(oid=oid.binary))
 
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
@@ -448,7 +448,7 @@ class Node:
         directory heard that its root did; that copy would not match
         `reduced_inputs`. Confirmed once, the copy is final."""
         tag = obj.reduce_tag
-        msg = {"op": "reduce_confirm", "target": obj.oid.binary, "tag": tag}
+        msg = m.ReduceConfirm(rid=0, target=obj.oid.binary, tag=tag)
         try:
             current = bool((await self._wait_reply(msg, deadline))["current"])
         except Timeout:
@@ -657,7 +657,7 @@ class Node:
     async def _locate(self, oid: ObjectID, deadline: float) -> dict:
         since = self.forgets
         try:
-            return await self._wait_reply({"op": "locate", "oid": oid.binary}, deadline)
+            return await self._wait_reply(m.Locate(rid=0, oid=oid.binary), deadline)
         except Timeout as exc:
             self._withdrawn(oid)
             late = Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
@@ -687,7 +687,7 @@ class Node:
         if obj is None or not (obj.complete or obj.own or obj.receiving):
             self._let_go(oid)
 
-    async def _wait_reply(self, msg: dict, deadline: float) -> dict:
+    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
         """A request the directory may answer much later (it waits for something to
         exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
         if the directory goes away meanwhile, the request is asked again of the new one."""
@@ -703,11 +703,11 @@ class Node:
                 await self._wait_connected(deadline)  # then ask the new directory
             except Expired:
                 client.forget(rid)
-                client.post({"op": "cancel", "request": rid})
+                client.post(m.Cancel(request=rid))
                 raise Timeout(max(0.0, deadline - started)) from None
             except asyncio.CancelledError:  # withdraw the request, or it waits on
                 client.forget(rid)
-                client.post({"op": "cancel", "request": rid})
+                client.post(m.Cancel(request=rid))
                 raise
 
     # ----------------------------------------------------------- channels ---
@@ -719,13 +719,13 @@ class Node:
 
     async def channel_publish(self, name: str, version: int) -> int:
         self.channel_seen(name, version)
-        body = await self._request({"op": "channel_publish", "name": name, "version": version},
+        body = await self._request(m.ChannelPublish(rid=0, name=name, version=version),
                                    self.config.timeout_s)
         return int(body["head"])
 
     async def channel_head(self, name: str, newer_than: int, timeout: float,
                            wait: bool = True) -> int:
-        msg = {"op": "channel_head", "name": name, "newer_than": newer_than, "wait": wait}
+        msg = m.ChannelHead(rid=0, name=name, newer_than=newer_than, wait=wait)
         try:
             body = await self._wait_reply(msg, time.monotonic() + timeout)
         except Timeout as exc:
@@ -782,16 +782,16 @@ class Node:
 
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
-        await self._delete([oid], {"op": "delete", "oid": oid.binary})
+        await self._delete([oid], m.Delete(rid=0, oid=oid.binary))
 
     async def delete_many(self, oids: list[ObjectID]) -> None:
         """`delete` of every id in `oids`, in one message (a collective's
         objects: N^2 of them for a sliced allreduce of N ranks)."""
         for start in range(0, len(oids), _DELETE_BATCH):
             batch = oids[start:start + _DELETE_BATCH]
-            await self._delete(batch, {"op": "delete_many", "oids": [o.binary for o in batch]})
+            await self._delete(batch, m.DeleteMany(rid=0, oids=[o.binary for o in batch]))
 
-    async def _delete(self, oids: list[ObjectID], msg: dict) -> None:
+    async def _delete(self, oids: list[ObjectID], msg: m.Delete | m.DeleteMany) -> None:
         answered = False
         try:
             await self._request(msg, self.config.timeout_s)
@@ -805,7 +805,7 @@ class Node:
             for oid in oids:
                 self._forget(oid, ObjectNotFound(f"object {oid.hex()} was deleted"))
                 if not answered:
-                    self._post({"op": "dropped", "oid": oid.binary})
+                    self._post(m.Dropped(oid=oid.binary))
 
     def _forget(self, oid: ObjectID, reason: BaseException) -> None:
         """Everything of `oid` on this node ends: its reduce step, its copy, its
@@ -897,7 +897,7 @@ class Node:
             # first that may go and make room together, or none.
             offered = {obj.oid: obj for obj in candidates}
             tried.update(offered)
-            msg = {"op": "evict", "oids": [oid.binary for oid in offered], "need": over}
+            msg = m.Evict(rid=0, oids=[oid.binary for oid in offered], need=over)
             try:
                 assert self.client is not None
                 reply = self.client.start(msg)
@@ -975,7 +975,7 @@ class Node:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
         self.store.remove(oid, reason)
         self._stop_serving(oid)
-        self._post({"op": "dropped", "oid": oid.binary})
+        self._post(m.Dropped(oid=oid.binary))
 
     async def stats(self) -> dict[str, Any]:
         """This node's counters (see `api.node_stats`)."""
@@ -990,10 +990,10 @@ class Node:
                 "failovers": len(self.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:
-        return await self._request({"op": "query", "oid": oid.binary}, self.config.timeout_s)
+        return await self._request(m.Query(rid=0, oid=oid.binary), self.config.timeout_s)
 
     async def nodes(self) -> dict[str, str]:
-        return (await self._request({"op": "nodes"}, self.config.timeout_s))["nodes"]
+        return (await self._request(m.Nodes(), self.config.timeout_s))["nodes"]
 
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
@@ -1018,16 +1018,12 @@ class Node:
 
     @staticmethod
     def reduce_msg(inputs: list[ObjectID], op: str, num_objects: int, target: ObjectID,
-                   root_input: ObjectID | None = None, relay: bool = False) -> dict:
-        msg = {"op": "reduce", "target": target.binary, "inputs": [i.binary for i in inputs],
-               "op_name": op, "num_objects": num_objects}
-        if root_input is not None:
-            msg["root_input"] = root_input.binary
-        if relay:
-            msg["relay"] = True
-        return msg
+                   root_input: ObjectID | None = None, relay: bool = False) -> m.Reduce:
+        return m.Reduce(rid=0, target=target.binary, inputs=[i.binary for i in inputs],
+                        op_name=op, num_objects=num_objects,
+                        root_input=None if root_input is None else root_input.binary, relay=relay)
 
-    def remember_reduce(self, target: ObjectID, msg: dict, since: int | None = None) -> None:
+    def remember_reduce(self, target: ObjectID, msg: m.Reduce, since: int | None = None) -> None:
         """Ask `msg` again of a restarted directory, until this node sees the
         final result, deletes it or hears it dropped; the oldest are forgotten
         past MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
@@ -1040,7 +1036,7 @@ class Node:
             del self._my_reduces[next(iter(self._my_reduces))]
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
-        body = await self._request({"op": "reduced_inputs", "target": target.binary}, timeout)
+        body = await self._request(m.ReducedInputs(rid=0, target=target.binary), timeout)
         # Done: its result's holder announces it to a restarted directory, so
         # it need not be asked for again (a non-root rank of a collective
         # reduce never holds the result, and is not the one that deletes it).
@@ -1060,15 +1056,15 @@ class Node:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
             self._drop_unfinished(step)
-            self._post({"op": "step_lost", "target": target, "tag": step.get("tag"),
-                        "message": f"on node {self.node_id}: {type(exc).__name__}: {exc}"})
+            self._post(m.StepLost(target=target, tag=step.get("tag"),
+                                  message=f"on node {self.node_id}: {type(exc).__name__}: {exc}"))
             return
         except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
             self._drop_unfinished(step)
-            self._post({"op": "reduce_failed", "target": target, "tag": step.get("tag"),
-                        "message": f"a reduce step on node {self.node_id} failed: "
-                                   f"{type(exc).__name__}: {exc}"})
+            self._post(m.ReduceFailed(target=target, tag=step.get("tag"),
+                                      message=f"a reduce step on node {self.node_id} failed: "
+                                              f"{type(exc).__name__}: {exc}"))
             return
         if step.get("early"):
             # Its input was this position's early result, read by this step
@@ -1078,7 +1074,7 @@ class Node:
         if out.oid.binary == target:
             self._post(self._complete_msg(out))
         else:  # an intermediate result: its parent is already pulling it
-            self._post({"op": "complete", "oid": out.oid.binary})
+            self._post(m.Complete(oid=out.oid.binary))
 
     def _drop_unfinished(self, step: dict) -> None:
         """A failed step's output, if it is half made: nothing will finish it.
@@ -1154,15 +1150,15 @@ class Node:
                 continue
             if obj.size <= self.config.inline_threshold:
                 data = obj.buffer.tobytes()
-                client.start({"op": "put", "oid": obj.oid.binary, "size": obj.size,
-                              "layout": obj.layout.to_wire(), "inline": data,
-                              "print": fingerprint(data)})
+                client.start(m.Put(rid=0, oid=obj.oid.binary, size=obj.size,
+                                   layout=obj.layout.to_wire(), inline=data,
+                                   print_=fingerprint(data)))
             else:
                 client.post(self._complete_msg(obj))
         for msg in self._my_reduces.values():
-            client.start(dict(msg))  # "already exists" answers are fine: nobody waits
+            client.start(msg)  # "already exists" answers are fine: nobody waits
         for name, version in self._channels.items():
-            client.start({"op": "channel_publish", "name": name, "version": version})
+            client.start(m.ChannelPublish(rid=0, name=name, version=version))
 
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -39,7 +40,10 @@ from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
+from .engine import plan_for, run_plan
+from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
+from .pull_modes import Sink
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range, map_object
@@ -68,6 +72,9 @@ class _Retry(HopliteError):
 
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
+#: What a pull's sender may fail with: the pull reports it and asks again (a
+#: peer that sends what we cannot read is as good as lost).
+_PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
 #: Reduces this node asked for that it re-asks a restarted directory, at most.
 MAX_REMEMBERED_REDUCES = 4096
 #: Ids whose last drop a node remembers (see `Node.keep_inline`).
@@ -608,12 +615,8 @@ class Node:
                     return mapped
             obj.reduce_tag = reply.get("reduce_tag")
             try:
-                await self._fetch_from(obj, address)
-            except (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError) as exc:
-                # (a peer that sends what we cannot read is as good as lost)
-                log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
-                self._failed_at.setdefault(oid, time.time())
-                self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
+                await self.pull_plan(obj, plan_for(obj, sender, address))
+            except _PEER_FAILURES:  # (reported: `_flow_failed`)
                 deadline = self._pull_deadlines.get(oid, deadline)
                 if time.monotonic() >= deadline:
                     self._let_go(oid)  # (receivers pulling from this copy fail over at once)
@@ -745,7 +748,23 @@ class Node:
             msg["tag"] = obj.reduce_tag
         return msg
 
-    async def _fetch_from(self, obj: StoredObject, address: str) -> None:
+    async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
+        """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
+        sub-flow's failure is reported to the directory, and its rest moves
+        to another of the plan's senders; with none left, this raises."""
+        await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
+                       functools.partial(self._flow_failed, obj), _PEER_FAILURES)
+
+    def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
+        log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
+                 obj.ready, exc)
+        self._failed_at.setdefault(obj.oid, time.time())
+        self._post({"op": "failed", "oid": obj.oid.binary, "sender": flow.sender,
+                    "have": obj.ready})
+
+    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
+        """Pull one sub-flow of `obj`, telling the directory now and then how
+        much of the object is ready here (relays may start from it)."""
         last = [time.monotonic()]
 
         def progress(pos: int) -> None:
@@ -755,9 +774,10 @@ class Node:
             now = time.monotonic()
             if now - last[0] >= _PROGRESS_EVERY_S:
                 last[0] = now
-                self._post({"op": "progress", "oid": obj.oid.binary, "nbytes": pos})
+                self._post({"op": "progress", "oid": obj.oid.binary, "nbytes": obj.ready})
 
-        await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
+        await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
+                          start=flow.start, sink=sink)
 
     def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
         """Hold an inline object that a caller's thread put directly (registered

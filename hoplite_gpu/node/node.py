@@ -598,36 +598,17 @@ class Node:
                 self._post(self._complete_msg(obj))
                 return obj
             if obj is None or obj.error is not None:
-                try:
-                    async with self._room(layout, f"get of object {oid.hex()}"):
-                        mapped = await self._map_from(oid, layout, address)
-                        if mapped is None:
-                            obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                            if obj is None or obj.error is not None:
-                                obj = self.store.create(oid, layout)
-                                log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
-                except BaseException:
-                    self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
-                    raise
-                if mapped is not None:  # the sender's complete copy, mapped: nothing to pull
-                    mapped.reduce_tag = reply.get("reduce_tag")
-                    self._post(self._complete_msg(mapped))
-                    return mapped
+                obj, mapped = await self._buffer_for(oid, layout, address)
+                if mapped:  # the sender's complete copy, mapped: nothing to pull
+                    obj.reduce_tag = reply.get("reduce_tag")
+                    self._post(self._complete_msg(obj))
+                    return obj
             obj.reduce_tag = reply.get("reduce_tag")
             try:
                 await self.pull_plan(obj, plan_for(obj, sender, address))
             except _PEER_FAILURES:  # (reported: `_flow_failed`)
-                deadline = self._pull_deadlines.get(oid, deadline)
-                if time.monotonic() >= deadline:
-                    self._let_go(oid)  # (receivers pulling from this copy fail over at once)
-                    raise
-                # back off a little: the directory may hand us the same sender again
                 failures += 1
-                try:
-                    await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
-                                            max(0.0, deadline - time.monotonic())))
-                except BaseException:  # given up here: the partial copy goes, as below
-                    self._drop_partial(obj)
+                if not await self._retry_after(obj, failures, deadline):
                     raise
                 continue
             except BaseException:
@@ -636,6 +617,41 @@ class Node:
             self._post(self._complete_msg(obj))
             log.debug("pull %s: complete", oid.hex())
             return obj
+
+    async def _buffer_for(self, oid: ObjectID, layout: Layout,
+                          address: str) -> tuple[StoredObject, bool]:
+        """The copy to pull `oid` into, and whether it is already whole: a
+        same-host sender's complete copy kept mapped (True), or a buffer here."""
+        try:
+            async with self._room(layout, f"get of object {oid.hex()}"):
+                mapped = await self._map_from(oid, layout, address)
+                if mapped is not None:
+                    return mapped, True
+                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
+                if obj is None or obj.error is not None:
+                    obj = self.store.create(oid, layout)
+                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
+                return obj, False
+        except BaseException:
+            self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
+            raise
+
+    async def _retry_after(self, obj: StoredObject, failures: int, deadline: float) -> bool:
+        """After the `failures`-th failed attempt to fill `obj`: False past the
+        pull's deadline (the copy is let go: receivers pulling from it fail
+        over at once), else True after a short back-off (the directory may
+        hand us the same sender again)."""
+        deadline = self._pull_deadlines.get(obj.oid, deadline)
+        if time.monotonic() >= deadline:
+            self._let_go(obj.oid)
+            return False
+        try:
+            await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
+                                    max(0.0, deadline - time.monotonic())))
+        except BaseException:  # given up here: the partial copy goes, as in `_pull`
+            self._drop_partial(obj)
+            raise
+        return True
 
     async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:
         """Keep a same-host sender's complete copy as ours, mapped read-only

@@ -250,6 +250,24 @@ def test_a_failure_with_no_sender_left_is_the_pulls_and_keeps_the_ledger():
     assert obj.ready == 10 and obj.ledger.runs == [(0, 10), (150, 160)]
 
 
+def test_a_relay_waiting_on_a_plan_filled_copy_wakes_only_once_the_prefix_covers_it():
+    """Bytes past a gap are recorded but not servable: a data server's wait
+    for them (`wait_ready`) ends only when the bytes before them are in."""
+    obj = _object(300)
+    ledger = Ledger(300)
+
+    async def main():
+        waiting = asyncio.ensure_future(obj.wait_ready(150, 5))
+        engine.FlowSink(obj, ledger, 100).advance(300)
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and obj.ready == 0
+        engine.FlowSink(obj, ledger, 0).advance(100)
+        await asyncio.wait_for(waiting, 1)
+        assert obj.ready == 300
+
+    asyncio.run(main())
+
+
 def test_a_sink_refuses_a_byte_twice():
     obj = _object(100)
     ledger = Ledger(100)

@@ -246,7 +246,9 @@ class Framed(Receiver):
 
 class Staged(Framed):
     """Framed, into device memory over a host-only transport: each frame
-    lands in pinned host memory and is uploaded from there."""
+    lands in pinned host memory and is uploaded from there. The wire is
+    `Framed`'s, so a sender cannot tell: its own side stages (in
+    `stream_frames`) where its buffer is on a device and the transport is not."""
 
     staging: Any = None
 

@@ -246,22 +246,8 @@ class Node:
                               f"end within {self.config.timeout_s:g}s") from None
             return await self.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
         existing = self.store.get(oid)
-        if existing is not None:
-            if existing.layout != layout:
-                raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
-            if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
-                    and not device.is_device_buffer(buf)
-                    and fingerprint(existing.buffer) != fingerprint(buf)):
-                raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
-                                   "objects are immutable: use a new ObjectID (or delete it "
-                                   "first)")
-            if existing.complete or existing.own or existing.receiving:
-                return oid
-            # A copy a get here is still pulling: the put's value takes its
-            # place (a get that gave up would otherwise take the value with it);
-            # the get asks again and finds the put's copy.
-            self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
-            self._post({"op": "dropped", "oid": oid.binary})
+        if existing is not None and self._put_finds(existing, layout, buf, same_bytes):
+            return oid
         inline = layout.nbytes <= self.config.inline_threshold
         if inline and device.is_device_buffer(buf):
             buf = memoryview(device.to_host(buf))
@@ -289,6 +275,29 @@ class Node:
         finally:
             del self._puts[oid]
             ended.set_result(None)
+
+    def _put_finds(self, existing: StoredObject, layout: Layout, buf: memoryview,
+                   same_bytes: bool) -> bool:
+        """Whether a put finds its object here already (then it is done), or
+        ObjectExists where that holds other bytes; False: a copy a get here
+        is still pulling, which the put's value replaces."""
+        oid = existing.oid
+        if existing.layout != layout:
+            raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
+        if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
+                and not device.is_device_buffer(buf)
+                and fingerprint(existing.buffer) != fingerprint(buf)):
+            raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
+                               "objects are immutable: use a new ObjectID (or delete it "
+                               "first)")
+        if existing.complete or existing.own or existing.receiving:
+            return True
+        # A copy a get here is still pulling: the put's value takes its
+        # place (a get that gave up would otherwise take the value with it);
+        # the get asks again and finds the put's copy.
+        self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
+        self._post({"op": "dropped", "oid": oid.binary})
+        return False
 
     async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
                         lent: bool, timeout: float | None = None) -> ObjectID:
@@ -929,25 +938,7 @@ class Node:
                     break  # even all of them would not do: keep them
                 await asyncio.wait(others, timeout=give_up - time.monotonic())
                 continue
-            # All of them, least recently used first: the directory frees the
-            # first that may go and make room together, or none.
-            offered = {obj.oid: obj for obj in candidates}
-            tried.update(offered)
-            msg = {"op": "evict", "oids": [oid.binary for oid in offered], "need": over}
-            try:
-                assert self.client is not None
-                reply = self.client.start(msg)
-            except DirectoryUnavailable:
-                break
-            # The directory forgets the copies it agrees to as it answers, so
-            # they go whatever becomes of this call (cancelled, timed out):
-            # a copy kept past that would miss the object's deletion.
-            for oid in offered:
-                self._offered[oid] = reply
-            reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
-            try:
-                await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
-            except (Expired, DirectoryUnavailable):
+            if not await self._offer(candidates, over, tried):
                 break
         if self.store.used + need > limit:
             raise StoreFull(
@@ -957,6 +948,30 @@ class Node:
                 "result here, can go. Delete objects you no longer need, drop references "
                 "to get results, or raise the limit")
         return need
+
+    async def _offer(self, candidates: list[StoredObject], over: int, tried: set[ObjectID]) -> bool:
+        """Offer all of `candidates` for eviction, least recently used first:
+        the directory frees the first that may go and make `over` bytes of
+        room together, or none. False where it could not answer."""
+        offered = {obj.oid: obj for obj in candidates}
+        tried.update(offered)
+        msg = {"op": "evict", "oids": [oid.binary for oid in offered], "need": over}
+        try:
+            assert self.client is not None
+            reply = self.client.start(msg)
+        except DirectoryUnavailable:
+            return False
+        # The directory forgets the copies it agrees to as it answers, so
+        # they go whatever becomes of this call (cancelled, timed out):
+        # a copy kept past that would miss the object's deletion.
+        for oid in offered:
+            self._offered[oid] = reply
+        reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
+        try:
+            await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
+        except (Expired, DirectoryUnavailable):
+            return False
+        return True
 
     def _trim_soon(self) -> None:
         """An object made without asking for room first (an inline one, at

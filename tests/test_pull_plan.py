@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from in_process import run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu.errors import PeerLost
+from hoplite_gpu.errors import ConfigError, PeerLost
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.node import engine
+from hoplite_gpu.node import engine, pull_modes
 from hoplite_gpu.node.plan import Ledger, Plan, SubFlow, next_sender
 from hoplite_gpu.node.store import StoredObject
+from hoplite_gpu.transports import get_backend
 from hoplite_gpu.values import Layout
 
 MiB = 1 << 20
@@ -279,8 +280,29 @@ def test_a_sink_refuses_a_byte_twice():
 # -- real plans over TCP ---------------------------------------------------------
 
 
-def _config() -> hg.Config:
-    return hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, stall_timeout_s=1.0)
+def _ucx_usable() -> bool:
+    try:
+        get_backend("ucx")
+    except ConfigError:
+        return False
+    return True
+
+
+#: (transport, bare_pulls): frames over TCP and UCX, and bare messages over
+#: UCX (sub-flows that start mid-object in each mode).
+TRANSPORTS = [
+    pytest.param(("tcp", "device"), id="tcp"),
+    pytest.param(("ucx", "device"), id="ucx",
+                 marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
+    pytest.param(("ucx", "on"), id="ucx-bare",
+                 marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
+]
+
+
+def _config(how: tuple[str, str]) -> hg.Config:
+    transport, bare = how
+    return hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, stall_timeout_s=1.0,
+                     transport=transport, bare_pulls=bare)
 
 
 def _counting(node, counts: np.ndarray):
@@ -300,7 +322,8 @@ def _counting(node, counts: np.ndarray):
     node._fetch_from = fetch
 
 
-def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object():
+@pytest.mark.parametrize("how", TRANSPORTS)
+def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object(how):
     size = 12 * MiB
     value = np.arange(size, dtype=np.uint8)
 
@@ -319,10 +342,11 @@ def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object():
         np.testing.assert_array_equal(obj.buffer, value)
         assert (counts == 1).all()
 
-    run_nodes([_config()] * 3, body, bound=30)
+    run_nodes([_config(how)] * 3, body, bound=30)
 
 
-def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other():
+@pytest.mark.parametrize("how", TRANSPORTS)
+def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monkeypatch):
     """Sender A serves half of its sub-flow and dies (its data server cuts
     the connection): the rest of that range comes from B, and no byte is
     written twice."""
@@ -343,6 +367,17 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other():
             return False
 
         a.server._stream_range = dies_halfway
+        real_bare = pull_modes.stream_bare
+
+        async def bare_dies_halfway(server, stream, obj, pos, end, size, stall):
+            if server is not a.server:
+                return await real_bare(server, stream, obj, pos, end, size, stall)
+            served.append((pos, end))
+            await real_bare(server, stream, obj, pos, pos + (end - pos) // 2, size, stall)
+            await stream.close()
+            return False
+
+        monkeypatch.setattr(pull_modes, "stream_bare", bare_dies_halfway)
         obj = reader.store.create(oid, _raw(size))
         counts = np.zeros(size, np.int64)
         _counting(reader, counts)
@@ -357,4 +392,4 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other():
         assert [f.sender for f in failed] == [a.node_id]
         assert obj.complete and obj.ledger is None
 
-    run_nodes([_config()] * 3, body, bound=30)
+    run_nodes([_config(how)] * 3, body, bound=30)

@@ -15,7 +15,7 @@ from in_process import run_nodes
 import hoplite_gpu as hg
 from hoplite_gpu.errors import ConfigError, PeerLost
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.node import engine, pull_modes
+from hoplite_gpu.node import engine, pull_modes, shm
 from hoplite_gpu.node.plan import Ledger, Plan, SubFlow, next_sender
 from hoplite_gpu.node.store import StoredObject
 from hoplite_gpu.transports import get_backend
@@ -288,20 +288,23 @@ def _ucx_usable() -> bool:
     return True
 
 
-#: (transport, bare_pulls): frames over TCP and UCX, and bare messages over
-#: UCX (sub-flows that start mid-object in each mode).
+#: (transport, bare_pulls, shared memory): frames over TCP and UCX, bare
+#: messages over UCX, and copies out of a same-host sender's mapping
+#: (sub-flows that start mid-object in each mode).
 TRANSPORTS = [
-    pytest.param(("tcp", "device"), id="tcp"),
-    pytest.param(("ucx", "device"), id="ucx",
+    pytest.param(("tcp", "device", False), id="tcp"),
+    pytest.param(("tcp", "device", True), id="shared-memory",
+                 marks=pytest.mark.skipif(not shm.usable(), reason="no shared memory here")),
+    pytest.param(("ucx", "device", False), id="ucx",
                  marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
-    pytest.param(("ucx", "on"), id="ucx-bare",
+    pytest.param(("ucx", "on", False), id="ucx-bare",
                  marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
 ]
 
 
-def _config(how: tuple[str, str]) -> hg.Config:
-    transport, bare = how
-    return hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10, stall_timeout_s=1.0,
+def _config(how: tuple[str, str, bool]) -> hg.Config:
+    transport, bare, shared = how
+    return hg.Config(shared_memory=shared, chunk_size=MiB, timeout_s=10, stall_timeout_s=1.0,
                      transport=transport, bare_pulls=bare)
 
 
@@ -341,6 +344,8 @@ def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object(how):
         assert obj.complete and obj.ledger is None
         np.testing.assert_array_equal(obj.buffer, value)
         assert (counts == 1).all()
+        if how[2]:  # each sub-flow copied out of its sender's mapping
+            assert reader.pool.local_pulls == len(plan.flows)
 
     run_nodes([_config(how)] * 3, body, bound=30)
 

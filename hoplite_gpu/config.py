@@ -13,7 +13,7 @@ from fractions import Fraction
 from .errors import ConfigError, InvalidArgument
 
 _PREFIX = "HOPLITE_"
-#: Transports whose streams take device buffers as they are (`Stream.supports_device`).
+#: Transports whose streams take device buffers as they are (`StreamCaps.device`).
 DEVICE_TRANSPORTS = ("ucx",)
 KiB = 1024
 MiB = 1024 * KiB

@@ -106,14 +106,14 @@ def test_a_receiver_sent_to_a_copy_that_was_just_dropped_fails_over_within_the_s
         real_fetch = c._fetch_from
         senders = []
 
-        async def b_gives_up_first(obj, address):
-            senders.append(address)
-            if address == b.server.address and len(senders) == 1:
+        async def b_gives_up_first(obj, flow, sink):
+            senders.append(flow.address)
+            if flow.address == b.server.address and len(senders) == 1:
                 get_b.cancel()  # B's get gives up just before C's request reaches B
                 await asyncio.gather(get_b, return_exceptions=True)
                 assert b.store.get(oid) is None
                 await asyncio.sleep(0.2)
-            return await real_fetch(obj, address)
+            return await real_fetch(obj, flow, sink)
 
         c._fetch_from = b_gives_up_first
         loop = asyncio.get_running_loop()

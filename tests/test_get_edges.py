@@ -34,12 +34,12 @@ def test_a_patient_get_survives_a_sender_lost_after_a_hasty_get_gave_up():
         real = reader._fetch_from
         calls = []
 
-        async def lost_once(obj, address):
-            calls.append(address)
+        async def lost_once(obj, flow, sink):
+            calls.append(flow.address)
             if len(calls) == 1:
                 await asyncio.sleep(0.6)  # past the hasty get's deadline
                 raise PeerLost("the sender died mid-pull (test)")
-            return await real(obj, address)
+            return await real(obj, flow, sink)
 
         reader._fetch_from = lost_once
         hasty = asyncio.ensure_future(reader.get(oid, 0.2, "numpy"))
@@ -140,7 +140,7 @@ def test_a_pull_that_failed_for_good_is_not_counted_as_a_later_failover():
         await origin.put(np.full(2 * MiB, 6, np.uint8), oid)
         real = reader._fetch_from
 
-        async def lost(obj, address):
+        async def lost(obj, flow, sink):
             raise PeerLost("the sender died (test)")
 
         reader._fetch_from = lost

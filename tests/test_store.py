@@ -195,9 +195,11 @@ def test_release_stops_every_pull_of_an_object_before_it_returns(window):
     from hoplite_gpu.config import Config
     from hoplite_gpu.node.transfer import DataServer
     from hoplite_gpu.protocol import FRAME, FRAME_DATA, FRAME_ERROR
+    from hoplite_gpu.transports import StreamCaps
 
     class Peer:  # a data connection whose reader takes one frame per opening of `gate`
         peer = "test"
+        caps = StreamCaps()
         send_window = window  # as a stream that overlaps sends (UCX) says
 
         def __init__(self):

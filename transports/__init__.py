@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, Listener, SendWindow, Stream, split_address
+from .base import Backend, Listener, SendWindow, Stream, StreamCaps, split_address
 
 # scheme -> "module:attribute", imported on first use so optional ones (ucx)
 # cost nothing when unused.
@@ -43,4 +43,5 @@ def get_backend(scheme: str) -> Backend:
     return backend
 
 
-__all__ = ["Backend", "Listener", "SendWindow", "Stream", "get_backend", "register_backend", "split_address"]
+__all__ = ["Backend", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
+           "register_backend", "split_address"]

@@ -11,8 +11,30 @@ import abc
 import asyncio
 import collections
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StreamCaps:
+    """What a stream can do, read once per pull to choose how its bytes move
+    (`hoplite_gpu.node.pull_modes`)."""
+
+    #: Whether a receive may take part of a sent buffer as cheaply as all of it
+    #: (a byte stream such as TCP). Message transports (UCX) receive a whole
+    #: message in place and would copy through a bounce buffer otherwise.
+    partial_receive: bool = True
+    #: Whether `send_bare`/`recv_bare` exist: a buffer sent as one message with
+    #: no head, received whole into a buffer of exactly its size, on a lane of
+    #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
+    bare_messages: bool = False
+    #: Whether device buffers may be passed to send/recv_into as they are (UCX).
+    device: bool = False
+    #: A same-host connection that can pass file descriptors and say how a
+    #: pull is served with one mode byte (`send_mode`/`recv_mode`).
+    local: bool = False
 
 
 class Stream(abc.ABC):
@@ -20,20 +42,14 @@ class Stream(abc.ABC):
 
     #: Human-readable peer address, for error messages.
     peer: str = "?"
-    #: Whether a receive may take part of a sent buffer as cheaply as all of it
-    #: (a byte stream such as TCP). Message transports (UCX) receive a whole
-    #: message in place and would copy through a bounce buffer otherwise.
-    partial_receive: bool = True
+    #: What this kind of stream can do.
+    caps: ClassVar[StreamCaps] = StreamCaps()
     #: How many `send` calls may usefully be in flight at once (see
     #: `SendWindow`). 1: each send is worth finishing before the next starts
     #: (a byte stream is busy until its bytes are written). More: overlapping
     #: sends still leave in call order, and the next one's announcement reaches
     #: the peer while the previous one's bytes move (UCX rendezvous).
     send_window: int = 1
-    #: Whether `send_bare`/`recv_bare` exist: a buffer sent as one message with
-    #: no head, received whole into a buffer of exactly its size, on a lane of
-    #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
-    bare_messages: bool = False
     #: While set, a `send` whose bytes stop moving for this many seconds (the
     #: peer reads nothing) closes the stream and raises Timeout: a server's
     #: guard against a peer that asks and never reads, which would otherwise
@@ -42,6 +58,16 @@ class Stream(abc.ABC):
     #: a message's end, counts the stream's completed sends. None: sends wait
     #: as long as the peer lives.
     send_stall_s: float | None = None
+
+    @property
+    def partial_receive(self) -> bool:
+        """`StreamCaps.partial_receive`."""
+        return self.caps.partial_receive
+
+    @property
+    def bare_messages(self) -> bool:
+        """`StreamCaps.bare_messages`."""
+        return self.caps.bare_messages
 
     def authenticated(self) -> None:
         """The peer proved the cluster token (the handshake's end): from now

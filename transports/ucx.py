@@ -60,7 +60,7 @@ from hoplite_gpu.errors import (
 )
 
 from . import ucx_progress
-from .base import Backend, Handler, Listener, Stream, split_address
+from .base import Backend, Handler, Listener, Stream, StreamCaps, split_address
 
 #: UCX settings applied unless the user set them (environment wins).
 UCX_DEFAULTS = {
@@ -254,18 +254,16 @@ def describe() -> str:
 
 
 class UCXStream(Stream):
-    #: Device buffers may be passed to send/recv_into as they are.
-    supports_device = True
-    #: Each sent buffer is one UCX message, received in place only whole.
-    partial_receive = False
+    #: Each sent buffer is one UCX message, received in place only whole;
+    #: device buffers may be passed to send/recv_into as they are; bare
+    #: messages: one message per buffer, no head, so a large chunk costs one
+    #: UCX message instead of two (the second costs about 0.1 ms on an H100,
+    #: see benchmarks/ucx_patterns.py), when the receiver knows its size.
+    caps = StreamCaps(partial_receive=False, device=True, bare_messages=True)
     #: Two sends in flight: while one chunk's bytes move (a rendezvous the peer
     #: completes), the next chunk's head is already there, so the peer posts
     #: its receive as soon as the previous one ends, not a round trip later.
     send_window = 2
-    #: One message per buffer, no head: a large chunk costs one UCX message
-    #: instead of two (the second costs about 0.1 ms on an H100, see
-    #: benchmarks/ucx_patterns.py), when the receiver knows its size.
-    bare_messages = True
 
     def __init__(self, endpoint: Any, peer: str) -> None:
         self._ep = endpoint

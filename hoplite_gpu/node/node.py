@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -40,7 +41,10 @@ from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
+from .engine import plan_for, run_plan
+from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
+from .pull_modes import Sink
 from .reducer import run_step
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range, map_object
@@ -69,6 +73,9 @@ class _Retry(HopliteError):
 
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
+#: What a pull's sender may fail with: the pull reports it and asks again (a
+#: peer that sends what we cannot read is as good as lost).
+_PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
 #: Reduces this node asked for that it re-asks a restarted directory, at most.
 MAX_REMEMBERED_REDUCES = 4096
 #: Ids whose last drop a node remembers (see `Node.keep_inline`).
@@ -240,22 +247,8 @@ class Node:
                               f"end within {self.config.timeout_s:g}s") from None
             return await self.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
         existing = self.store.get(oid)
-        if existing is not None:
-            if existing.layout != layout:
-                raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
-            if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
-                    and not device.is_device_buffer(buf)
-                    and fingerprint(existing.buffer) != fingerprint(buf)):
-                raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
-                                   "objects are immutable: use a new ObjectID (or delete it "
-                                   "first)")
-            if existing.complete or existing.own or existing.receiving:
-                return oid
-            # A copy a get here is still pulling: the put's value takes its
-            # place (a get that gave up would otherwise take the value with it);
-            # the get asks again and finds the put's copy.
-            self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
-            self._post(m.Dropped(oid=oid.binary))
+        if existing is not None and self._put_finds(existing, layout, buf, same_bytes):
+            return oid
         inline = layout.nbytes <= self.config.inline_threshold
         if inline and device.is_device_buffer(buf):
             buf = memoryview(device.to_host(buf))
@@ -283,6 +276,29 @@ class Node:
         finally:
             del self._puts[oid]
             ended.set_result(None)
+
+    def _put_finds(self, existing: StoredObject, layout: Layout, buf: memoryview,
+                   same_bytes: bool) -> bool:
+        """Whether a put finds its object here already (then it is done), or
+        ObjectExists where that holds other bytes; False: a copy a get here
+        is still pulling, which the put's value replaces."""
+        oid = existing.oid
+        if existing.layout != layout:
+            raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
+        if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
+                and not device.is_device_buffer(buf)
+                and fingerprint(existing.buffer) != fingerprint(buf)):
+            raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
+                               "objects are immutable: use a new ObjectID (or delete it "
+                               "first)")
+        if existing.complete or existing.own or existing.receiving:
+            return True
+        # A copy a get here is still pulling: the put's value takes its
+        # place (a get that gave up would otherwise take the value with it);
+        # the get asks again and finds the put's copy.
+        self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
+        self._post(m.Dropped(oid=oid.binary))
+        return False
 
     async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
                         lent: bool, timeout: float | None = None) -> ObjectID:
@@ -581,7 +597,7 @@ class Node:
                 if obj is not None and obj.complete:
                     return obj
                 # The directory thinks we hold it but we do not: correct it, ask again.
-                self._post({"op": "dropped", "oid": oid.binary})
+                self._post(m.Dropped(oid=oid.binary))
                 continue
             sender, address = reply["sender"], reply["address"]
             if obj is not None and obj.own and obj.error is None:
@@ -591,40 +607,17 @@ class Node:
                 self._post(self._complete_msg(obj))
                 return obj
             if obj is None or obj.error is not None:
-                try:
-                    async with self._room(layout, f"get of object {oid.hex()}"):
-                        mapped = await self._map_from(oid, layout, address)
-                        if mapped is None:
-                            obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                            if obj is None or obj.error is not None:
-                                obj = self.store.create(oid, layout)
-                                log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
-                except BaseException:
-                    self._post({"op": "dropped", "oid": oid.binary})  # free the sender's slot
-                    raise
-                if mapped is not None:  # the sender's complete copy, mapped: nothing to pull
-                    mapped.reduce_tag = reply.get("reduce_tag")
-                    self._post(self._complete_msg(mapped))
-                    return mapped
+                obj, mapped = await self._buffer_for(oid, layout, address)
+                if mapped:  # the sender's complete copy, mapped: nothing to pull
+                    obj.reduce_tag = reply.get("reduce_tag")
+                    self._post(self._complete_msg(obj))
+                    return obj
             obj.reduce_tag = reply.get("reduce_tag")
             try:
-                await self._fetch_from(obj, address)
-            except (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError) as exc:
-                # (a peer that sends what we cannot read is as good as lost)
-                log.info("pull of %s from %s failed at %d bytes: %s", oid.hex(), sender, obj.ready, exc)
-                self._failed_at.setdefault(oid, time.time())
-                self._post({"op": "failed", "oid": oid.binary, "sender": sender, "have": obj.ready})
-                deadline = self._pull_deadlines.get(oid, deadline)
-                if time.monotonic() >= deadline:
-                    self._let_go(oid)  # (receivers pulling from this copy fail over at once)
-                    raise
-                # back off a little: the directory may hand us the same sender again
+                await self.pull_plan(obj, plan_for(obj, sender, address))
+            except _PEER_FAILURES:  # (reported: `_flow_failed`)
                 failures += 1
-                try:
-                    await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
-                                            max(0.0, deadline - time.monotonic())))
-                except BaseException:  # given up here: the partial copy goes, as below
-                    self._drop_partial(obj)
+                if not await self._retry_after(obj, failures, deadline):
                     raise
                 continue
             except BaseException:
@@ -633,6 +626,41 @@ class Node:
             self._post(self._complete_msg(obj))
             log.debug("pull %s: complete", oid.hex())
             return obj
+
+    async def _buffer_for(self, oid: ObjectID, layout: Layout,
+                          address: str) -> tuple[StoredObject, bool]:
+        """The copy to pull `oid` into, and whether it is already whole: a
+        same-host sender's complete copy kept mapped (True), or a buffer here."""
+        try:
+            async with self._room(layout, f"get of object {oid.hex()}"):
+                mapped = await self._map_from(oid, layout, address)
+                if mapped is not None:
+                    return mapped, True
+                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
+                if obj is None or obj.error is not None:
+                    obj = self.store.create(oid, layout)
+                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
+                return obj, False
+        except BaseException:
+            self._post(m.Dropped(oid=oid.binary))  # free the sender's slot
+            raise
+
+    async def _retry_after(self, obj: StoredObject, failures: int, deadline: float) -> bool:
+        """After the `failures`-th failed attempt to fill `obj`: False past the
+        pull's deadline (the copy is let go: receivers pulling from it fail
+        over at once), else True after a short back-off (the directory may
+        hand us the same sender again)."""
+        deadline = self._pull_deadlines.get(obj.oid, deadline)
+        if time.monotonic() >= deadline:
+            self._let_go(obj.oid)
+            return False
+        try:
+            await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
+                                    max(0.0, deadline - time.monotonic())))
+        except BaseException:  # given up here: the partial copy goes, as in `_pull`
+            self._drop_partial(obj)
+            raise
+        return True
 
     async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:
         """Keep a same-host sender's complete copy as ours, mapped read-only
@@ -733,19 +761,31 @@ class Node:
                           f"within {exc.args[0]:.3g}s") from None
         return int(body["head"])
 
-    def _complete_msg(self, obj: StoredObject) -> dict:
-        # size and layout let a restarted directory learn of the object from this alone
-        msg = {"op": "complete", "oid": obj.oid.binary, "size": obj.size,
-               "layout": obj.layout.to_wire()}
-        if obj.own:  # put or made here: a restarted directory counts it as an origin
-            msg["own"] = True
-            if not device.is_device_buffer(obj.buffer):
-                msg["print"] = fingerprint(obj.buffer)
-        if obj.reduce_tag is not None:  # a reduce result: from which tree
-            msg["tag"] = obj.reduce_tag
-        return msg
+    def _complete_msg(self, obj: StoredObject) -> m.Complete:
+        # size and layout let a restarted directory learn of the object from
+        # this alone; `own`: put or made here, so a restarted directory counts
+        # it as an origin; `tag`: a reduce result's tree
+        host = not device.is_device_buffer(obj.buffer)
+        return m.Complete(oid=obj.oid.binary, size=obj.size, layout=obj.layout.to_wire(),
+                          own=obj.own, tag=obj.reduce_tag,
+                          print_=fingerprint(obj.buffer) if obj.own and host else None)
 
-    async def _fetch_from(self, obj: StoredObject, address: str) -> None:
+    async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
+        """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
+        sub-flow's failure is reported to the directory, and its rest moves
+        to another of the plan's senders; with none left, this raises."""
+        await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
+                       functools.partial(self._flow_failed, obj), _PEER_FAILURES)
+
+    def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
+        log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
+                 obj.ready, exc)
+        self._failed_at.setdefault(obj.oid, time.time())
+        self._post(m.Failed(oid=obj.oid.binary, sender=flow.sender, have=obj.ready))
+
+    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
+        """Pull one sub-flow of `obj`, telling the directory now and then how
+        much of the object is ready here (relays may start from it)."""
         last = [time.monotonic()]
 
         def progress(pos: int) -> None:
@@ -755,9 +795,10 @@ class Node:
             now = time.monotonic()
             if now - last[0] >= _PROGRESS_EVERY_S:
                 last[0] = now
-                self._post({"op": "progress", "oid": obj.oid.binary, "nbytes": pos})
+                self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
 
-        await fetch_range(self.pool, address, obj, obj.size, self.config, progress)
+        await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
+                          start=flow.start, sink=sink)
 
     def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
         """Hold an inline object that a caller's thread put directly (registered
@@ -893,25 +934,7 @@ class Node:
                     break  # even all of them would not do: keep them
                 await asyncio.wait(others, timeout=give_up - time.monotonic())
                 continue
-            # All of them, least recently used first: the directory frees the
-            # first that may go and make room together, or none.
-            offered = {obj.oid: obj for obj in candidates}
-            tried.update(offered)
-            msg = m.Evict(rid=0, oids=[oid.binary for oid in offered], need=over)
-            try:
-                assert self.client is not None
-                reply = self.client.start(msg)
-            except DirectoryUnavailable:
-                break
-            # The directory forgets the copies it agrees to as it answers, so
-            # they go whatever becomes of this call (cancelled, timed out):
-            # a copy kept past that would miss the object's deletion.
-            for oid in offered:
-                self._offered[oid] = reply
-            reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
-            try:
-                await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
-            except (Expired, DirectoryUnavailable):
+            if not await self._offer(candidates, over, tried):
                 break
         if self.store.used + need > limit:
             raise StoreFull(
@@ -921,6 +944,30 @@ class Node:
                 "result here, can go. Delete objects you no longer need, drop references "
                 "to get results, or raise the limit")
         return need
+
+    async def _offer(self, candidates: list[StoredObject], over: int, tried: set[ObjectID]) -> bool:
+        """Offer all of `candidates` for eviction, least recently used first:
+        the directory frees the first that may go and make `over` bytes of
+        room together, or none. False where it could not answer."""
+        offered = {obj.oid: obj for obj in candidates}
+        tried.update(offered)
+        msg = m.Evict(rid=0, oids=[oid.binary for oid in offered], need=over)
+        try:
+            assert self.client is not None
+            reply = self.client.start(msg)
+        except DirectoryUnavailable:
+            return False
+        # The directory forgets the copies it agrees to as it answers, so
+        # they go whatever becomes of this call (cancelled, timed out):
+        # a copy kept past that would miss the object's deletion.
+        for oid in offered:
+            self._offered[oid] = reply
+        reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
+        try:
+            await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
+        except (Expired, DirectoryUnavailable):
+            return False
+        return True
 
     def _trim_soon(self) -> None:
         """An object made without asking for room first (an inline one, at

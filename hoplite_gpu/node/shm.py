@@ -47,6 +47,7 @@ import numpy as np
 
 from hoplite_gpu.errors import PeerLost, Timeout
 from hoplite_gpu.timers import Expired, until
+from hoplite_gpu.transports import StreamCaps
 from hoplite_gpu.transports.tcp import TCPStream
 
 _NAME = "hoplite-gpu-data "
@@ -249,7 +250,7 @@ class LocalStream(TCPStream):
     """A data connection over this host's Unix socket: a TCP stream's calls,
     plus the one byte that says how a pull is served (`send_mode`)."""
 
-    local = True
+    caps = StreamCaps(local=True)
 
     async def send_mode(self, mode: bytes, fd: int | None, timeout: float) -> None:
         """One mode byte (see `hoplite_gpu.node.transfer`), with `fd` attached

@@ -2,7 +2,10 @@
 
 Bytes below the watermark are final and may be served to peers while the rest
 is still arriving; waiters are futures keyed by the watermark they need, woken
-by `advance` (never polled). All methods run on the node's event loop thread.
+by `advance` (never polled). A pull of one sub-flow moves the watermark
+itself; one of several records its pieces in the object's `Ledger` (bytes
+past the watermark too), whose prefix is the watermark. All methods run on
+the node's event loop thread.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.values import Layout
 
+from .plan import Ledger
 from .pool import BufferPool
 
 
@@ -48,6 +52,9 @@ class StoredObject:
     counted: bool = False
     #: When this node last made or read it (monotonic): eviction goes oldest first.
     used: float = 0.0
+    #: The bytes written, past the watermark too, while a plan of several
+    #: sub-flows fills it (`engine.run_plan`); None: only [0, ready) is.
+    ledger: Ledger | None = None
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     @property
@@ -84,6 +91,7 @@ class StoredObject:
         """Roll the watermark back (a partial result is being rebuilt)."""
         self.ready = min(ready, self.ready)
         self.error = None
+        self.ledger = None
 
     async def wait_ready(self, need: int, timeout: float) -> None:
         need = min(need, self.size)

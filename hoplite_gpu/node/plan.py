@@ -1,0 +1,183 @@
+"""A pull as a plan of sub-flows, and the ledger of the bytes it has written.
+
+A `Plan` splits one object's missing bytes into `SubFlow`s: each a byte range
+with the sender to pull it from and the address (a path to that sender) to
+use. Today's pull is `Plan.single`: one sub-flow from one sender. The pull
+engine (`hoplite_gpu.node.engine`) runs the sub-flows concurrently; when one
+fails, the `Ledger` says which of its bytes are still missing, and those move
+to another sender as a new sub-flow. The ledger refuses to record a byte
+twice, and its `prefix` is the watermark the store exposes for relaying.
+
+Pure: no I/O, no clocks, no asyncio.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SubFlow:
+    """Bytes [start, end) of an object, from `sender` through `address`."""
+
+    start: int
+    end: int
+    sender: str
+    address: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"sub-flow range [{self.start}, {self.end}) is not a range")
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def moved(self, sender: str, address: str, start: int | None = None,
+              end: int | None = None) -> SubFlow:
+        """The same bytes (or [start, end) of them) from another sender."""
+        return replace(self, sender=sender, address=address,
+                       start=self.start if start is None else start,
+                       end=self.end if end is None else end)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one pull fills an object of `size` bytes: its sub-flows, disjoint."""
+
+    oid: Any
+    size: int
+    flows: tuple[SubFlow, ...]
+
+    def __post_init__(self) -> None:
+        last = 0
+        for flow in sorted(self.flows, key=lambda f: f.start):
+            if flow.start < last or flow.end > self.size:
+                raise ValueError(f"sub-flow [{flow.start}, {flow.end}) overlaps another "
+                                 f"or lies outside [0, {self.size})")
+            last = flow.end
+
+    @classmethod
+    def single(cls, oid: Any, size: int, sender: str, address: str, start: int = 0) -> Plan:
+        """Today's pull: bytes [start, size) from one sender."""
+        return cls(oid, size, (SubFlow(start, size, sender, address),))
+
+    @classmethod
+    def split(cls, oid: Any, size: int, senders: Sequence[tuple[str, str]],
+              missing: Iterable[tuple[int, int]] | None = None, parts: int | None = None) -> Plan:
+        """The `missing` ranges (all of [0, size) by default) in `parts` equal
+        sub-flows (one per sender by default), the senders taken in turn."""
+        if not senders:
+            raise ValueError("a plan needs at least one sender")
+        ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
+        total = sum(b - a for a, b in ranges)
+        parts = max(1, min(parts or len(senders), total or 1))
+        flows: list[SubFlow] = []
+        cuts = [total * i // parts for i in range(parts + 1)]  # in missing bytes
+        done = 0  # missing bytes before the current range
+        for a, b in ranges:
+            for i in range(parts):
+                lo = max(a, a + cuts[i] - done)
+                hi = min(b, a + cuts[i + 1] - done)
+                if lo < hi:
+                    sender, address = senders[i % len(senders)]
+                    flows.append(SubFlow(lo, hi, sender, address))
+            done += b - a
+        return cls(oid, size, tuple(flows))
+
+    @property
+    def senders(self) -> list[tuple[str, str]]:
+        """Its senders with their addresses, each once, in order of first use."""
+        seen: dict[tuple[str, str], None] = {}
+        for flow in self.flows:
+            seen.setdefault((flow.sender, flow.address), None)
+        return list(seen)
+
+
+class Ledger:
+    """Which bytes of an object of `size` bytes are written: disjoint, sorted,
+    non-adjacent [start, end) runs. A byte is recorded at most once."""
+
+    __slots__ = ("size", "_starts", "_ends")
+
+    def __init__(self, size: int, prefix: int = 0) -> None:
+        self.size = size
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        if prefix:
+            self.write(0, prefix)
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.size}, runs={self.runs})"
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends, strict=True))
+
+    @property
+    def prefix(self) -> int:
+        """The longest written prefix: the watermark below which bytes are final."""
+        return self._ends[0] if self._starts and self._starts[0] == 0 else 0
+
+    @property
+    def written(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+
+    @property
+    def complete(self) -> bool:
+        return self.prefix >= self.size
+
+    def write(self, start: int, end: int) -> None:
+        """Record bytes [start, end) as written. ValueError if any of them was
+        already, or lies outside the object: that would be a byte written twice."""
+        if start >= end:
+            return
+        if start < 0 or end > self.size:
+            raise ValueError(f"[{start}, {end}) lies outside [0, {self.size})")
+        i = bisect.bisect_right(self._starts, start)  # runs before i start at or before `start`
+        if i and self._ends[i - 1] > start or i < len(self._starts) and self._starts[i] < end:
+            raise ValueError(f"bytes in [{start}, {end}) were written already: {self.runs}")
+        joins_left = i > 0 and self._ends[i - 1] == start
+        joins_right = i < len(self._starts) and self._starts[i] == end
+        if joins_left and joins_right:
+            self._ends[i - 1] = self._ends[i]
+            del self._starts[i], self._ends[i]
+        elif joins_left:
+            self._ends[i - 1] = end
+        elif joins_right:
+            self._starts[i] = start
+        else:
+            self._starts.insert(i, start)
+            self._ends.insert(i, end)
+
+    def missing(self, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+        """The ranges of [start, end) (all of the object by default) not written yet."""
+        end = self.size if end is None else end
+        gaps, pos = [], start
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        for s, e in zip(self._starts[i:], self._ends[i:], strict=True):
+            if s >= end:
+                break
+            if s > pos:
+                gaps.append((pos, s))
+            pos = max(pos, e)
+        if pos < end:
+            gaps.append((pos, end))
+        return gaps
+
+    def rest(self, flow: SubFlow) -> list[SubFlow]:
+        """What `flow` has not written yet, as sub-flows of the same sender
+        (to be `moved` to another)."""
+        return [flow.moved(flow.sender, flow.address, a, b) for a, b in self.missing(flow.start, flow.end)]
+
+
+def next_sender(plan: Plan, failed: set[str]) -> tuple[str, str] | None:
+    """Where a failed sub-flow's rest goes: the plan's first sender that has
+    not failed, or None (then the pull asks the directory again)."""
+    for sender, address in plan.senders:
+        if sender not in failed:
+            return sender, address
+    return None

@@ -59,6 +59,30 @@ class Attach(Message, tag="attach"):
     node: str
 
 
+# ---------------------------------------------- a puller to a data server ---
+class Pull(Message, tag="pull"):
+    """Bytes [offset, end) of `oid`. `stall` (seconds) and `bare` (a chunk
+    size: answer in bare messages) are taken as sent and checked where they
+    are used (docs/protocol.md: a bad `bare` is answered with an error frame,
+    a bad `stall` leaves the server's own); `shm`/`map`: same-host modes."""
+
+    oid: Id
+    offset: int
+    end: int
+    stall: Any = None
+    shm: bool = False
+    map: bool = False
+    bare: Any = None
+
+
+class Copied(Message, tag="copied"):
+    """The puller no longer reads the sender's mapping."""
+
+
+class Kept(Message, tag="kept"):
+    """The puller holds its own lock on the mapped pages."""
+
+
 # ------------------------------------------------ the directory to a node ---
 class Drop(Message, tag="drop"):
     """A push: the node's copy or wait for `oid` is void (`reason`); `retry`:
@@ -270,6 +294,16 @@ def decode_to_directory(peer: str, body: bytes | bytearray | memoryview) -> Mess
 
 def decode_hello(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
     return _decode(Hello, peer, body)
+
+
+def decode_pull(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
+    """A data connection's request."""
+    return _decode(Pull, peer, body)
+
+
+def decode_ack(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
+    """A same-host puller's word after a mapping (`copied` or `kept`)."""
+    return _decode(Copied | Kept, peer, body)
 
 
 def from_map(msg: dict[str, Any], kind: Any = ToDirectory) -> Message:

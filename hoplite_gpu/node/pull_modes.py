@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hoplite_gpu import device
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import HopliteError, ObjectNotFound, PeerLost, ProtocolError, Timeout
@@ -37,7 +38,6 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
     FRAME_DATA,
-    field,
     recv_error_body,
     recv_frame_header,
     send_error_frame,
@@ -78,17 +78,10 @@ class Sink(Protocol):
 
 
 def pull_request(oid: ObjectID, offset: int, end: int, stall: float, *, shm: bool = False,
-                 map: bool = False, bare: int | None = None) -> dict:
+                 map: bool = False, bare: int | None = None) -> m.Pull:
     """The pull request on the wire (docs/protocol.md)."""
-    req: dict[str, Any] = {"op": "pull", "oid": oid.binary, "offset": offset, "end": end,
-                           "stall": stall}
-    if shm:
-        req["shm"] = True
-        if map:
-            req["map"] = True
-    elif bare is not None:
-        req["bare"] = bare
-    return req
+    return m.Pull(oid=oid.binary, offset=offset, end=end, stall=stall, shm=shm,
+                  map=shm and map, bare=None if shm else bare)
 
 
 @dataclass(frozen=True)
@@ -105,10 +98,9 @@ class PullAsk:
     bare: Any
 
     @classmethod
-    def from_wire(cls, req: dict) -> PullAsk:
-        return cls(ObjectID(field(req, "oid", bytes)), field(req, "offset", int),
-                   field(req, "end", int), req.get("stall"), bool(req.get("shm")),
-                   bool(req.get("map")), req.get("bare"))
+    def from_wire(cls, req: m.Pull) -> PullAsk:
+        return cls(ObjectID(req.oid), req.offset, req.end, req.stall, req.shm, req.map,
+                   req.bare)
 
 
 # -- choosing a mode -----------------------------------------------------------
@@ -463,7 +455,7 @@ class SharedCopy(Receiver):
             with contextlib.suppress(BufferError):  # (a view still held: freed when collected)
                 mapped.close()
         try:  # the sender may reuse its buffer now
-            await send_msg(self.stream, {"op": "copied"})
+            await send_msg(self.stream, m.Copied())
         except HopliteError:  # (then it never will; our copy is complete all the same)
             return False
         return True
@@ -552,7 +544,7 @@ class SharedMap:
         if mapped is not None:
             pool.local_maps += 1
         try:  # (failed or not: its count goes down)
-            await send_msg(stream, {"op": "kept"})
+            await send_msg(stream, m.Kept())
         except HopliteError:  # the sender went away: what we keep stays valid
             return mapped, False
         return mapped, True

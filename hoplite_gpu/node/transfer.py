@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from hoplite_gpu import device
+from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
@@ -184,14 +185,15 @@ class DataServer:
         try:
             await server_handshake(stream, self.token, self.config.connect_timeout_s)
             while True:
-                req = await recv_msg(stream, SMALL_MESSAGE)  # (a pull request is small)
-                if req.get("op") != "pull":
-                    raise ProtocolError(f"expected 'pull', got {req.get('op')!r}")
+                # (a pull request is small)
+                req = await recv_msg(stream, SMALL_MESSAGE, m.decode_pull)
+                if isinstance(req, m.Invalid):
+                    raise ProtocolError(f"expected a pull from {stream.peer}: {req.message}")
                 await self._serve_pull(stream, req)
         except HopliteError as exc:
             log.debug("data connection from %s ended: %s", stream.peer, exc)
 
-    async def _serve_pull(self, stream: Stream, req: dict) -> None:
+    async def _serve_pull(self, stream: Stream, req: m.Pull) -> None:
         ask = PullAsk.from_wire(req)
         stall = self._stall_for(ask.stall)
         # A puller gives up once no byte came for `stall`; one that stops
@@ -257,12 +259,13 @@ class DataServer:
         take far longer than a stall, so it gets the call deadline."""
         try:
             async with asyncio.timeout(self.config.timeout_s):
-                msg = await recv_msg(stream, SMALL_MESSAGE)
+                msg = await recv_msg(stream, SMALL_MESSAGE, m.decode_ack)
         except TimeoutError:
             raise Timeout(f"{stream.peer} did not say {op!r} within "
                           f"{self.config.timeout_s:g}s") from None
-        if msg.get("op") != op:
-            raise ProtocolError(f"expected {op!r}, got {msg.get('op')!r}")
+        if isinstance(msg, m.Invalid) or m.op(msg) != op:
+            got = msg.op if isinstance(msg, m.Invalid) else m.op(msg)
+            raise ProtocolError(f"expected {op!r}, got {got!r}")
 
     def serving(self, oid: ObjectID) -> bool:
         """Whether a pull of `oid` is being served now."""

@@ -21,21 +21,15 @@ from hoplite_gpu.errors import ConfigError, ObjectNotFound, TransportClosed
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node import transfer
 from hoplite_gpu.node.store import ChunkStore
-from hoplite_gpu.transports import SendWindow, get_backend
+from hoplite_gpu.transports import SendWindow, get_backend, usable
 from hoplite_gpu.values import to_buffer
 
 MiB = 1 << 20
 
 
-def _ucx_usable() -> bool:
-    try:
-        get_backend("ucx")
-    except ConfigError:
-        return False
-    return True
 
 
-needs_ucx = pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")
+needs_ucx = pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")
 
 
 def test_byte_streams_have_no_bare_messages():

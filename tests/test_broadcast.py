@@ -12,6 +12,7 @@ import pytest
 import hoplite_gpu as hg
 from hoplite_gpu.cluster import LocalCluster
 from hoplite_gpu.runtime import Runtime
+from hoplite_gpu.transports import usable
 
 CHUNK = 1 << 20
 N = 8
@@ -144,17 +145,9 @@ def test_crc_helper_matches_numpy():
     assert zlib.crc32(data) == zlib.crc32(data.tobytes())
 
 
-def _ucx_usable() -> bool:
-    from hoplite_gpu.transports import get_backend
-
-    try:
-        get_backend("ucx")
-    except hg.ConfigError:
-        return False
-    return True
 
 
-@pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")
+@pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")
 @pytest.mark.parametrize("control", ["tcp", "ucx"])
 def test_data_over_ucx_with_control_over_either_transport(control):
     """Data over UCX; the directory over TCP (the default) or over UCX too:

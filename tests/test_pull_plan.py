@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from in_process import run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu.errors import ConfigError, PeerLost
+from hoplite_gpu.errors import PeerLost
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node import engine, pull_modes, shm
 from hoplite_gpu.node.plan import Ledger, Plan, SubFlow, next_sender
 from hoplite_gpu.node.store import StoredObject
-from hoplite_gpu.transports import get_backend
+from hoplite_gpu.transports import usable
 from hoplite_gpu.values import Layout
 
 MiB = 1 << 20
@@ -280,12 +280,6 @@ def test_a_sink_refuses_a_byte_twice():
 # -- real plans over TCP ---------------------------------------------------------
 
 
-def _ucx_usable() -> bool:
-    try:
-        get_backend("ucx")
-    except ConfigError:
-        return False
-    return True
 
 
 #: (transport, bare_pulls, shared memory): frames over TCP and UCX, bare
@@ -296,9 +290,9 @@ TRANSPORTS = [
     pytest.param(("tcp", "device", True), id="shared-memory",
                  marks=pytest.mark.skipif(not shm.usable(), reason="no shared memory here")),
     pytest.param(("ucx", "device", False), id="ucx",
-                 marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
+                 marks=pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")),
     pytest.param(("ucx", "on", False), id="ucx-bare",
-                 marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx is not installed")),
+                 marks=pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")),
 ]
 
 

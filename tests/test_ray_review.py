@@ -23,7 +23,7 @@ from ray_local import local_ray  # noqa: E402
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hray  # noqa: E402
-from hoplite_gpu.errors import ConfigError  # noqa: E402
+from hoplite_gpu.transports import usable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +145,6 @@ def test_an_object_put_by_a_gpu_task_that_ended_is_reported_lost_at_once(ray_ses
 
 
 # --------------------------------------------------------- start_directory ---
-def _ucx_usable() -> bool:
-    from transports import get_backend
-
-    try:
-        get_backend("ucx")
-    except ConfigError:
-        return False
-    return True
 
 
 def test_directory_on_every_interface_keeps_its_control_transport(ray_session):
@@ -163,7 +155,7 @@ def test_directory_on_every_interface_keeps_its_control_transport(ray_session):
     directory serving UCX is announced as tcp://...; every join() then dials
     TCP into a UCX listener and ends in Timeout "did not accept us"
     (with host="127.0.0.1" the same directory announces ucx://... and works)."""
-    if not _ucx_usable():
+    if not usable("ucx"):
         pytest.skip("ucxx is not usable here")
     name = "review-ucx-any"
     hg.shutdown()

@@ -43,5 +43,17 @@ def get_backend(scheme: str) -> Backend:
     return backend
 
 
+def usable(scheme: str) -> bool:
+    """Whether the transport `scheme` can be used here (its package installed
+    and its library started)."""
+    from hoplite_gpu.errors import ConfigError
+
+    try:
+        get_backend(scheme)
+    except ConfigError:
+        return False
+    return True
+
+
 __all__ = ["Backend", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
-           "register_backend", "split_address"]
+           "register_backend", "split_address", "usable"]

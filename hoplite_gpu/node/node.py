@@ -4,15 +4,13 @@ tied to the directory. Every method runs on the node's event loop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import gc
 import logging
 import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,6 +40,7 @@ from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
 from .engine import plan_for, run_plan
+from .memory import Memory
 from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
 from .pull_modes import Sink
@@ -131,10 +130,6 @@ class Node:
         #: can tell a drop that overtook the put (`keep_inline`)
         self.forgets = 0
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
-        #: copies freed to make room under `store_bytes`
-        self.evicted = 0
-        #: copies offered for eviction -> the directory's answer, until it comes
-        self._offered: dict[ObjectID, asyncio.Future] = {}
         #: inline copies a pull just stored for gets that have not taken them yet:
         #: not evictable until one has (the eviction their store may start
         #: runs before the gets do)
@@ -143,8 +138,13 @@ class Node:
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
         self._releases: set[asyncio.Task] = set()
-        #: the eviction running in the background (`_trim_soon`)
-        self._trimming: asyncio.Task | None = None
+        #: room in the store under `store_bytes` (evictions, trimming)
+        self.memory = Memory(self.store, config, self.node_id, self._ask, self._step_reads)
+
+    @property
+    def evicted(self) -> int:
+        """Copies freed so far to make room under `store_bytes`."""
+        return self.memory.evicted
 
     async def start(self) -> None:
         await self.server.start()
@@ -175,7 +175,8 @@ class Node:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
-        tasks += [t for t in (self._heartbeat, self._reconnector, self._trimming) if t is not None]
+        tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
+        tasks += self.memory.close()
         tasks += self._releases
         for task in tasks:
             task.cancel()
@@ -196,6 +197,12 @@ class Node:
         re-announced when we reconnect)."""
         if self.client is not None:
             self.client.post(msg)
+
+    def _ask(self, msg: m.Request) -> asyncio.Future:
+        """Start a request to the directory, its answer a future (no wait, no
+        asking again: DirectoryUnavailable while it is away)."""
+        assert self.client is not None
+        return self.client.start(msg)
 
     async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
         """A request to the directory; if the directory goes away, wait for the
@@ -258,14 +265,14 @@ class Node:
         data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
                 else np.frombuffer(buf, dtype=np.uint8) if lent else None)
         if data is None:
-            async with self._room(layout, f"put of object {oid.hex()}"):
+            async with self.memory.room(layout, f"put of object {oid.hex()}"):
                 if self.store.get(oid) is not None:  # put here meanwhile, by another call
                     return await self.put(value, oid, lend=lend, timeout=timeout,
                                           same_bytes=same_bytes)
                 obj = self.store.create(oid, layout)
         else:
             obj = self.store.create(oid, layout, data, borrowed=lent)
-            self._trim_soon()
+            self.memory.trim_soon()
         obj.lent = lent
         obj.own = True
         if inline or lent:
@@ -433,7 +440,7 @@ class Node:
         try:
             while True:
                 obj = self.store.get(oid)
-                offered = self._offered.get(oid) if obj is not None else None
+                offered = self.memory.offered(oid) if obj is not None else None
                 if offered is not None:
                     # Our copy is being offered for eviction: a view handed out now
                     # would outlive it uncounted. Its fate first, then look again.
@@ -632,7 +639,7 @@ class Node:
         """The copy to pull `oid` into, and whether it is already whole: a
         same-host sender's complete copy kept mapped (True), or a buffer here."""
         try:
-            async with self._room(layout, f"get of object {oid.hex()}"):
+            async with self.memory.room(layout, f"get of object {oid.hex()}"):
                 mapped = await self._map_from(oid, layout, address)
                 if mapped is not None:
                     return mapped, True
@@ -815,7 +822,7 @@ class Node:
         obj = self.store.get(oid)
         if obj is None or obj.error is not None:
             obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
-            self._trim_soon()
+            self.memory.trim_soon()
         elif not obj.complete:  # a caller's array to receive into (`receive_into`)
             obj.buffer[:] = np.frombuffer(data, dtype=np.uint8)
         obj.advance(obj.size)
@@ -881,129 +888,6 @@ class Node:
         task.add_done_callback(self._releases.discard)
         return task
 
-    @contextlib.asynccontextmanager
-    async def _room(self, layout: Layout, what: str) -> AsyncIterator[None]:
-        """Room under `store_bytes` for an object of `layout`, kept for it
-        (`ChunkStore.reserved`) until the block, which makes it, ends: calls
-        making objects at the same time cannot both take the last of it."""
-        need = await self._make_room(layout.nbytes, what) if self.store.on_host(layout) else 0
-        self.store.reserved += need
-        try:
-            yield
-        finally:
-            self.store.reserved -= need
-
-    async def _make_room(self, need: int, what: str, collect: bool = True) -> int:
-        """Make room under `store_bytes` for `need` more bytes of host
-        objects: evict pulled copies that another node also holds, least
-        recently used first, with the directory's consent; else raise
-        `StoreFull`. Nothing is evicted for a call that cannot get room.
-        Returns the bytes that count against the limit (0 without one).
-        `collect`: run the garbage collector once before giving up (see below;
-        not for a background trim, which runs after every inline object made
-        while the store is over its limit and gives up quietly)."""
-        limit = self.config.store_bytes
-        if not limit:
-            return 0
-        if self.store.used + need <= limit:
-            return need
-        if need > limit:
-            raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
-                            f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
-        tried: set[ObjectID] = set()
-        give_up = time.monotonic() + self.config.timeout_s
-        collected = not collect
-        while self.store.used + need > limit:
-            over = self.store.used + need - limit
-            # (copies another call offers now are its: their fate comes first)
-            candidates = [obj for obj in self.store.evictable(busy=self._step_reads())
-                          if obj.oid not in tried and obj.oid not in self._offered]
-            if sum(obj.size for obj in candidates) < over:
-                others = set(self._offered.values())
-                if not others and not collected:
-                    # A view kept only by a reference cycle (the traceback of a
-                    # send that failed mid-message, a get result dropped inside
-                    # one) counts as a user until the collector runs: run it
-                    # once before giving up, never on the way that succeeds.
-                    collected = True
-                    log.debug("%s: collecting garbage before evicting (%d free candidate "
-                              "bytes, %d needed)", what, sum(o.size for o in candidates), over)
-                    gc.collect()
-                    continue
-                if not others or time.monotonic() >= give_up:
-                    break  # even all of them would not do: keep them
-                await asyncio.wait(others, timeout=give_up - time.monotonic())
-                continue
-            if not await self._offer(candidates, over, tried):
-                break
-        if self.store.used + need > limit:
-            raise StoreFull(
-                f"{what} needs {need} bytes, but this node holds {self.store.used} bytes of "
-                f"objects (limit HOPLITE_STORE_BYTES={limit}) and could not evict enough: only "
-                "copies pulled from others, held by another node too and used by no get "
-                "result here, can go. Delete objects you no longer need, drop references "
-                "to get results, or raise the limit")
-        return need
-
-    async def _offer(self, candidates: list[StoredObject], over: int, tried: set[ObjectID]) -> bool:
-        """Offer all of `candidates` for eviction, least recently used first:
-        the directory frees the first that may go and make `over` bytes of
-        room together, or none. False where it could not answer."""
-        offered = {obj.oid: obj for obj in candidates}
-        tried.update(offered)
-        msg = m.Evict(rid=0, oids=[oid.binary for oid in offered], need=over)
-        try:
-            assert self.client is not None
-            reply = self.client.start(msg)
-        except DirectoryUnavailable:
-            return False
-        # The directory forgets the copies it agrees to as it answers, so
-        # they go whatever becomes of this call (cancelled, timed out):
-        # a copy kept past that would miss the object's deletion.
-        for oid in offered:
-            self._offered[oid] = reply
-        reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
-        try:
-            await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
-        except (Expired, DirectoryUnavailable):
-            return False
-        return True
-
-    def _trim_soon(self) -> None:
-        """An object made without asking for room first (an inline one, at
-        most `inline_threshold` bytes, or a reduce step's output that no
-        eviction could make room for) left this node over `store_bytes`:
-        evict in the background what the limit allows, as a get would."""
-        limit = self.config.store_bytes
-        if (limit and self.store.used > limit and self._trimming is None
-                and self._closed is None):
-            self._trimming = asyncio.get_running_loop().create_task(self._trim())
-
-    async def _trim(self) -> None:
-        try:
-            await self._make_room(0, "keeping the store within its limit", collect=False)
-        except HopliteError as exc:  # nothing may go now; the next call tries again
-            log.debug("store over its limit: %s", exc)
-        finally:
-            self._trimming = None
-
-    def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
-        """Free the copies the directory agreed to evict (it no longer counts them)."""
-        for oid in offered:
-            if self._offered.get(oid) is reply:
-                del self._offered[oid]
-        if reply.cancelled() or reply.exception() is not None:
-            return  # no answer: the directory kept them, or a new one hears of them
-        for raw in reply.result().get("evicted", ()):
-            oid = ObjectID(raw)
-            if self.store.get(oid) is not offered.get(oid):
-                continue  # (made here anew since: not the copy offered)
-            self.store.remove(oid, ObjectNotFound(
-                f"object {oid.hex()} was evicted from node {self.node_id} to make room "
-                "(HOPLITE_STORE_BYTES); get it again"))
-            self.evicted += 1
-            log.debug("evicted %s", oid.hex())
-
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write, and fresh
         copies no get has taken yet: none may be evicted."""
@@ -1033,7 +917,7 @@ class Node:
                 "pool_hits": self.store.pool.hits, "pooled_bytes": self.store.pool.pooled,
                 "pool_reclaimed": self.store.pool.reclaimed,
                 "held_bytes": self.store.held, "store_bytes": self.config.store_bytes,
-                "evicted": self.evicted,
+                "evicted": self.memory.evicted,
                 "failovers": len(self.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:
@@ -1149,7 +1033,7 @@ class Node:
                 or self.store.get(ObjectID(step["output"])) is not None):
             return
         try:
-            await self._make_room(layout.nbytes, "a reduce step")
+            await self.memory.make_room(layout.nbytes, "a reduce step")
         except StoreFull as exc:
             log.info("reduce step for %s goes over the store limit: %s",
                      ObjectID(step["output"]).hex(), exc)

@@ -10,8 +10,8 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
-from typing import Any, NamedTuple
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from hoplite_gpu.errors import (
     ProtocolError,
     ReduceFailed,
     RuntimeClosed,
-    StoreFull,
     Timeout,
     TransportError,
 )
@@ -40,11 +39,13 @@ from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
 from .engine import plan_for, run_plan
+from .holdings import complete_msg
 from .memory import Memory
 from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
 from .pull_modes import Sink
-from .reducer import run_step
+from .retry import Retry as _Retry
+from .steps import Steps
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer, PeerPool, fetch_range, map_object
 
@@ -54,20 +55,8 @@ log = logging.getLogger("hoplite_gpu.node")
 #: Ids per `delete_many` message (about 90 KB of them).
 _DELETE_BATCH = 4096
 
-class _Step(NamedTuple):
-    """A reduce step running here: its task and its command."""
-
-    task: asyncio.Task
-    msg: dict
-
-
 #: Why a pull's locate ran to its deadline (see `_locate`, `_await_pull`).
 _NOT_AVAILABLE = "nobody has put it yet, or every copy is busy"
-
-
-class _Retry(HopliteError):
-    """Internal: ask again (the object is being rebuilt elsewhere, or the pull a
-    get waited on ran to the deadline of a less patient get)."""
 
 
 #: How often a pulling node tells the directory how far it got.
@@ -75,8 +64,6 @@ _PROGRESS_EVERY_S = 0.1
 #: What a pull's sender may fail with: the pull reports it and asks again (a
 #: peer that sends what we cannot read is as good as lost).
 _PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
-#: Reduces this node asked for that it re-asks a restarted directory, at most.
-MAX_REMEMBERED_REDUCES = 4096
 #: Ids whose last drop a node remembers (see `Node.keep_inline`).
 _FORGOTTEN_KEPT = 4096
 
@@ -99,7 +86,7 @@ class Node:
         self.server = DataServer(self.store, token, config)
         # (a pull of an id this node dropped is refused at once, unless the
         # node is making it again: see `DataServer.making`)
-        self.server.making = lambda oid: oid in self._pulls or oid in self._steps \
+        self.server.making = lambda oid: oid in self._pulls or self.steps.making(oid) \
             or oid in self._puts
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
@@ -115,13 +102,9 @@ class Node:
         #: (object, when a pull failed, when bytes flowed again) of recent failovers
         self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
         self._failed_at: dict[ObjectID, float] = {}
-        #: reduce steps running here, by the object they produce
-        self._steps: dict[ObjectID, _Step] = {}
         self._heartbeat: asyncio.Task | None = None
         self._reconnector: asyncio.Task | None = None
         self._connected = asyncio.Event()
-        #: reduces this node asked for, re-sent to a restarted directory
-        self._my_reduces: dict[ObjectID, m.Reduce] = {}
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
@@ -138,8 +121,28 @@ class Node:
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
         self._releases: set[asyncio.Task] = set()
+        #: the reduce steps running here, and the reduces this node asked for
+        self.steps = Steps(self.store, self.pool, config, self.node_id,
+                           post=lambda msg: self._post(msg),
+                           request=lambda msg, timeout: self._request(msg, timeout),
+                           make_room=lambda need, what: self.memory.make_room(need, what),
+                           forgot_since=self._forgot_since)
         #: room in the store under `store_bytes` (evictions, trimming)
         self.memory = Memory(self.store, config, self.node_id, self._ask, self._step_reads)
+
+    @property
+    def _steps(self) -> Mapping[ObjectID, Any]:
+        """The reduce steps running here (read only: `Steps.running`)."""
+        return self.steps.running
+
+    @property
+    def _my_reduces(self) -> Mapping[ObjectID, m.Reduce]:
+        """The reduces re-asked of a restarted directory (read only: `Steps.remembered`)."""
+        return self.steps.remembered
+
+    def _forgot_since(self, oid: ObjectID, since: int) -> bool:
+        """Whether `oid` was forgotten here after `forgets` was `since`."""
+        return self._forgotten.get(oid, 0) > since
 
     @property
     def evicted(self) -> int:
@@ -174,7 +177,7 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
+        tasks = [*self._pulls.values(), *self.steps.close()]
         tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
         tasks += self.memory.close()
         tasks += self._releases
@@ -353,7 +356,7 @@ class Node:
                     raise
             if self.store.get(oid) is not obj:
                 return oid  # deleted while it was being copied
-            self._post(self._complete_msg(obj))
+            self._post(complete_msg(obj))
             log.debug("put %s: complete", oid.hex())
         return oid
 
@@ -458,7 +461,7 @@ class Node:
                     continue
                 # A final copy of a reduce's result: a restarted directory learns of
                 # it from its holders, so the reduce need not be asked for again.
-                self._my_reduces.pop(oid, None)
+                self.steps.settled(oid)
                 obj.used = time.monotonic()
                 return obj
         finally:
@@ -534,7 +537,7 @@ class Node:
             return
         obj = self.store.get(oid)
         if obj is not None and obj.complete:
-            self._post(self._complete_msg(obj))  # we hold it: free the sender's slot
+            self._post(complete_msg(obj))  # we hold it: free the sender's slot
             return
         self._start_pull(oid, time.monotonic() + self.config.timeout_s, msg)
 
@@ -611,13 +614,13 @@ class Node:
                 # Put here meanwhile: that copy is the object, not one to pull
                 # into; once it is whole, `complete` frees the sender's slot.
                 await obj.wait_ready(obj.size, max(0.001, deadline - time.monotonic()))
-                self._post(self._complete_msg(obj))
+                self._post(complete_msg(obj))
                 return obj
             if obj is None or obj.error is not None:
                 obj, mapped = await self._buffer_for(oid, layout, address)
                 if mapped:  # the sender's complete copy, mapped: nothing to pull
                     obj.reduce_tag = reply.get("reduce_tag")
-                    self._post(self._complete_msg(obj))
+                    self._post(complete_msg(obj))
                     return obj
             obj.reduce_tag = reply.get("reduce_tag")
             try:
@@ -630,7 +633,7 @@ class Node:
             except BaseException:
                 self._drop_partial(obj)
                 raise
-            self._post(self._complete_msg(obj))
+            self._post(complete_msg(obj))
             log.debug("pull %s: complete", oid.hex())
             return obj
 
@@ -768,15 +771,6 @@ class Node:
                           f"within {exc.args[0]:.3g}s") from None
         return int(body["head"])
 
-    def _complete_msg(self, obj: StoredObject) -> m.Complete:
-        # size and layout let a restarted directory learn of the object from
-        # this alone; `own`: put or made here, so a restarted directory counts
-        # it as an origin; `tag`: a reduce result's tree
-        host = not device.is_device_buffer(obj.buffer)
-        return m.Complete(oid=obj.oid.binary, size=obj.size, layout=obj.layout.to_wire(),
-                          own=obj.own, tag=obj.reduce_tag,
-                          print_=fingerprint(obj.buffer) if obj.own and host else None)
-
     async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
         """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
         sub-flow's failure is reported to the directory, and its rest moves
@@ -863,11 +857,7 @@ class Node:
         self._forgotten.move_to_end(oid)
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
-        if not isinstance(reason, _Retry):
-            self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
-        step = self._steps.pop(oid, None)
-        if step is not None:
-            step.task.cancel(str(reason))
+        self.steps.forget(oid, reason)
         self.store.remove(oid, reason)
         self._stop_serving(oid)
         self._cancel_pull(oid, reason)
@@ -891,11 +881,7 @@ class Node:
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write, and fresh
         copies no get has taken yet: none may be evicted."""
-        busy = set(self._steps) | self._fresh
-        for _, step in self._steps.values():
-            busy.add(ObjectID(step["input"]))
-            busy.update(ObjectID(child["oid"]) for child in step["children"])
-        return busy
+        return self.steps.busy() | self._fresh
 
     def _drop_partial(self, obj: StoredObject) -> None:
         """A pull given up: its copy goes if it is still ours (a put's stays)."""
@@ -930,113 +916,17 @@ class Node:
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
                      target: ObjectID, root_input: ObjectID | None = None,
                      relay: bool = False) -> ObjectID:
-        msg = self.reduce_msg(inputs, op, num_objects, target, root_input, relay)
-        # Remembered first: a call given up while the answer was on its way
-        # may have started the reduce, which a restarted directory must hear of.
-        before = self._my_reduces.get(target)
-        self.remember_reduce(target, msg)
-        try:
-            await self._request(msg, self.config.timeout_s)
-        except (asyncio.CancelledError, Timeout, DirectoryUnavailable):
-            raise
-        except BaseException:  # refused: nothing new to ask again
-            if self._my_reduces.get(target) is msg:
-                del self._my_reduces[target]
-                if before is not None:
-                    self._my_reduces[target] = before
-            raise
-        return target
+        return await self.steps.reduce(inputs, op, num_objects, target, root_input, relay)
 
-    @staticmethod
-    def reduce_msg(inputs: list[ObjectID], op: str, num_objects: int, target: ObjectID,
-                   root_input: ObjectID | None = None, relay: bool = False) -> m.Reduce:
-        return m.Reduce(rid=0, target=target.binary, inputs=[i.binary for i in inputs],
-                        op_name=op, num_objects=num_objects,
-                        root_input=None if root_input is None else root_input.binary, relay=relay)
+    reduce_msg = staticmethod(Steps.reduce_msg)
 
     def remember_reduce(self, target: ObjectID, msg: m.Reduce, since: int | None = None) -> None:
-        """Ask `msg` again of a restarted directory, until this node sees the
-        final result, deletes it or hears it dropped; the oldest are forgotten
-        past MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
-        non-root of `collectives.reduce`, would otherwise grow this forever).
-        `since`: see `keep_inline`."""
-        if since is not None and self._forgotten.get(target, 0) > since:
-            return  # deleted or dropped since it was asked: nothing to ask again
-        self._my_reduces[target] = msg
-        while len(self._my_reduces) > MAX_REMEMBERED_REDUCES:
-            del self._my_reduces[next(iter(self._my_reduces))]
+        """See `Steps.remember_reduce` (also called from a caller's thread's
+        direct reduce, on the loop)."""
+        self.steps.remember_reduce(target, msg, since)
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
-        body = await self._request(m.ReducedInputs(rid=0, target=target.binary), timeout)
-        # Done: its result's holder announces it to a restarted directory, so
-        # it need not be asked for again (a non-root rank of a collective
-        # reduce never holds the result, and is not the one that deletes it).
-        self._my_reduces.pop(target, None)
-        return [ObjectID(i) for i in body["inputs"]]
-
-    async def _reduce_step(self, step: dict) -> None:
-        if self._closed is not None:
-            return
-        target = step["target"]
-        try:
-            await self._room_for_step(step)
-            out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:
-            # a child died or stalled: the directory rebuilds the tree without it
-            log.info("reduce step for %s lost a child: %r", target.hex(), exc)
-            self._drop_unfinished(step)
-            self._post(m.StepLost(target=target, tag=step.get("tag"),
-                                  message=f"on node {self.node_id}: {type(exc).__name__}: {exc}"))
-            return
-        except Exception as exc:  # any other failure must reach every waiter, not vanish here
-            log.warning("reduce step for %s failed: %r", target.hex(), exc)
-            self._drop_unfinished(step)
-            self._post(m.ReduceFailed(target=target, tag=step.get("tag"),
-                                      message=f"a reduce step on node {self.node_id} failed: "
-                                              f"{type(exc).__name__}: {exc}"))
-            return
-        if step.get("early"):
-            # Its input was this position's early result, read by this step
-            # only: free it now rather than when the whole reduce ends.
-            self.store.remove(ObjectID(step["input"]), ObjectNotFound(
-                f"partial result {step['input'].hex()} was folded into the next one"))
-        if out.oid.binary == target:
-            self._post(self._complete_msg(out))
-        else:  # an intermediate result: its parent is already pulling it
-            self._post(m.Complete(oid=out.oid.binary))
-
-    def _drop_unfinished(self, step: dict) -> None:
-        """A failed step's output, if it is half made: nothing will finish it.
-        Its readers (a get here waiting on its watermark, a parent pulling
-        it) ask again. The directory drops it too when it rebuilds the tree,
-        but not on a node it has declared dead meanwhile, whose step may fail
-        only after it is back: such a copy would be kept, and taken by this
-        node's own gets for a put under way, for good."""
-        out = ObjectID(step["output"])
-        obj, mine = self.store.get(out), self._steps.get(out)
-        if (obj is not None and not obj.complete and not obj.receiving
-                and mine is not None and mine.msg is step):  # (not a newer step's)
-            self.store.remove(out, _Retry("its reduce step failed"))
-
-    async def _room_for_step(self, step: dict) -> None:
-        """Evict, as a get would, for the output a reduce step is about to
-        make (it makes it as soon as it starts, with no await between).
-        Nothing to do for a leaf (its output shares its input's buffer), an
-        output already here, or device memory. Where no eviction makes room
-        the step goes over the limit: failing would fail the reduce for every
-        rank over one node's cache, and later calls evict again."""
-        layout = Layout.from_wire(step["layout"])
-        leaf = not step["children"] and not int(step["count"])
-        if (leaf or not self.store.on_host(layout)
-                or self.store.get(ObjectID(step["output"])) is not None):
-            return
-        try:
-            await self.memory.make_room(layout.nbytes, "a reduce step")
-        except StoreFull as exc:
-            log.info("reduce step for %s goes over the store limit: %s",
-                     ObjectID(step["output"]).hex(), exc)
+        return await self.steps.reduced_inputs(target, timeout)
 
     # ------------------------------------------------------- reconnection ---
     def _directory_lost(self, reason: str) -> None:
@@ -1077,7 +967,7 @@ class Node:
 
     def _announce(self, client: DirectoryClient) -> None:
         for obj in self.store.objects():
-            if not obj.complete or obj.oid in self._steps:
+            if not obj.complete or self.steps.making(obj.oid):
                 continue
             if obj.size <= self.config.inline_threshold:
                 data = obj.buffer.tobytes()
@@ -1085,9 +975,8 @@ class Node:
                                    layout=obj.layout.to_wire(), inline=data,
                                    print_=fingerprint(data)))
             else:
-                client.post(self._complete_msg(obj))
-        for msg in self._my_reduces.values():
-            client.start(msg)  # "already exists" answers are fine: nobody waits
+                client.post(complete_msg(obj))
+        self.steps.announce(client)
         for name, version in self._channels.items():
             client.start(m.ChannelPublish(rid=0, name=name, version=version))
 
@@ -1106,37 +995,13 @@ class Node:
                      else ObjectNotFound(text))
             self._forget(oid, error)
         elif op == "reduce_step":
-            out = ObjectID(msg["output"])
-            old = self._steps.pop(out, None)
-            if old is not None:
-                old.task.cancel("replaced by a new step")
-            stale = self.store.get(out)
-            # (A first step into memory set aside by `receive_into` keeps it.)
-            fresh = stale is not None and stale.receiving and old is None and not stale.ready
-            # The target's id is the same in every tree: a copy made here by an
-            # earlier tree's root step (this node was declared dead meanwhile,
-            # and the step finished all the same) holds other inputs, complete
-            # or not, and must not be taken for this step's output.
-            earlier = (stale is not None and out.binary == msg["target"]
-                       and stale.reduce_tag is not None and stale.reduce_tag != msg.get("tag"))
-            if stale is not None and (not stale.complete or earlier) and not fresh:
-                # a partial result of an earlier tree (e.g. before a directory restart)
-                # may hold other inputs: start over; its readers ask again
-                self.store.remove(out, _Retry("the reduce restarted"))
-            task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
-            self._steps[out] = _Step(task, msg)
-            task.add_done_callback(lambda t, out=out: self._step_done(out, t))
+            self.steps.start(msg)
         elif op == "located":
             self._located(msg)
         elif op == "directory_lost":
             self._directory_lost(str(msg.get("reason")))
         else:
             log.warning("ignoring unknown push %r", op)
-
-    def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
-        step = self._steps.get(out)
-        if step is not None and step.task is task:
-            del self._steps[out]
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         task = self._pulls.get(oid)

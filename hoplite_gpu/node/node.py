@@ -4,7 +4,6 @@ tied to the directory. Every method runs on the node's event loop."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -26,11 +25,9 @@ from hoplite_gpu.errors import (
     ObjectExists,
     ObjectNotFound,
     PeerLost,
-    ProtocolError,
     ReduceFailed,
     RuntimeClosed,
     Timeout,
-    TransportError,
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
@@ -38,16 +35,14 @@ from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
-from .engine import plan_for, run_plan
 from .holdings import complete_msg
 from .memory import Memory
-from .plan import Plan, SubFlow
-from .pool import MIN_POOLED
-from .pull_modes import Sink
+from .plan import Plan
+from .pulls import Pulls
 from .retry import Retry as _Retry
 from .steps import Steps
 from .store import ChunkStore, StoredObject
-from .transfer import DataServer, PeerPool, fetch_range, map_object
+from .transfer import DataServer, PeerPool
 
 log = logging.getLogger("hoplite_gpu.node")
 
@@ -55,15 +50,8 @@ log = logging.getLogger("hoplite_gpu.node")
 #: Ids per `delete_many` message (about 90 KB of them).
 _DELETE_BATCH = 4096
 
-#: Why a pull's locate ran to its deadline (see `_locate`, `_await_pull`).
-_NOT_AVAILABLE = "nobody has put it yet, or every copy is busy"
 
 
-#: How often a pulling node tells the directory how far it got.
-_PROGRESS_EVERY_S = 0.1
-#: What a pull's sender may fail with: the pull reports it and asks again (a
-#: peer that sends what we cannot read is as good as lost).
-_PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
 #: Ids whose last drop a node remembers (see `Node.keep_inline`).
 _FORGOTTEN_KEPT = 4096
 
@@ -86,22 +74,10 @@ class Node:
         self.server = DataServer(self.store, token, config)
         # (a pull of an id this node dropped is refused at once, unless the
         # node is making it again: see `DataServer.making`)
-        self.server.making = lambda oid: oid in self._pulls or self.steps.making(oid) \
-            or oid in self._puts
+        self.server.making = self.making
         self.pool = PeerPool(token, config)
         self.client: DirectoryClient | None = None
-        self._pulls: dict[ObjectID, asyncio.Task] = {}
-        #: The gets waiting on each pull, woken by the pull itself as it ends.
-        self._pull_waiters: dict[ObjectID, list[asyncio.Future]] = {}
-        #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
-        self._pull_errors: dict[ObjectID, BaseException] = {}
-        #: the latest deadline of the gets waiting on each pull (a patient get
-        #: that joins a hasty one's pull extends it)
-        self._pull_deadlines: dict[ObjectID, float] = {}
         self._closed: BaseException | None = None
-        #: (object, when a pull failed, when bytes flowed again) of recent failovers
-        self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
-        self._failed_at: dict[ObjectID, float] = {}
         self._heartbeat: asyncio.Task | None = None
         self._reconnector: asyncio.Task | None = None
         self._connected = asyncio.Event()
@@ -113,14 +89,20 @@ class Node:
         #: can tell a drop that overtook the put (`keep_inline`)
         self.forgets = 0
         self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
-        #: inline copies a pull just stored for gets that have not taken them yet:
-        #: not evictable until one has (the eviction their store may start
-        #: runs before the gets do)
-        self._fresh: set[ObjectID] = set()
         #: puts under way here, each ended (set) when it has (`put`)
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
         self._releases: set[asyncio.Task] = set()
+        #: the pulls running here, shared by the gets of each object
+        self.pulls = Pulls(self.store, self.pool, config,
+                           post=lambda msg: self._post(msg),
+                           wait_reply=lambda msg, deadline: self._wait_reply(msg, deadline),
+                           room=lambda layout, what: self.memory.room(layout, what),
+                           trim_soon=lambda: self.memory.trim_soon(),
+                           offered=lambda oid: self.memory.offered(oid),
+                           settled=lambda oid: self.steps.settled(oid),
+                           let_go=self._let_go,
+                           forgets=lambda: self.forgets, forgot_since=self._forgot_since)
         #: the reduce steps running here, and the reduces this node asked for
         self.steps = Steps(self.store, self.pool, config, self.node_id,
                            post=lambda msg: self._post(msg),
@@ -129,6 +111,34 @@ class Node:
                            forgot_since=self._forgot_since)
         #: room in the store under `store_bytes` (evictions, trimming)
         self.memory = Memory(self.store, config, self.node_id, self._ask, self._step_reads)
+
+    def making(self, oid: ObjectID) -> bool:
+        """Whether `oid` is being made here (pulled, reduced or put): a pull
+        of an id this node dropped is refused at once unless it is
+        (`DataServer.making`)."""
+        return self.pulls.making(oid) or self.steps.making(oid) or oid in self._puts
+
+    @property
+    def failovers(self) -> deque[tuple[ObjectID, float, float]]:
+        """(object, when a pull failed, when bytes flowed again) of recent failovers."""
+        return self.pulls.failovers
+
+    # (read only, for tests: the pulls' tables)
+    @property
+    def _pulls(self) -> Mapping[ObjectID, asyncio.Task]:
+        return self.pulls.running
+
+    @property
+    def _pull_waiters(self) -> Mapping[ObjectID, list[asyncio.Future]]:
+        return self.pulls.waiters
+
+    @property
+    def _pull_errors(self) -> Mapping[ObjectID, BaseException]:
+        return self.pulls.errors
+
+    @property
+    def _failed_at(self) -> Mapping[ObjectID, float]:
+        return self.pulls.failed_at
 
     @property
     def _steps(self) -> Mapping[ObjectID, Any]:
@@ -177,7 +187,7 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self._pulls.values(), *self.steps.close()]
+        tasks = [*self.pulls.close(self._closed), *self.steps.close()]
         tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
         tasks += self.memory.close()
         tasks += self._releases
@@ -437,293 +447,11 @@ class Node:
     async def fetch(self, oid: ObjectID, timeout: float,
                     asked: float | None = None) -> StoredObject:
         """Make `oid` complete in the local store (pulling it if needed) and return it."""
-        self._check_open()
-        deadline = time.monotonic() + timeout
-        timeout = timeout if asked is None else asked  # (from here on: for messages)
-        try:
-            while True:
-                obj = self.store.get(oid)
-                offered = self.memory.offered(oid) if obj is not None else None
-                if offered is not None:
-                    # Our copy is being offered for eviction: a view handed out now
-                    # would outlive it uncounted. Its fate first, then look again.
-                    await asyncio.wait({offered}, timeout=max(0.0, deadline - time.monotonic()))
-                    if offered.done():
-                        continue
-                if obj is None or not obj.complete:
-                    try:
-                        obj = await self._await_pull(oid, deadline, timeout)
-                    except _Retry:
-                        continue  # the object is being rebuilt (a reduce restarted): ask again
-                if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
-                    if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
-                        self._let_go(oid, _Retry("the reduce restarted"))
-                    continue
-                # A final copy of a reduce's result: a restarted directory learns of
-                # it from its holders, so the reduce need not be asked for again.
-                self.steps.settled(oid)
-                obj.used = time.monotonic()
-                return obj
-        finally:
-            # (a caller views the copy before it next awaits, or has given up)
-            self._fresh.discard(oid)
-
-    async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
-        """Is this complete copy of a reduce result from the tree that finished?
-        A failover can rebuild the tree after our copy completed but before the
-        directory heard that its root did; that copy would not match
-        `reduced_inputs`. Confirmed once, the copy is final."""
-        tag = obj.reduce_tag
-        msg = m.ReduceConfirm(rid=0, target=obj.oid.binary, tag=tag)
-        try:
-            current = bool((await self._wait_reply(msg, deadline))["current"])
-        except Timeout:
-            raise Timeout(f"get of object {obj.oid.hex()}: the reduce producing it did not "
-                          f"finish within {timeout:g}s") from None
-        if current and obj.reduce_tag == tag:
-            obj.reduce_tag = None
-        return current
-
-    async def _await_pull(self, oid: ObjectID, deadline: float, timeout: float) -> StoredObject:
-        """Join the pull of `oid` (starting it if none runs). Each get waits on
-        its own future, so its deadline or cancellation leaves the pull, which
-        other gets may share, running."""
-        loop = asyncio.get_running_loop()
-        if oid not in self._pulls:
-            self._start_pull(oid, deadline)
-        else:
-            self._pull_deadlines[oid] = max(self._pull_deadlines.get(oid, deadline), deadline)
-        waiter = loop.create_future()
-        waiters = self._pull_waiters[oid]
-        waiters.append(waiter)
-        try:
-            # A little later than the pull's own deadline, so its more precise error wins.
-            return await until(waiter, deadline + 0.25)
-        except Timeout as exc:
-            if time.monotonic() < deadline - 0.01:
-                raise _Retry from None  # the pull ran to the deadline of a less patient get
-            if getattr(exc, "not_available", False):  # (in this get's own terms: a
-                # pull it joined, or asked again, started after it)
-                raise Timeout(f"object {oid.hex()} was not available within {timeout:g}s: "
-                              f"{_NOT_AVAILABLE}") from None
-            raise  # the pull's own, more precise deadline error
-        except Expired:
-            raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
-        finally:
-            if (not waiter.done() or waiter.cancelled()
-                    or isinstance(waiter.exception(), Expired)):  # this get gave up
-                waiters.remove(waiter)
-                if not waiters and self._pull_waiters.get(oid) is waiters:
-                    # the last one: nobody wants this pull any more (a get that
-                    # joins it as it ends asks again)
-                    self._cancel_pull(oid, _Retry(
-                        f"the pull of object {oid.hex()} was abandoned by its gets"))
-
-    def _start_pull(self, oid: ObjectID, deadline: float, located: dict | None = None) -> None:
-        self._pull_errors.pop(oid, None)  # from an earlier pull of this id
-        self._pull_deadlines[oid] = deadline
-        self._pull_waiters[oid] = []
-        task = asyncio.get_running_loop().create_task(self._run_pull(oid, deadline, located))
-        self._pulls[oid] = task
-        task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
-
-    def _located(self, msg: dict) -> None:
-        """The directory's answer to a locate one of our threads asked
-        directly (`hoplite_gpu.direct`): pull now, from the sender it names;
-        the thread's get joins this pull. A pull already running asked (or
-        will ask) the directory itself, which then superseded this answer."""
-        oid = ObjectID(msg["oid"])
-        if self._closed is not None or oid in self._pulls:
-            return
-        obj = self.store.get(oid)
-        if obj is not None and obj.complete:
-            self._post(complete_msg(obj))  # we hold it: free the sender's slot
-            return
-        self._start_pull(oid, time.monotonic() + self.config.timeout_s, msg)
-
-    async def _run_pull(self, oid: ObjectID, deadline: float,
-                        located: dict | None = None) -> StoredObject:
-        """The pull, waking its waiters in the same step it ends in (no extra
-        loop iteration for a done-callback)."""
-        me = asyncio.current_task()
-        try:
-            obj = await self._pull(oid, deadline, located)
-        except asyncio.CancelledError:
-            self._pull_ended(oid, me, self._abandoned(oid))
-            raise
-        except BaseException as exc:
-            self._pull_ended(oid, me, exc)
-            raise
-        self._pull_ended(oid, me, result=obj)
-        return obj
-
-    def _abandoned(self, oid: ObjectID) -> BaseException:
-        return self._pull_errors.get(oid) or self._closed or ObjectNotFound(
-            f"the pull of object {oid.hex()} was abandoned")
-
-    def _pull_ended(self, oid: ObjectID, task: asyncio.Task | None,
-                    error: BaseException | None = None, result: StoredObject | None = None) -> None:
-        """Forget the pull and wake its waiters; also the done-callback, for a
-        pull cancelled before it ran (its body then never starts)."""
-        if task is not None and task.done() and not task.cancelled():
-            task.exception()  # retrieved: the waiters re-raise it
-        if task is None or self._pulls.get(oid) is not task:
-            return
-        del self._pulls[oid]
-        if result is None and error is None:
-            if task.cancelled():
-                error = self._abandoned(oid)
-            elif (error := task.exception()) is None:
-                result = task.result()
-        # (this pull's leftovers: none may outlive it)
-        self._pull_errors.pop(oid, None)
-        self._failed_at.pop(oid, None)
-        self._pull_deadlines.pop(oid, None)
-        for waiter in self._pull_waiters.pop(oid, ()):
-            if not waiter.done():
-                if error is not None:
-                    waiter.set_exception(error)
-                else:
-                    waiter.set_result(result)
-
-    async def _pull(self, oid: ObjectID, deadline: float,
-                    located: dict | None = None) -> StoredObject:
-        self._check_open()
-        failures = 0
-        while True:
-            deadline = self._pull_deadlines.get(oid, deadline)  # (a patient get may have joined)
-            reply = located if located is not None else await self._locate(oid, deadline)
-            located = None
-            log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
-            layout = Layout.from_wire(reply["layout"])
-            if "inline" in reply:
-                self._fresh.add(oid)
-                return self._store_inline(oid, layout, reply["inline"])
-            obj = self.store.get(oid)
-            if reply.get("local"):
-                if layout.nbytes == 0:
-                    obj = obj or self.store.create(oid, layout)
-                    return obj
-                if obj is not None and obj.complete:
-                    return obj
-                # The directory thinks we hold it but we do not: correct it, ask again.
-                self._post(m.Dropped(oid=oid.binary))
-                continue
-            sender, address = reply["sender"], reply["address"]
-            if obj is not None and obj.own and obj.error is None:
-                # Put here meanwhile: that copy is the object, not one to pull
-                # into; once it is whole, `complete` frees the sender's slot.
-                await obj.wait_ready(obj.size, max(0.001, deadline - time.monotonic()))
-                self._post(complete_msg(obj))
-                return obj
-            if obj is None or obj.error is not None:
-                obj, mapped = await self._buffer_for(oid, layout, address)
-                if mapped:  # the sender's complete copy, mapped: nothing to pull
-                    obj.reduce_tag = reply.get("reduce_tag")
-                    self._post(complete_msg(obj))
-                    return obj
-            obj.reduce_tag = reply.get("reduce_tag")
-            try:
-                await self.pull_plan(obj, plan_for(obj, sender, address))
-            except _PEER_FAILURES:  # (reported: `_flow_failed`)
-                failures += 1
-                if not await self._retry_after(obj, failures, deadline):
-                    raise
-                continue
-            except BaseException:
-                self._drop_partial(obj)
-                raise
-            self._post(complete_msg(obj))
-            log.debug("pull %s: complete", oid.hex())
-            return obj
-
-    async def _buffer_for(self, oid: ObjectID, layout: Layout,
-                          address: str) -> tuple[StoredObject, bool]:
-        """The copy to pull `oid` into, and whether it is already whole: a
-        same-host sender's complete copy kept mapped (True), or a buffer here."""
-        try:
-            async with self.memory.room(layout, f"get of object {oid.hex()}"):
-                mapped = await self._map_from(oid, layout, address)
-                if mapped is not None:
-                    return mapped, True
-                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                if obj is None or obj.error is not None:
-                    obj = self.store.create(oid, layout)
-                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
-                return obj, False
-        except BaseException:
-            self._post(m.Dropped(oid=oid.binary))  # free the sender's slot
-            raise
-
-    async def _retry_after(self, obj: StoredObject, failures: int, deadline: float) -> bool:
-        """After the `failures`-th failed attempt to fill `obj`: False past the
-        pull's deadline (the copy is let go: receivers pulling from it fail
-        over at once), else True after a short back-off (the directory may
-        hand us the same sender again)."""
-        deadline = self._pull_deadlines.get(obj.oid, deadline)
-        if time.monotonic() >= deadline:
-            self._let_go(obj.oid)
-            return False
-        try:
-            await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
-                                    max(0.0, deadline - time.monotonic())))
-        except BaseException:  # given up here: the partial copy goes, as in `_pull`
-            self._drop_partial(obj)
-            raise
-        return True
-
-    async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:
-        """Keep a same-host sender's complete copy as ours, mapped read-only
-        (`transfer.map_object`): None where that cannot be (then pull)."""
-        if (not self.config.shared_memory or layout.nbytes < MIN_POOLED
-                or (layout.kind == "device" and device.gpu_present())):
-            return None
-        try:
-            mapped = await map_object(self.pool, address, oid, layout.nbytes, self.config)
-        except (HopliteError, OSError) as exc:  # the pull that follows meets it too, and fails over
-            log.info("mapping %s from %s failed: %s", oid.hex(), address, exc)
-            return None
-        if mapped is None:
-            return None
-        existing = self.store.get(oid)
-        if existing is not None and existing.error is None:
-            return None  # made here while we asked (`receive_into`, a put): keep that one
-        obj = self.store.create(oid, layout, np.frombuffer(mapped, dtype=np.uint8))
-        obj.advance(obj.size)
-        return obj
-
-    async def _locate(self, oid: ObjectID, deadline: float) -> dict:
-        since = self.forgets
-        try:
-            return await self._wait_reply(m.Locate(rid=0, oid=oid.binary), deadline)
-        except Timeout as exc:
-            self._withdrawn(oid)
-            late = Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
-                           f"{_NOT_AVAILABLE}")
-            late.not_available = True  # (said in the get's own terms by `_await_pull`)
-            raise late from None
-        except asyncio.CancelledError:
-            # Cancelled by a drop or delete (`_forget`), the directory forgot
-            # this node's part already, and may have made it a holder anew
-            # since (a restarted reduce's root): then nothing is withdrawn.
-            if self._forgotten.get(oid, 0) <= since:
-                self._withdrawn(oid)
-            raise
+        return await self.pulls.fetch(oid, timeout, asked)
 
     def withdraw(self, oid: ObjectID) -> None:
         """A direct call's put given up after it was sent (`hoplite_gpu.direct`)."""
-        self._withdrawn(oid)
-
-    def _withdrawn(self, oid: ObjectID) -> None:
-        """A locate given up. The directory may have named a sender just
-        before (made this node a holder pulling from it, in one of that
-        sender's slots), and its answer is dropped unread: `dropped` frees
-        that (a non-holder's is ignored). A partial copy of an earlier try
-        goes too; a copy made here (a put still copying, a reduce step's
-        output, a caller's receiving array) stays."""
-        obj = self.store.get(oid)
-        if obj is None or not (obj.complete or obj.own or obj.receiving):
-            self._let_go(oid)
+        self.pulls.withdrawn(oid)
 
     async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
         """A request the directory may answer much later (it waits for something to
@@ -772,34 +500,8 @@ class Node:
         return int(body["head"])
 
     async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
-        """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
-        sub-flow's failure is reported to the directory, and its rest moves
-        to another of the plan's senders; with none left, this raises."""
-        await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
-                       functools.partial(self._flow_failed, obj), _PEER_FAILURES)
-
-    def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
-        log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
-                 obj.ready, exc)
-        self._failed_at.setdefault(obj.oid, time.time())
-        self._post(m.Failed(oid=obj.oid.binary, sender=flow.sender, have=obj.ready))
-
-    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
-        """Pull one sub-flow of `obj`, telling the directory now and then how
-        much of the object is ready here (relays may start from it)."""
-        last = [time.monotonic()]
-
-        def progress(pos: int) -> None:
-            failed_at = self._failed_at.pop(obj.oid, None)
-            if failed_at is not None:
-                self.failovers.append((obj.oid, failed_at, time.time()))
-            now = time.monotonic()
-            if now - last[0] >= _PROGRESS_EVERY_S:
-                last[0] = now
-                self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
-
-        await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
-                          start=flow.start, sink=sink)
+        """Fill `obj` (in the store) as `plan` says (see `Pulls.pull_plan`)."""
+        await self.pulls.pull_plan(obj, plan)
 
     def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
         """Hold an inline object that a caller's thread put directly (registered
@@ -810,17 +512,7 @@ class Node:
         of the id would take for its own and not register."""
         if (self._closed is None and self.store.get(oid) is None
                 and self._forgotten.get(oid, 0) <= since):
-            self._store_inline(oid, layout, data).own = True
-
-    def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
-        obj = self.store.get(oid)
-        if obj is None or obj.error is not None:
-            obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
-            self.memory.trim_soon()
-        elif not obj.complete:  # a caller's array to receive into (`receive_into`)
-            obj.buffer[:] = np.frombuffer(data, dtype=np.uint8)
-        obj.advance(obj.size)
-        return obj
+            self.pulls.store_inline(oid, layout, data).own = True
 
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
@@ -881,12 +573,7 @@ class Node:
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write, and fresh
         copies no get has taken yet: none may be evicted."""
-        return self.steps.busy() | self._fresh
-
-    def _drop_partial(self, obj: StoredObject) -> None:
-        """A pull given up: its copy goes if it is still ours (a put's stays)."""
-        if self.store.get(obj.oid) is obj and not obj.own:
-            self._let_go(obj.oid)
+        return self.steps.busy() | self.pulls.busy()
 
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
@@ -904,7 +591,7 @@ class Node:
                 "pool_reclaimed": self.store.pool.reclaimed,
                 "held_bytes": self.store.held, "store_bytes": self.config.store_bytes,
                 "evicted": self.memory.evicted,
-                "failovers": len(self.failovers)}
+                "failovers": len(self.pulls.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:
         return await self._request(m.Query(rid=0, oid=oid.binary), self.config.timeout_s)
@@ -962,8 +649,7 @@ class Node:
             log.warning("reconnected to the directory at %s", self.directory_address)
             return
         err = PeerLost(f"the directory at {self.directory_address} stayed unreachable")
-        for oid in list(self._pulls):
-            self._cancel_pull(oid, err)
+        self.pulls.cancel_all(err)
 
     def _announce(self, client: DirectoryClient) -> None:
         for obj in self.store.objects():
@@ -997,18 +683,14 @@ class Node:
         elif op == "reduce_step":
             self.steps.start(msg)
         elif op == "located":
-            self._located(msg)
+            self.pulls.located(msg)
         elif op == "directory_lost":
             self._directory_lost(str(msg.get("reason")))
         else:
             log.warning("ignoring unknown push %r", op)
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
-        task = self._pulls.get(oid)
-        if task is not None and not task.done():
-            self._pull_errors[oid] = reason
-            task.cancel(str(reason))
-
+        self.pulls.cancel(oid, reason)
 
 
 def advertised(address: str, directory_address: str) -> str:

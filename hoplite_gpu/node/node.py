@@ -18,13 +18,11 @@ from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
-from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import (
     DirectoryUnavailable,
     HopliteError,
     ObjectExists,
     ObjectNotFound,
-    PeerLost,
     ReduceFailed,
     RuntimeClosed,
     Timeout,
@@ -36,6 +34,7 @@ from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
 from .holdings import complete_msg
+from .link import DirectoryLink
 from .memory import Memory
 from .plan import Plan
 from .pulls import Pulls
@@ -62,8 +61,7 @@ class Node:
         self.token = token
         # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT).
         scheme, host, port = split_address(directory_address, config.control_transport)
-        self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
-            f"{scheme}://{host}:{port}"
+        address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
             config = self.config = config.replace(shared_memory=False)
@@ -76,11 +74,11 @@ class Node:
         # node is making it again: see `DataServer.making`)
         self.server.making = self.making
         self.pool = PeerPool(token, config)
-        self.client: DirectoryClient | None = None
         self._closed: BaseException | None = None
-        self._heartbeat: asyncio.Task | None = None
-        self._reconnector: asyncio.Task | None = None
-        self._connected = asyncio.Event()
+        #: the directory: requests, notices, heartbeat, reconnection, pushes
+        self.link = DirectoryLink(address, token, self.node_id, config,
+                                  announce=self._announce,
+                                  gone=lambda error: self.pulls.cancel_all(error))
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
@@ -110,13 +108,35 @@ class Node:
                            make_room=lambda need, what: self.memory.make_room(need, what),
                            forgot_since=self._forgot_since)
         #: room in the store under `store_bytes` (evictions, trimming)
-        self.memory = Memory(self.store, config, self.node_id, self._ask, self._step_reads)
+        self.memory = Memory(self.store, config, self.node_id,
+                             lambda msg: self.link.ask(msg), self._step_reads)
+        self.link.handle("drop", self._on_drop)
+        self.link.handle("reduce_step", self.steps.start)
+        self.link.handle("located", self.pulls.located)
 
     def making(self, oid: ObjectID) -> bool:
         """Whether `oid` is being made here (pulled, reduced or put): a pull
         of an id this node dropped is refused at once unless it is
         (`DataServer.making`)."""
         return self.pulls.making(oid) or self.steps.making(oid) or oid in self._puts
+
+    @property
+    def client(self) -> DirectoryClient | None:
+        """The directory client now connected (a new one after each reconnection)."""
+        return self.link.client
+
+    @property
+    def directory_address(self) -> str:
+        return self.link.address
+
+    @directory_address.setter
+    def directory_address(self, address: str) -> None:  # (where a reconnection dials)
+        self.link.address = address
+
+    # (read only, for tests: the link's state)
+    @property
+    def _connected(self) -> asyncio.Event:
+        return self.link.connected
 
     @property
     def failovers(self) -> deque[tuple[ObjectID, float, float]]:
@@ -165,30 +185,14 @@ class Node:
         self._data_address = address = advertised(self.server.address, self.directory_address)
         if self.config.shared_memory:
             self.server.listen_local(address)  # pullers on this host find it by that address
-        self.client = await DirectoryClient.connect(
-            self.directory_address, token=self.token, node=self.node_id,
-            data_address=address,
-            timeout=self.config.connect_timeout_s, on_push=self._on_push,
-            stall_s=self.config.stall_timeout_s)
-        self._connected.set()
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-
-    async def _beat(self) -> None:
-        """Renew this node's lease; a node that stops beating is declared dead.
-        Beats come at least three times per lease of the directory's (its
-        settings count, not this process's)."""
-        while True:
-            lease = self.client.lease_s if self.client is not None else None
-            interval = self.config.heartbeat_interval_s
-            await asyncio.sleep(interval if lease is None else min(interval, lease / 3))
-            self._post(m.Ping())
+        await self.link.connect(address)
 
     async def close(self) -> None:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
         tasks = [*self.pulls.close(self._closed), *self.steps.close()]
-        tasks += [t for t in (self._heartbeat, self._reconnector) if t is not None]
+        tasks += self.link.stop(self._closed)
         tasks += self.memory.close()
         tasks += self._releases
         for task in tasks:
@@ -196,8 +200,7 @@ class Node:
         await asyncio.gather(*tasks, return_exceptions=True)
         self.store.close(self._closed)
         self.store.pool.clear()  # (its buffers, and the descriptors of shared ones, go now)
-        if self.client is not None:
-            await self.client.close()
+        await self.link.close()
         await self.pool.close()
         await self.server.close()
 
@@ -205,42 +208,19 @@ class Node:
         if self._closed is not None:
             raise self._closed
 
+    # (Directory calls of the node's parts go through these, so that a test
+    # may stand in for one on the node.)
     def _post(self, msg: m.Message | dict) -> None:
-        """A one-way notice to the directory (lost if it is away; holdings are
-        re-announced when we reconnect)."""
-        if self.client is not None:
-            self.client.post(msg)
-
-    def _ask(self, msg: m.Request) -> asyncio.Future:
-        """Start a request to the directory, its answer a future (no wait, no
-        asking again: DirectoryUnavailable while it is away)."""
-        assert self.client is not None
-        return self.client.start(msg)
+        """A one-way notice to the directory (`DirectoryLink.post`)."""
+        self.link.post(msg)
 
     async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
-        """A request to the directory; if the directory goes away, wait for the
-        reconnection and ask again, all within `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_open()
-            try:
-                assert self.client is not None
-                return await self.client.request(msg, max(0.001, deadline - time.monotonic()))
-            except DirectoryUnavailable:
-                await self._wait_connected(deadline)
+        """A request to the directory, asked again after a reconnection (`DirectoryLink.request`)."""
+        return await self.link.request(msg, timeout)
 
-    async def _wait_connected(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DirectoryUnavailable("the directory is unreachable and the deadline passed")
-        try:
-            async with asyncio.timeout(remaining):
-                await self._connected.wait()
-        except TimeoutError:
-            raise DirectoryUnavailable(
-                f"the directory at {self.directory_address} stayed unreachable until the "
-                "deadline") from None
-        self._check_open()
+    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
+        """A request answered when something exists (`DirectoryLink.wait_reply`)."""
+        return await self.link.wait_reply(msg, deadline)
 
     # ---------------------------------------------------------------- put ---
     async def put(self, value: Any, oid: ObjectID, *, lend: bool = False,
@@ -453,29 +433,6 @@ class Node:
         """A direct call's put given up after it was sent (`hoplite_gpu.direct`)."""
         self.pulls.withdrawn(oid)
 
-    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
-        """A request the directory may answer much later (it waits for something to
-        exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
-        if the directory goes away meanwhile, the request is asked again of the new one."""
-        started = time.monotonic()
-        while True:
-            self._check_open()
-            client = self.client
-            assert client is not None
-            rid = client.next_id()
-            try:
-                return raise_for_error(await until(client.start(msg, rid), deadline))
-            except DirectoryUnavailable:
-                await self._wait_connected(deadline)  # then ask the new directory
-            except Expired:
-                client.forget(rid)
-                client.post(m.Cancel(request=rid))
-                raise Timeout(max(0.0, deadline - started)) from None
-            except asyncio.CancelledError:  # withdraw the request, or it waits on
-                client.forget(rid)
-                client.post(m.Cancel(request=rid))
-                raise
-
     # ----------------------------------------------------------- channels ---
     def channel_seen(self, name: str, version: int) -> None:
         """`version` of channel `name` is complete here (fetched or published):
@@ -616,41 +573,6 @@ class Node:
         return await self.steps.reduced_inputs(target, timeout)
 
     # ------------------------------------------------------- reconnection ---
-    def _directory_lost(self, reason: str) -> None:
-        if self._closed is not None or not self._connected.is_set():
-            return
-        self._connected.clear()
-        log.warning("lost the directory (%s); reconnecting", reason)
-        self._reconnector = asyncio.get_running_loop().create_task(self._reconnect())
-
-    async def _reconnect(self) -> None:
-        """Reconnect with backoff, then tell the new directory what we hold: the
-        directory keeps only soft state, so nodes rebuild it."""
-        deadline = time.monotonic() + self.config.timeout_s
-        delay = 0.05
-        old = self.client
-        while self._closed is None and time.monotonic() < deadline:
-            try:
-                client = await DirectoryClient.connect(
-                    self.directory_address, token=self.token, node=self.node_id,
-                    data_address=self._data_address,
-                    timeout=self.config.connect_timeout_s, on_push=self._on_push,
-                    stall_s=self.config.stall_timeout_s)
-            except HopliteError as exc:
-                log.info("reconnect to %s failed: %s", self.directory_address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            self.client = client
-            if old is not None:
-                await old.close()
-            self._announce(client)
-            self._connected.set()
-            log.warning("reconnected to the directory at %s", self.directory_address)
-            return
-        err = PeerLost(f"the directory at {self.directory_address} stayed unreachable")
-        self.pulls.cancel_all(err)
-
     def _announce(self, client: DirectoryClient) -> None:
         for obj in self.store.objects():
             if not obj.complete or self.steps.making(obj.oid):
@@ -668,26 +590,20 @@ class Node:
 
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:
-        op = msg.get("op")
-        if op == "drop":
-            oid = ObjectID(msg["oid"])
-            text = msg.get("reason", f"object {oid.hex()} was dropped")
-            if msg.get("retry") and oid in self._puts:
-                # (a completion of ours that crossed a removal is dropped with
-                # `retry`; a put of the id under way here came after it)
-                return
-            error = (_Retry(text) if msg.get("retry")
-                     else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
-                     else ObjectNotFound(text))
-            self._forget(oid, error)
-        elif op == "reduce_step":
-            self.steps.start(msg)
-        elif op == "located":
-            self.pulls.located(msg)
-        elif op == "directory_lost":
-            self._directory_lost(str(msg.get("reason")))
-        else:
-            log.warning("ignoring unknown push %r", op)
+        """A push from the directory (`DirectoryLink.on_push`)."""
+        self.link.on_push(msg)
+
+    def _on_drop(self, msg: dict) -> None:
+        oid = ObjectID(msg["oid"])
+        text = msg.get("reason", f"object {oid.hex()} was dropped")
+        if msg.get("retry") and oid in self._puts:
+            # (a completion of ours that crossed a removal is dropped with
+            # `retry`; a put of the id under way here came after it)
+            return
+        error = (_Retry(text) if msg.get("retry")
+                 else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
+                 else ObjectNotFound(text))
+        self._forget(oid, error)
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         self.pulls.cancel(oid, reason)

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -33,6 +33,7 @@ from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
+from .forgotten import Forgotten
 from .holdings import complete_msg
 from .link import DirectoryLink
 from .memory import Memory
@@ -50,9 +51,6 @@ log = logging.getLogger("hoplite_gpu.node")
 _DELETE_BATCH = 4096
 
 
-
-#: Ids whose last drop a node remembers (see `Node.keep_inline`).
-_FORGOTTEN_KEPT = 4096
 
 
 class Node:
@@ -82,11 +80,10 @@ class Node:
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
-        #: `_forget`s so far, and the count at the last one of each recent id:
-        #: a caller's thread reads the count before its direct put, so the loop
-        #: can tell a drop that overtook the put (`keep_inline`)
-        self.forgets = 0
-        self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
+        #: `_forget`s so far, and when each recent id was: a caller's thread
+        #: reads the count before its direct put, so the loop can tell a
+        #: drop that overtook the put (`keep_inline`)
+        self.forgotten = Forgotten()
         #: puts under way here, each ended (set) when it has (`put`)
         self._puts: dict[ObjectID, asyncio.Future] = {}
         #: serves of objects that left the store, being stopped (`_stop_serving`)
@@ -100,13 +97,14 @@ class Node:
                            offered=lambda oid: self.memory.offered(oid),
                            settled=lambda oid: self.steps.settled(oid),
                            let_go=self._let_go,
-                           forgets=lambda: self.forgets, forgot_since=self._forgot_since)
+                           forgets=lambda: self.forgotten.count,
+                           forgot_since=self.forgotten.since)
         #: the reduce steps running here, and the reduces this node asked for
         self.steps = Steps(self.store, self.pool, config, self.node_id,
                            post=lambda msg: self._post(msg),
                            request=lambda msg, timeout: self._request(msg, timeout),
                            make_room=lambda need, what: self.memory.make_room(need, what),
-                           forgot_since=self._forgot_since)
+                           forgot_since=self.forgotten.since)
         #: room in the store under `store_bytes` (evictions, trimming)
         self.memory = Memory(self.store, config, self.node_id,
                              lambda msg: self.link.ask(msg), self._step_reads)
@@ -170,9 +168,10 @@ class Node:
         """The reduces re-asked of a restarted directory (read only: `Steps.remembered`)."""
         return self.steps.remembered
 
-    def _forgot_since(self, oid: ObjectID, since: int) -> bool:
-        """Whether `oid` was forgotten here after `forgets` was `since`."""
-        return self._forgotten.get(oid, 0) > since
+    @property
+    def forgets(self) -> int:
+        """`_forget`s so far (safe to read from any thread: `Forgotten.count`)."""
+        return self.forgotten.count
 
     @property
     def evicted(self) -> int:
@@ -468,7 +467,7 @@ class Node:
         it would leave a copy the directory does not know, which a later put
         of the id would take for its own and not register."""
         if (self._closed is None and self.store.get(oid) is None
-                and self._forgotten.get(oid, 0) <= since):
+                and not self.forgotten.since(oid, since)):
             self.pulls.store_inline(oid, layout, data).own = True
 
     # ------------------------------------------------------------- delete ---
@@ -501,11 +500,7 @@ class Node:
     def _forget(self, oid: ObjectID, reason: BaseException) -> None:
         """Everything of `oid` on this node ends: its reduce step, its copy, its
         pull, and (unless it is being rebuilt) the reduce we would re-ask for."""
-        self.forgets += 1
-        self._forgotten[oid] = self.forgets
-        self._forgotten.move_to_end(oid)
-        while len(self._forgotten) > _FORGOTTEN_KEPT:
-            self._forgotten.popitem(last=False)
+        self.forgotten.record(oid)
         self.steps.forget(oid, reason)
         self.store.remove(oid, reason)
         self._stop_serving(oid)

@@ -14,21 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.errors import (
-    DirectoryUnavailable,
-    HopliteError,
-    ObjectExists,
     ObjectNotFound,
     ReduceFailed,
     RuntimeClosed,
     Timeout,
 )
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
@@ -39,6 +34,7 @@ from .link import DirectoryLink
 from .memory import Memory
 from .plan import Plan
 from .pulls import Pulls
+from .puts import Puts
 from .retry import Retry as _Retry
 from .steps import Steps
 from .store import ChunkStore, StoredObject
@@ -84,8 +80,14 @@ class Node:
         #: reads the count before its direct put, so the loop can tell a
         #: drop that overtook the put (`keep_inline`)
         self.forgotten = Forgotten()
-        #: puts under way here, each ended (set) when it has (`put`)
-        self._puts: dict[ObjectID, asyncio.Future] = {}
+        #: puts under way here
+        self.puts = Puts(self.store, self.server, config,
+                         request=lambda msg, timeout: self._request(msg, timeout),
+                         post=lambda msg: self._post(msg),
+                         room=lambda layout, what: self.memory.room(layout, what),
+                         trim_soon=lambda: self.memory.trim_soon(),
+                         let_go=self._let_go, forget=self._forget,
+                         stop_serving=self._stop_serving, check_open=self._check_open)
         #: serves of objects that left the store, being stopped (`_stop_serving`)
         self._releases: set[asyncio.Task] = set()
         #: the pulls running here, shared by the gets of each object
@@ -116,7 +118,7 @@ class Node:
         """Whether `oid` is being made here (pulled, reduced or put): a pull
         of an id this node dropped is refused at once unless it is
         (`DataServer.making`)."""
-        return self.pulls.making(oid) or self.steps.making(oid) or oid in self._puts
+        return self.pulls.making(oid) or self.steps.making(oid) or self.puts.making(oid)
 
     @property
     def client(self) -> DirectoryClient | None:
@@ -224,130 +226,8 @@ class Node:
     # ---------------------------------------------------------------- put ---
     async def put(self, value: Any, oid: ObjectID, *, lend: bool = False,
                   timeout: float | None = None, same_bytes: bool = False) -> ObjectID:
-        """Store `value` as `oid` and register it, the directory's answer awaited
-        for `timeout` seconds (default `timeout_s`). With `lend`, a host array's own
-        memory backs the object instead of a copy: the caller must leave the
-        array unchanged until it calls `reclaim(oid)`, which ends the object here.
-        A blocking collective lends its input for the length of the call.
-        An id held here already returns at once if the layout is the same;
-        with `same_bytes` (the public `put`), other host bytes raise
-        ObjectExists, as the directory answers a put from another node. (A
-        collective called again under its name returns its first objects.)"""
-        self._check_open()
-        buf, layout = to_buffer(value)
-        running = self._puts.get(oid)
-        if running is not None:
-            # Another put of this id is under way here: its outcome decides
-            # ours (done: so is this one; given up: this one puts the value).
-            try:
-                await until(asyncio.shield(running), time.monotonic() + self.config.timeout_s)
-            except Expired:
-                raise Timeout(f"put of object {oid.hex()}: another put of it here did not "
-                              f"end within {self.config.timeout_s:g}s") from None
-            return await self.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
-        existing = self.store.get(oid)
-        if existing is not None and self._put_finds(existing, layout, buf, same_bytes):
-            return oid
-        inline = layout.nbytes <= self.config.inline_threshold
-        if inline and device.is_device_buffer(buf):
-            buf = memoryview(device.to_host(buf))
-        # Device values are always copied: a copy is queued on the producer's
-        # stream (see `_fill`), lent device memory could be read before it is written.
-        lent = lend and not inline and not device.is_device_buffer(buf)
-        data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
-                else np.frombuffer(buf, dtype=np.uint8) if lent else None)
-        if data is None:
-            async with self.memory.room(layout, f"put of object {oid.hex()}"):
-                if self.store.get(oid) is not None:  # put here meanwhile, by another call
-                    return await self.put(value, oid, lend=lend, timeout=timeout,
-                                          same_bytes=same_bytes)
-                obj = self.store.create(oid, layout)
-        else:
-            obj = self.store.create(oid, layout, data, borrowed=lent)
-            self.memory.trim_soon()
-        obj.lent = lent
-        obj.own = True
-        if inline or lent:
-            obj.advance(obj.size)
-        ended = self._puts[oid] = asyncio.get_running_loop().create_future()
-        try:
-            return await self._register(obj, buf, inline, lent, timeout)
-        finally:
-            del self._puts[oid]
-            ended.set_result(None)
-
-    def _put_finds(self, existing: StoredObject, layout: Layout, buf: memoryview,
-                   same_bytes: bool) -> bool:
-        """Whether a put finds its object here already (then it is done), or
-        ObjectExists where that holds other bytes; False: a copy a get here
-        is still pulling, which the put's value replaces."""
-        oid = existing.oid
-        if existing.layout != layout:
-            raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
-        if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
-                and not device.is_device_buffer(buf)
-                and fingerprint(existing.buffer) != fingerprint(buf)):
-            raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
-                               "objects are immutable: use a new ObjectID (or delete it "
-                               "first)")
-        if existing.complete or existing.own or existing.receiving:
-            return True
-        # A copy a get here is still pulling: the put's value takes its
-        # place (a get that gave up would otherwise take the value with it);
-        # the get asks again and finds the put's copy.
-        self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
-        self._post(m.Dropped(oid=oid.binary))
-        return False
-
-    async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
-                        lent: bool, timeout: float | None = None) -> ObjectID:
-        """The rest of a put: register `obj` and copy its value in."""
-        oid, layout = obj.oid, obj.layout
-        # (device bytes are not sampled: it would wait for their producer;
-        # inline ones have one too, for nodes of another inline threshold)
-        msg = m.Put(rid=0, oid=oid.binary, size=layout.nbytes, layout=layout.to_wire(),
-                    inline=bytes(buf) if inline else None,
-                    print_=None if device.is_device_buffer(buf) else fingerprint(buf))
-        try:
-            await self._request(msg, self.config.timeout_s if timeout is None else timeout)
-        except (Timeout, DirectoryUnavailable, asyncio.CancelledError):
-            self._let_go(oid)  # unanswered: in case the put did register
-            raise
-        except HopliteError as exc:
-            # Refused (e.g. ObjectExists): the directory registered nothing of
-            # this put, so there is nothing to withdraw; a `dropped` now could
-            # instead cancel what a get of the id here has since been given.
-            if self.store.get(oid) is obj:
-                self.store.remove(oid, exc)
-                self._stop_serving(oid)
-            raise
-        except BaseException:
-            self._let_go(oid)
-            raise
-        log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
-        if self.store.get(oid) is not obj:
-            # Reclaimed meanwhile (its "dropped" follows our put to the
-            # directory), or deleted right after the put: nothing to copy or
-            # announce.
-            return oid
-        if not inline:
-            if not lent:
-                try:
-                    await self._fill(obj, buf)
-                except BaseException:
-                    # Given up half-way (cancelled, past its deadline): a partial
-                    # copy left here would never complete, yet a later put of the
-                    # id would take it for its own and readers would wait on it.
-                    if self.store.get(oid) is obj:
-                        self._let_go(oid, ObjectNotFound(
-                            f"the put of object {oid.hex()} was given up before its value "
-                            "was copied; put it again"))
-                    raise
-            if self.store.get(oid) is not obj:
-                return oid  # deleted while it was being copied
-            self._post(complete_msg(obj))
-            log.debug("put %s: complete", oid.hex())
-        return oid
+        """Store `value` as `oid` and register it (see `Puts.put`)."""
+        return await self.puts.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
 
     def receive_into(self, oid: ObjectID, value: np.ndarray) -> bool:
         """Let the pull, or the reduce step, that makes `oid` here write into
@@ -377,35 +257,11 @@ class Node:
 
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
-        obj = self.store.get(oid)
-        return obj is not None and obj.lent
+        return self.puts.is_lent(oid)
 
     async def reclaim(self, oid: ObjectID) -> None:
-        """End the loan of a `put(lend=True)`: the object leaves this node (the
-        directory forgets it), and this returns once no peer reads the caller's
-        memory any more. After a finished reduce nobody is reading it; after a
-        failed call a parent may still be pulling it, and that pull is stopped
-        (the reduce then lacks the input, as if its task had died). A put still
-        registering sees that and stops; objects not lent are left alone."""
-        if self.is_lent(oid):
-            self._let_go(oid, ObjectNotFound(
-                f"object {oid.hex()} was an input lent to a collective call that has returned"))
-            # A peer that reads stops at its next frame; one that does not is
-            # cut off after a second, well within the blocking call's grace.
-            await self.server.release(oid, min(1.0, self.config.stall_timeout_s))
-
-    async def _fill(self, obj: StoredObject, src: memoryview) -> None:
-        """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""
-        # A device value is copied on the device, queued on this thread's stream
-        # after the work that produced it (see hoplite_gpu.device on stream order).
-        on_device = device.is_device_buffer(src)
-        srcarr = src if on_device else np.frombuffer(src, dtype=np.uint8)
-        dst, chunk = obj.buffer, self.config.chunk_bytes(on_device)
-        for start in range(0, obj.size, chunk):
-            stop = min(start + chunk, obj.size)
-            dst[start:stop] = srcarr[start:stop]
-            obj.advance(stop)
-            await asyncio.sleep(0)
+        """End the loan of a `put(lend=True)` (see `Puts.reclaim`)."""
+        await self.puts.reclaim(oid)
 
     # ---------------------------------------------------------------- get ---
     async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy",
@@ -591,7 +447,7 @@ class Node:
     def _on_drop(self, msg: dict) -> None:
         oid = ObjectID(msg["oid"])
         text = msg.get("reason", f"object {oid.hex()} was dropped")
-        if msg.get("retry") and oid in self._puts:
+        if msg.get("retry") and self.puts.making(oid):
             # (a completion of ours that crossed a removal is dropped with
             # `retry`; a put of the id under way here came after it)
             return

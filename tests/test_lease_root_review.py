@@ -65,7 +65,7 @@ def test_every_rank_reads_the_result_after_the_old_root_missed_its_lease(monkeyp
     old step, whose child stream was dropped, never finishes it. The
     rebuilt tree's root is another node (r's input comes back last: a
     leaf), and the other ranks get the sum. r's own get locates the result
-    and is given a sender, but `Node._pull` takes the stale copy (`own`:
+    and is given a sender, but `Pulls._pull` takes the stale copy (`own`:
     a step made it) for "put here meanwhile" and waits for its watermark,
     which never moves: r's get ends in `Timeout` (its allreduce fails
     while every other rank's succeeds), and r keeps the 256 KiB buffer

@@ -38,6 +38,7 @@ from .puts import Puts
 from .retry import Retry as _Retry
 from .steps import Steps
 from .store import ChunkStore, StoredObject
+from .tasks import TaskSet
 from .transfer import DataServer, PeerPool
 
 log = logging.getLogger("hoplite_gpu.node")
@@ -47,9 +48,14 @@ log = logging.getLogger("hoplite_gpu.node")
 _DELETE_BATCH = 4096
 
 
-
-
 class Node:
+    """One process's node, a facade over its parts: the directory link
+    (`link`), the pulls and gets (`pulls`), the puts (`puts`), the reduce
+    steps (`steps`) and the store's room (`memory`), each owning its state
+    and its tasks. The node builds them, hands each the few calls it needs
+    of the others, and keeps what spans them: forgetting an id everywhere
+    (`_forget`), deletes, channels and the public calls of the runtime."""
+
     def __init__(self, config: Config, token: str, directory_address: str) -> None:
         self.config = config
         self.token = token
@@ -69,10 +75,6 @@ class Node:
         self.server.making = self.making
         self.pool = PeerPool(token, config)
         self._closed: BaseException | None = None
-        #: the directory: requests, notices, heartbeat, reconnection, pushes
-        self.link = DirectoryLink(address, token, self.node_id, config,
-                                  announce=self._announce,
-                                  gone=lambda error: self.pulls.cancel_all(error))
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
@@ -80,6 +82,19 @@ class Node:
         #: reads the count before its direct put, so the loop can tell a
         #: drop that overtook the put (`keep_inline`)
         self.forgotten = Forgotten()
+        #: serves of objects that left the store, being stopped (`_stop_serving`),
+        #: and other work beside a caller (`in_background`)
+        self._background = TaskSet()
+        self._build_parts(address)
+
+    def _build_parts(self, address: str) -> None:
+        """The node's parts, each handed the calls it needs of the others
+        (fetched at call time, so that a test may stand in for one on the node)."""
+        config, token = self.config, self.token
+        #: the directory: requests, notices, heartbeat, reconnection, pushes
+        self.link = DirectoryLink(address, token, self.node_id, config,
+                                  announce=self._announce,
+                                  gone=lambda error: self.pulls.cancel_all(error))
         #: puts under way here
         self.puts = Puts(self.store, self.server, config,
                          request=lambda msg, timeout: self._request(msg, timeout),
@@ -88,8 +103,6 @@ class Node:
                          trim_soon=lambda: self.memory.trim_soon(),
                          let_go=self._let_go, forget=self._forget,
                          stop_serving=self._stop_serving, check_open=self._check_open)
-        #: serves of objects that left the store, being stopped (`_stop_serving`)
-        self._releases: set[asyncio.Task] = set()
         #: the pulls running here, shared by the gets of each object
         self.pulls = Pulls(self.store, self.pool, config,
                            post=lambda msg: self._post(msg),
@@ -192,13 +205,10 @@ class Node:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self.pulls.close(self._closed), *self.steps.close()]
-        tasks += self.link.stop(self._closed)
-        tasks += self.memory.close()
-        tasks += self._releases
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # (every part's tasks are cancelled before any is awaited)
+        tasks = [*self.pulls.close(self._closed), *self.steps.close(),
+                 *self.link.stop(self._closed), *self.memory.close(), *self._background.cancel()]
+        await TaskSet.wait(tasks)
         self.store.close(self._closed)
         self.store.pool.clear()  # (its buffers, and the descriptors of shared ones, go now)
         await self.link.close()
@@ -373,10 +383,7 @@ class Node:
     def in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run `coro` (which must end by itself: every wait in it has a
         deadline) beside the caller; it is cancelled when the node closes."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        return task
+        return self._background.spawn(coro)
 
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write, and fresh

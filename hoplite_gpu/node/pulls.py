@@ -399,7 +399,7 @@ class Pulls:
             self.withdrawn(oid)
             late = Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
                            f"{_NOT_AVAILABLE}")
-            late.not_available = True  # (said in the get's own terms by `_await_pull`)
+            late.not_available = True  # (said in the get's own terms by `await_pull`)
             raise late from None
         except asyncio.CancelledError:
             # Cancelled by a drop or delete (`_forget`), the directory forgot

@@ -15,13 +15,17 @@ class TaskSet:
     (each is awaited by whoever waits on it, e.g. a pull's gets)."""
 
     def __init__(self) -> None:
-        self._tasks: set[asyncio.Task] = set()
+        #: (a dict as an ordered set: tasks are cancelled in the order they started)
+        self._tasks: dict[asyncio.Task, None] = {}
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = None
+        task.add_done_callback(self._ended)
         return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.pop(task, None)
 
     def __len__(self) -> int:
         return len(self._tasks)

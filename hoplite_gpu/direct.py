@@ -259,7 +259,7 @@ class DirectCalls:
         put = self._put_msg(value, oid)
         if put is None:
             return False
-        since = self._node.forgets
+        since = self._node.forgotten.count  # (read here, on the caller's thread)
         try:
             reply = self._ask([put[0]], timeout,
                               lambda: f"the directory did not answer 'put' within {timeout:g}s")
@@ -323,7 +323,7 @@ class DirectCalls:
         if put is None:
             return MISS
         target = ObjectID(request.target)
-        since = self._node.forgets
+        since = self._node.forgotten.count  # (read here, on the caller's thread)
         msgs = [request, put[0]]
         if then == "get":
             msgs.append(_locate(target))

@@ -134,11 +134,11 @@ async def miss_the_lease(server: Any, node: Any) -> None:
     """`node` stops beating while alive (its sockets open) until the directory
     declares it dead and it reconnects; then it beats again, and its
     re-announcements are in when this returns."""
-    assert node._heartbeat is not None
+    assert node.link.heartbeat is not None
     first = node.client
-    node._heartbeat.cancel()
+    node.link.heartbeat.cancel()
     assert await eventually(lambda: node.client is not first, 4.0)
-    node._heartbeat = asyncio.get_running_loop().create_task(node._beat())
+    node.link.start_heartbeat()
     assert await eventually(lambda: node._connected.is_set()
                             and node.node_id in server.state.nodes, 4.0)
     await node._request({"op": "nodes"}, 2.0)

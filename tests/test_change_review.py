@@ -1,6 +1,6 @@
 """Review of the changes since ca783e5: a broadcast's root called again under
 one name (`collectives._held_here`), and all-or-nothing eviction with a get
-waiting for an offered copy's fate (`Node._make_room`, `Directory._on_Evict`).
+waiting for an offered copy's fate (`Memory.make_room`, `Directory._on_Evict`).
 Each test fails on the code as it is, for the reason its docstring gives."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_two_gets_making_room_at_once_both_get_it_when_enough_copies_may_go():
     held elsewhere, and fails with StoreFull only when it cannot make room.
     A node with a 4 MiB limit holds two pulled 2 MiB copies (a, b), both also
     on their origin; two gets (c, d, 2 MiB each) run at once, e.g. an async
-    actor gathering two `get_async`. Both offer [a, b] (`Node._make_room`
+    actor gathering two `get_async`. Both offer [a, b] (`Memory.make_room`
     offers every candidate, and skips none already offered by the other call:
     `_offered` knows them). The directory frees a for the first; for the
     second it counts a again, although this node no longer holds it
@@ -93,7 +93,7 @@ def test_an_inline_object_a_get_just_pulled_is_not_evicted_under_its_result():
     this process still views" (docs/fault-tolerance.md: "a copy a `get`
     result still views is kept"). A node with a 100 KiB limit holds the
     result of a get of z1 (60 KiB, inline) and gets z2 (60 KiB, inline):
-    `_store_inline` goes over the limit and starts `_trim` in the
+    `Pulls.store_inline` goes over the limit and starts `_trim` in the
     background, which runs before the get's task resumes and offers z2 (z1
     is viewed). `fetch` waits for an offered copy's fate only when it finds
     the copy in the store, not for the copy its pull just returned, so the

@@ -207,7 +207,7 @@ def test_a_node_forgets_reduces_whose_result_it_has(local, monkeypatch):
     """A node re-asks a restarted directory for the reduces it asked for; one
     whose final result it holds, or that it deleted, is forgotten, and the
     list is bounded (a training loop's allreduce per step must not grow it)."""
-    from hoplite_gpu.node import node as node_module
+    from hoplite_gpu.node import steps as steps_module
 
     rt = hg.api.runtime()
     for step in range(3):
@@ -219,7 +219,7 @@ def test_a_node_forgets_reduces_whose_result_it_has(local, monkeypatch):
     assert len(rt.node._my_reduces) == 1  # a non-root does not read the result
     collectives.delete("nonroot", size=2)
     assert not rt.node._my_reduces
-    monkeypatch.setattr(node_module, "MAX_REMEMBERED_REDUCES", 2)
+    monkeypatch.setattr(steps_module, "MAX_REMEMBERED_REDUCES", 2)
     for step in range(4):
         collectives.reduce(np.ones(20_000), name=f"many-{step}", rank=1, size=2, timeout=10)
     assert len(rt.node._my_reduces) == 2

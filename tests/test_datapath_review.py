@@ -103,7 +103,7 @@ def test_a_receiver_sent_to_a_copy_that_was_just_dropped_fails_over_within_the_s
         a.server._stream_range = slow_first
         get_b = asyncio.ensure_future(b.get(oid, 8, "numpy"))
         assert await eventually(lambda: b.store.get(oid) is not None, 5.0)
-        real_fetch = c._fetch_from
+        real_fetch = c.pulls._fetch_from
         senders = []
 
         async def b_gives_up_first(obj, flow, sink):
@@ -115,7 +115,7 @@ def test_a_receiver_sent_to_a_copy_that_was_just_dropped_fails_over_within_the_s
                 await asyncio.sleep(0.2)
             return await real_fetch(obj, flow, sink)
 
-        c._fetch_from = b_gives_up_first
+        c.pulls._fetch_from = b_gives_up_first
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:

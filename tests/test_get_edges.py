@@ -31,7 +31,7 @@ def test_a_patient_get_survives_a_sender_lost_after_a_hasty_get_gave_up():
         oid = hg.ObjectID.from_name("hasty-patient")
         await origin.put(np.full(4 * MiB, 3, np.uint8), oid)
         await helper.fetch(oid, 5)  # a second complete copy
-        real = reader._fetch_from
+        real = reader.pulls._fetch_from
         calls = []
 
         async def lost_once(obj, flow, sink):
@@ -41,7 +41,7 @@ def test_a_patient_get_survives_a_sender_lost_after_a_hasty_get_gave_up():
                 raise PeerLost("the sender died mid-pull (test)")
             return await real(obj, flow, sink)
 
-        reader._fetch_from = lost_once
+        reader.pulls._fetch_from = lost_once
         hasty = asyncio.ensure_future(reader.get(oid, 0.2, "numpy"))
         await asyncio.sleep(0)
         patient = asyncio.ensure_future(reader.get(oid, 8, "numpy"))
@@ -138,17 +138,17 @@ def test_a_pull_that_failed_for_good_is_not_counted_as_a_later_failover():
     async def body(directory, origin, reader):
         oid = hg.ObjectID.from_name("failed-for-good")
         await origin.put(np.full(2 * MiB, 6, np.uint8), oid)
-        real = reader._fetch_from
+        real = reader.pulls._fetch_from
 
         async def lost(obj, flow, sink):
             raise PeerLost("the sender died (test)")
 
-        reader._fetch_from = lost
+        reader.pulls._fetch_from = lost
         try:
             await reader.get(oid, 0.3, "numpy")
         except (PeerLost, hg.Timeout):
             pass
-        reader._fetch_from = real
+        reader.pulls._fetch_from = real
         got = await reader.get(oid, 5, "numpy")  # healthy: no failover
         assert int(got[0]) == 6
         assert (await reader.stats())["failovers"] == 0, list(reader.failovers)

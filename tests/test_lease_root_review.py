@@ -65,7 +65,7 @@ def test_every_rank_reads_the_result_after_the_old_root_missed_its_lease(monkeyp
     old step, whose child stream was dropped, never finishes it. The
     rebuilt tree's root is another node (r's input comes back last: a
     leaf), and the other ranks get the sum. r's own get locates the result
-    and is given a sender, but `Node._pull` takes the stale copy (`own`:
+    and is given a sender, but `Pulls._pull` takes the stale copy (`own`:
     a step made it) for "put here meanwhile" and waits for its watermark,
     which never moves: r's get ends in `Timeout` (its allreduce fails
     while every other rank's succeeds), and r keeps the 256 KiB buffer
@@ -136,7 +136,7 @@ def test_a_rebuilt_root_on_the_old_roots_node_does_not_reuse_the_old_trees_resul
                 "the root's final step did not start"
             # r is cut off from the directory: no pings, no reconnection
             address = r.directory_address
-            r._heartbeat.cancel()
+            r.link.heartbeat.cancel()
             r.directory_address = "tcp://127.0.0.1:1"
             assert await eventually(lambda: r.node_id not in server.state.nodes, 4.0)
             release.set()  # its data links work: the old step finishes
@@ -144,7 +144,7 @@ def test_a_rebuilt_root_on_the_old_roots_node_does_not_reuse_the_old_trees_resul
             r.directory_address = address  # the partition heals
             assert await eventually(lambda: r._connected.is_set()
                                     and r.node_id in server.state.nodes, 4.0)
-            r._heartbeat = asyncio.get_running_loop().create_task(r._beat())
+            r.link.start_heartbeat()
             got = await reader.get(target, 4.0, "numpy")
             used = sorted(ids.index(i) for i in await reader.reduced_inputs(target, 3.0))
             assert task.restarts == 1 and task.slot(1)[1] == r.node_id, \

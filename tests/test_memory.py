@@ -151,13 +151,13 @@ def test_gets_at_the_same_time_cannot_both_take_the_last_room():
         await origin.put(np.ones(OBJ, np.uint8), a)
         await origin.put(np.ones(OBJ, np.uint8), b)
         await reader.put(np.ones(OBJ, np.uint8), mine)  # its own: 3 MiB of room left
-        mapping = reader._map_from
+        mapping = reader.pulls._map_from
 
         async def slow_map(*args):  # a same-host mapping attempt: time between check and copy
             await asyncio.sleep(0.05)
             return await mapping(*args)
 
-        reader._map_from = slow_map
+        reader.pulls._map_from = slow_map
         got = await asyncio.gather(reader.get(a, 10, "numpy"), reader.get(b, 10, "numpy"),
                                    return_exceptions=True)
         assert sorted(type(g).__name__ for g in got) == ["StoreFull", "ndarray"]

@@ -304,7 +304,7 @@ def _config(how: tuple[str, str, bool]) -> hg.Config:
 
 def _counting(node, counts: np.ndarray):
     """Count, per byte, how often a sink of `node`'s sub-flows recorded it."""
-    real = node._fetch_from
+    real = node.pulls._fetch_from
 
     async def fetch(obj, flow, sink):
         class Counting:
@@ -316,7 +316,7 @@ def _counting(node, counts: np.ndarray):
 
         return await real(obj, flow, Counting())
 
-    node._fetch_from = fetch
+    node.pulls._fetch_from = fetch
 
 
 @pytest.mark.parametrize("how", TRANSPORTS)
@@ -381,8 +381,8 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monke
         counts = np.zeros(size, np.int64)
         _counting(reader, counts)
         failed = []
-        real_failed = reader._flow_failed
-        reader._flow_failed = lambda o, flow, exc: (failed.append(flow), real_failed(o, flow, exc))
+        real_failed = reader.pulls._flow_failed
+        reader.pulls._flow_failed = lambda o, flow, exc: (failed.append(flow), real_failed(o, flow, exc))
         plan = Plan.split(oid, size, [(a.node_id, a.server.address), (b.node_id, b.server.address)])
         await reader.pull_plan(obj, plan)
         np.testing.assert_array_equal(obj.buffer, value)

@@ -38,7 +38,7 @@ def test_a_late_receiver_pulls_from_the_partial_copy_furthest_ahead():
     # Fan-out 2. n1 pulls alone from n0 until t=2; then n2 joins n0 (each at
     # B/2) and n3 pipelines from n1 at full rate. At t=4, n3 holds about 5
     # chunks and n2 about 3. A real node posts `progress` while it pulls
-    # (node.py, `_fetch_from`) and the directory serves the partial copy
+    # (pulls.py, `_fetch_from`) and the directory serves the partial copy
     # furthest ahead (tests/test_directory_state.py::
     # test_the_most_advanced_partial_copy_is_preferred), so n5 must get n3.
     S, C, B = 64 * MiB, 4 * MiB, 1.25e7

@@ -1,4 +1,4 @@
-"""Review of the one garbage collection `Node._make_room` runs before it
+"""Review of the one garbage collection `Memory.make_room` runs before it
 reports StoreFull (the UCX send stall deadline beside it is checked in
 tests/test_dataserver_review.py and the transport conformance suite).
 Loopback only; every wait is bounded (`run_nodes`' bound, asyncio.timeout)."""
@@ -29,7 +29,7 @@ def test_inline_puts_over_the_store_limit_do_not_each_run_a_full_collection():
     """Once a node with `store_bytes` holds more than its limit in objects
     it cannot evict (its own inline puts: an inline object is made without
     asking for room), every further inline put (or inline get, via
-    `_store_inline`) schedules `_trim`, which calls `_make_room(0, ...)`;
+    `Pulls.store_inline`) schedules `Memory._trim`, which calls `make_room(0, ...)`;
     that found nothing to evict and then ran `gc.collect()` on
     the node's event loop before giving up, on every call. The put itself
     succeeds, so this is the hot path that must never collect.

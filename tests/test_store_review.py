@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 def test_a_get_that_cannot_get_room_evicts_nothing_when_the_directory_keeps_a_copy():
     """README "Memory": a call that cannot make room "fails with StoreFull ...
-    and changes nothing"; `Node._make_room`: "Nothing is evicted for a call
+    and changes nothing"; `Memory.make_room`: "Nothing is evicted for a call
     that cannot get room". The node only checks that all its candidates
     together would do, then offers them; the directory frees the ones it may
     (a) and keeps the others (b: its origin is gone, this is the only copy).

@@ -111,7 +111,7 @@ def test_a_forked_child_gets_a_prompt_clear_answer_and_can_init(local):
 def test_a_sliced_allreduce_with_inline_sized_slices_returns_the_sum():
     """chunk_size below inline_threshold: 3 ranks x 6000 float32 (24 kB) are
     sliced into 8 kB slices that travel inline. The result array is lent to
-    `receive_into`, and `Node._store_inline` finds that (incomplete) object
+    `receive_into`, and `Pulls.store_inline` finds that (incomplete) object
     and marks it complete without copying the inline bytes into it: every
     rank returns the pool's uninitialised memory (NaN/garbage)."""
     n, size = 6000, 3

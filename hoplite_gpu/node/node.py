@@ -4,50 +4,42 @@ tied to the directory. Every method runs on the node's event loop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import gc
 import logging
 import os
 import socket
 import time
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NamedTuple
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 import numpy as np
 
-from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
-from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import (
-    DirectoryUnavailable,
-    HopliteError,
-    ObjectExists,
     ObjectNotFound,
-    PeerLost,
-    ProtocolError,
     ReduceFailed,
     RuntimeClosed,
-    StoreFull,
     Timeout,
-    TransportError,
 )
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import split_address
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
-from .engine import plan_for, run_plan
-from .plan import Plan, SubFlow
-from .pool import MIN_POOLED
-from .pull_modes import Sink
-from .reducer import run_step
+from .forgotten import Forgotten
+from .holdings import complete_msg
+from .link import DirectoryLink
+from .memory import Memory
+from .plan import Plan
+from .pulls import Pulls
+from .puts import Puts
+from .retry import Retry as _Retry
+from .steps import Steps
 from .store import ChunkStore, StoredObject
-from .transfer import DataServer, PeerPool, fetch_range, map_object
+from .tasks import TaskSet
+from .transfer import DataServer, PeerPool
 
 log = logging.getLogger("hoplite_gpu.node")
 
@@ -55,41 +47,21 @@ log = logging.getLogger("hoplite_gpu.node")
 #: Ids per `delete_many` message (about 90 KB of them).
 _DELETE_BATCH = 4096
 
-class _Step(NamedTuple):
-    """A reduce step running here: its task and its command."""
-
-    task: asyncio.Task
-    msg: dict
-
-
-#: Why a pull's locate ran to its deadline (see `_locate`, `_await_pull`).
-_NOT_AVAILABLE = "nobody has put it yet, or every copy is busy"
-
-
-class _Retry(HopliteError):
-    """Internal: ask again (the object is being rebuilt elsewhere, or the pull a
-    get waited on ran to the deadline of a less patient get)."""
-
-
-#: How often a pulling node tells the directory how far it got.
-_PROGRESS_EVERY_S = 0.1
-#: What a pull's sender may fail with: the pull reports it and asks again (a
-#: peer that sends what we cannot read is as good as lost).
-_PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
-#: Reduces this node asked for that it re-asks a restarted directory, at most.
-MAX_REMEMBERED_REDUCES = 4096
-#: Ids whose last drop a node remembers (see `Node.keep_inline`).
-_FORGOTTEN_KEPT = 4096
-
 
 class Node:
+    """One process's node, a facade over its parts: the directory link
+    (`link`), the pulls and gets (`pulls`), the puts (`puts`), the reduce
+    steps (`steps`) and the store's room (`memory`), each owning its state
+    and its tasks. The node builds them, hands each the few calls it needs
+    of the others, and keeps what spans them: forgetting an id everywhere
+    (`_forget`), deletes, channels and the public calls of the runtime."""
+
     def __init__(self, config: Config, token: str, directory_address: str) -> None:
         self.config = config
         self.token = token
         # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT).
         scheme, host, port = split_address(directory_address, config.control_transport)
-        self.directory_address = f"{scheme}://[{host}]:{port}" if ":" in host else \
-            f"{scheme}://{host}:{port}"
+        address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
             config = self.config = config.replace(shared_memory=False)
@@ -100,51 +72,126 @@ class Node:
         self.server = DataServer(self.store, token, config)
         # (a pull of an id this node dropped is refused at once, unless the
         # node is making it again: see `DataServer.making`)
-        self.server.making = lambda oid: oid in self._pulls or oid in self._steps \
-            or oid in self._puts
+        self.server.making = self.making
         self.pool = PeerPool(token, config)
-        self.client: DirectoryClient | None = None
-        self._pulls: dict[ObjectID, asyncio.Task] = {}
-        #: The gets waiting on each pull, woken by the pull itself as it ends.
-        self._pull_waiters: dict[ObjectID, list[asyncio.Future]] = {}
-        #: Why a pull was cancelled from outside (drop, directory lost), for its waiters.
-        self._pull_errors: dict[ObjectID, BaseException] = {}
-        #: the latest deadline of the gets waiting on each pull (a patient get
-        #: that joins a hasty one's pull extends it)
-        self._pull_deadlines: dict[ObjectID, float] = {}
         self._closed: BaseException | None = None
-        #: (object, when a pull failed, when bytes flowed again) of recent failovers
-        self.failovers: deque[tuple[ObjectID, float, float]] = deque(maxlen=1000)
-        self._failed_at: dict[ObjectID, float] = {}
-        #: reduce steps running here, by the object they produce
-        self._steps: dict[ObjectID, _Step] = {}
-        self._heartbeat: asyncio.Task | None = None
-        self._reconnector: asyncio.Task | None = None
-        self._connected = asyncio.Event()
-        #: reduces this node asked for, re-sent to a restarted directory
-        self._my_reduces: dict[ObjectID, m.Reduce] = {}
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
         self._channels: dict[str, int] = {}
-        #: `_forget`s so far, and the count at the last one of each recent id:
-        #: a caller's thread reads the count before its direct put, so the loop
-        #: can tell a drop that overtook the put (`keep_inline`)
-        self.forgets = 0
-        self._forgotten: OrderedDict[ObjectID, int] = OrderedDict()
-        #: copies freed to make room under `store_bytes`
-        self.evicted = 0
-        #: copies offered for eviction -> the directory's answer, until it comes
-        self._offered: dict[ObjectID, asyncio.Future] = {}
-        #: inline copies a pull just stored for gets that have not taken them yet:
-        #: not evictable until one has (the eviction their store may start
-        #: runs before the gets do)
-        self._fresh: set[ObjectID] = set()
-        #: puts under way here, each ended (set) when it has (`put`)
-        self._puts: dict[ObjectID, asyncio.Future] = {}
-        #: serves of objects that left the store, being stopped (`_stop_serving`)
-        self._releases: set[asyncio.Task] = set()
-        #: the eviction running in the background (`_trim_soon`)
-        self._trimming: asyncio.Task | None = None
+        #: `_forget`s so far, and when each recent id was: a caller's thread
+        #: reads the count before its direct put, so the loop can tell a
+        #: drop that overtook the put (`keep_inline`)
+        self.forgotten = Forgotten()
+        #: serves of objects that left the store, being stopped (`_stop_serving`),
+        #: and other work beside a caller (`in_background`)
+        self._background = TaskSet()
+        self._build_parts(address)
+
+    def _build_parts(self, address: str) -> None:
+        """The node's parts, each handed the calls it needs of the others
+        (fetched at call time, so that a test may stand in for one on the node)."""
+        config, token = self.config, self.token
+        #: the directory: requests, notices, heartbeat, reconnection, pushes
+        self.link = DirectoryLink(address, token, self.node_id, config,
+                                  announce=self._announce,
+                                  gone=lambda error: self.pulls.cancel_all(error))
+        #: puts under way here
+        self.puts = Puts(self.store, self.server, config,
+                         request=lambda msg, timeout: self._request(msg, timeout),
+                         post=lambda msg: self._post(msg),
+                         room=lambda layout, what: self.memory.room(layout, what),
+                         trim_soon=lambda: self.memory.trim_soon(),
+                         let_go=self._let_go, forget=self._forget,
+                         stop_serving=self._stop_serving, check_open=self._check_open)
+        #: the pulls running here, shared by the gets of each object
+        self.pulls = Pulls(self.store, self.pool, config,
+                           post=lambda msg: self._post(msg),
+                           wait_reply=lambda msg, deadline: self._wait_reply(msg, deadline),
+                           room=lambda layout, what: self.memory.room(layout, what),
+                           trim_soon=lambda: self.memory.trim_soon(),
+                           offered=lambda oid: self.memory.offered(oid),
+                           settled=lambda oid: self.steps.settled(oid),
+                           let_go=self._let_go,
+                           forgets=lambda: self.forgotten.count,
+                           forgot_since=self.forgotten.since)
+        #: the reduce steps running here, and the reduces this node asked for
+        self.steps = Steps(self.store, self.pool, config, self.node_id,
+                           post=lambda msg: self._post(msg),
+                           request=lambda msg, timeout: self._request(msg, timeout),
+                           make_room=lambda need, what: self.memory.make_room(need, what),
+                           forgot_since=self.forgotten.since)
+        #: room in the store under `store_bytes` (evictions, trimming)
+        self.memory = Memory(self.store, config, self.node_id,
+                             lambda msg: self.link.ask(msg), self._step_reads)
+        self.link.handle("drop", self._on_drop)
+        self.link.handle("reduce_step", self.steps.start)
+        self.link.handle("located", self.pulls.located)
+
+    def making(self, oid: ObjectID) -> bool:
+        """Whether `oid` is being made here (pulled, reduced or put): a pull
+        of an id this node dropped is refused at once unless it is
+        (`DataServer.making`)."""
+        return self.pulls.making(oid) or self.steps.making(oid) or self.puts.making(oid)
+
+    @property
+    def client(self) -> DirectoryClient | None:
+        """The directory client now connected (a new one after each reconnection)."""
+        return self.link.client
+
+    @property
+    def directory_address(self) -> str:
+        return self.link.address
+
+    @directory_address.setter
+    def directory_address(self, address: str) -> None:  # (where a reconnection dials)
+        self.link.address = address
+
+    # (read only, for tests: the link's state)
+    @property
+    def _connected(self) -> asyncio.Event:
+        return self.link.connected
+
+    @property
+    def failovers(self) -> deque[tuple[ObjectID, float, float]]:
+        """(object, when a pull failed, when bytes flowed again) of recent failovers."""
+        return self.pulls.failovers
+
+    # (read only, for tests: the pulls' tables)
+    @property
+    def _pulls(self) -> Mapping[ObjectID, asyncio.Task]:
+        return self.pulls.running
+
+    @property
+    def _pull_waiters(self) -> Mapping[ObjectID, list[asyncio.Future]]:
+        return self.pulls.waiters
+
+    @property
+    def _pull_errors(self) -> Mapping[ObjectID, BaseException]:
+        return self.pulls.errors
+
+    @property
+    def _failed_at(self) -> Mapping[ObjectID, float]:
+        return self.pulls.failed_at
+
+    @property
+    def _steps(self) -> Mapping[ObjectID, Any]:
+        """The reduce steps running here (read only: `Steps.running`)."""
+        return self.steps.running
+
+    @property
+    def _my_reduces(self) -> Mapping[ObjectID, m.Reduce]:
+        """The reduces re-asked of a restarted directory (read only: `Steps.remembered`)."""
+        return self.steps.remembered
+
+    @property
+    def forgets(self) -> int:
+        """`_forget`s so far (safe to read from any thread: `Forgotten.count`)."""
+        return self.forgotten.count
+
+    @property
+    def evicted(self) -> int:
+        """Copies freed so far to make room under `store_bytes`."""
+        return self.memory.evicted
 
     async def start(self) -> None:
         await self.server.start()
@@ -152,38 +199,19 @@ class Node:
         self._data_address = address = advertised(self.server.address, self.directory_address)
         if self.config.shared_memory:
             self.server.listen_local(address)  # pullers on this host find it by that address
-        self.client = await DirectoryClient.connect(
-            self.directory_address, token=self.token, node=self.node_id,
-            data_address=address,
-            timeout=self.config.connect_timeout_s, on_push=self._on_push,
-            stall_s=self.config.stall_timeout_s)
-        self._connected.set()
-        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-
-    async def _beat(self) -> None:
-        """Renew this node's lease; a node that stops beating is declared dead.
-        Beats come at least three times per lease of the directory's (its
-        settings count, not this process's)."""
-        while True:
-            lease = self.client.lease_s if self.client is not None else None
-            interval = self.config.heartbeat_interval_s
-            await asyncio.sleep(interval if lease is None else min(interval, lease / 3))
-            self._post(m.Ping())
+        await self.link.connect(address)
 
     async def close(self) -> None:
         if self._closed is not None:
             return
         self._closed = RuntimeClosed("the hoplite-gpu runtime was shut down")
-        tasks = [*self._pulls.values(), *(step.task for step in self._steps.values())]
-        tasks += [t for t in (self._heartbeat, self._reconnector, self._trimming) if t is not None]
-        tasks += self._releases
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # (every part's tasks are cancelled before any is awaited)
+        tasks = [*self.pulls.close(self._closed), *self.steps.close(),
+                 *self.link.stop(self._closed), *self.memory.close(), *self._background.cancel()]
+        await TaskSet.wait(tasks)
         self.store.close(self._closed)
         self.store.pool.clear()  # (its buffers, and the descriptors of shared ones, go now)
-        if self.client is not None:
-            await self.client.close()
+        await self.link.close()
         await self.pool.close()
         await self.server.close()
 
@@ -191,164 +219,25 @@ class Node:
         if self._closed is not None:
             raise self._closed
 
+    # (Directory calls of the node's parts go through these, so that a test
+    # may stand in for one on the node.)
     def _post(self, msg: m.Message | dict) -> None:
-        """A one-way notice to the directory (lost if it is away; holdings are
-        re-announced when we reconnect)."""
-        if self.client is not None:
-            self.client.post(msg)
+        """A one-way notice to the directory (`DirectoryLink.post`)."""
+        self.link.post(msg)
 
     async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
-        """A request to the directory; if the directory goes away, wait for the
-        reconnection and ask again, all within `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_open()
-            try:
-                assert self.client is not None
-                return await self.client.request(msg, max(0.001, deadline - time.monotonic()))
-            except DirectoryUnavailable:
-                await self._wait_connected(deadline)
+        """A request to the directory, asked again after a reconnection (`DirectoryLink.request`)."""
+        return await self.link.request(msg, timeout)
 
-    async def _wait_connected(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DirectoryUnavailable("the directory is unreachable and the deadline passed")
-        try:
-            async with asyncio.timeout(remaining):
-                await self._connected.wait()
-        except TimeoutError:
-            raise DirectoryUnavailable(
-                f"the directory at {self.directory_address} stayed unreachable until the "
-                "deadline") from None
-        self._check_open()
+    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
+        """A request answered when something exists (`DirectoryLink.wait_reply`)."""
+        return await self.link.wait_reply(msg, deadline)
 
     # ---------------------------------------------------------------- put ---
     async def put(self, value: Any, oid: ObjectID, *, lend: bool = False,
                   timeout: float | None = None, same_bytes: bool = False) -> ObjectID:
-        """Store `value` as `oid` and register it, the directory's answer awaited
-        for `timeout` seconds (default `timeout_s`). With `lend`, a host array's own
-        memory backs the object instead of a copy: the caller must leave the
-        array unchanged until it calls `reclaim(oid)`, which ends the object here.
-        A blocking collective lends its input for the length of the call.
-        An id held here already returns at once if the layout is the same;
-        with `same_bytes` (the public `put`), other host bytes raise
-        ObjectExists, as the directory answers a put from another node. (A
-        collective called again under its name returns its first objects.)"""
-        self._check_open()
-        buf, layout = to_buffer(value)
-        running = self._puts.get(oid)
-        if running is not None:
-            # Another put of this id is under way here: its outcome decides
-            # ours (done: so is this one; given up: this one puts the value).
-            try:
-                await until(asyncio.shield(running), time.monotonic() + self.config.timeout_s)
-            except Expired:
-                raise Timeout(f"put of object {oid.hex()}: another put of it here did not "
-                              f"end within {self.config.timeout_s:g}s") from None
-            return await self.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
-        existing = self.store.get(oid)
-        if existing is not None and self._put_finds(existing, layout, buf, same_bytes):
-            return oid
-        inline = layout.nbytes <= self.config.inline_threshold
-        if inline and device.is_device_buffer(buf):
-            buf = memoryview(device.to_host(buf))
-        # Device values are always copied: a copy is queued on the producer's
-        # stream (see `_fill`), lent device memory could be read before it is written.
-        lent = lend and not inline and not device.is_device_buffer(buf)
-        data = (np.frombuffer(bytearray(buf), dtype=np.uint8) if inline
-                else np.frombuffer(buf, dtype=np.uint8) if lent else None)
-        if data is None:
-            async with self._room(layout, f"put of object {oid.hex()}"):
-                if self.store.get(oid) is not None:  # put here meanwhile, by another call
-                    return await self.put(value, oid, lend=lend, timeout=timeout,
-                                          same_bytes=same_bytes)
-                obj = self.store.create(oid, layout)
-        else:
-            obj = self.store.create(oid, layout, data, borrowed=lent)
-            self._trim_soon()
-        obj.lent = lent
-        obj.own = True
-        if inline or lent:
-            obj.advance(obj.size)
-        ended = self._puts[oid] = asyncio.get_running_loop().create_future()
-        try:
-            return await self._register(obj, buf, inline, lent, timeout)
-        finally:
-            del self._puts[oid]
-            ended.set_result(None)
-
-    def _put_finds(self, existing: StoredObject, layout: Layout, buf: memoryview,
-                   same_bytes: bool) -> bool:
-        """Whether a put finds its object here already (then it is done), or
-        ObjectExists where that holds other bytes; False: a copy a get here
-        is still pulling, which the put's value replaces."""
-        oid = existing.oid
-        if existing.layout != layout:
-            raise ObjectExists(f"object {oid.hex()} already exists here with layout {existing.layout}")
-        if (same_bytes and existing.complete and not device.is_device_buffer(existing.buffer)
-                and not device.is_device_buffer(buf)
-                and fingerprint(existing.buffer) != fingerprint(buf)):
-            raise ObjectExists(f"object {oid.hex()} already exists here with other bytes; "
-                               "objects are immutable: use a new ObjectID (or delete it "
-                               "first)")
-        if existing.complete or existing.own or existing.receiving:
-            return True
-        # A copy a get here is still pulling: the put's value takes its
-        # place (a get that gave up would otherwise take the value with it);
-        # the get asks again and finds the put's copy.
-        self._forget(oid, _Retry(f"object {oid.hex()} was put here while being pulled"))
-        self._post(m.Dropped(oid=oid.binary))
-        return False
-
-    async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
-                        lent: bool, timeout: float | None = None) -> ObjectID:
-        """The rest of a put: register `obj` and copy its value in."""
-        oid, layout = obj.oid, obj.layout
-        # (device bytes are not sampled: it would wait for their producer;
-        # inline ones have one too, for nodes of another inline threshold)
-        msg = m.Put(rid=0, oid=oid.binary, size=layout.nbytes, layout=layout.to_wire(),
-                    inline=bytes(buf) if inline else None,
-                    print_=None if device.is_device_buffer(buf) else fingerprint(buf))
-        try:
-            await self._request(msg, self.config.timeout_s if timeout is None else timeout)
-        except (Timeout, DirectoryUnavailable, asyncio.CancelledError):
-            self._let_go(oid)  # unanswered: in case the put did register
-            raise
-        except HopliteError as exc:
-            # Refused (e.g. ObjectExists): the directory registered nothing of
-            # this put, so there is nothing to withdraw; a `dropped` now could
-            # instead cancel what a get of the id here has since been given.
-            if self.store.get(oid) is obj:
-                self.store.remove(oid, exc)
-                self._stop_serving(oid)
-            raise
-        except BaseException:
-            self._let_go(oid)
-            raise
-        log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
-        if self.store.get(oid) is not obj:
-            # Reclaimed meanwhile (its "dropped" follows our put to the
-            # directory), or deleted right after the put: nothing to copy or
-            # announce.
-            return oid
-        if not inline:
-            if not lent:
-                try:
-                    await self._fill(obj, buf)
-                except BaseException:
-                    # Given up half-way (cancelled, past its deadline): a partial
-                    # copy left here would never complete, yet a later put of the
-                    # id would take it for its own and readers would wait on it.
-                    if self.store.get(oid) is obj:
-                        self._let_go(oid, ObjectNotFound(
-                            f"the put of object {oid.hex()} was given up before its value "
-                            "was copied; put it again"))
-                    raise
-            if self.store.get(oid) is not obj:
-                return oid  # deleted while it was being copied
-            self._post(self._complete_msg(obj))
-            log.debug("put %s: complete", oid.hex())
-        return oid
+        """Store `value` as `oid` and register it (see `Puts.put`)."""
+        return await self.puts.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
 
     def receive_into(self, oid: ObjectID, value: np.ndarray) -> bool:
         """Let the pull, or the reduce step, that makes `oid` here write into
@@ -378,35 +267,11 @@ class Node:
 
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
-        obj = self.store.get(oid)
-        return obj is not None and obj.lent
+        return self.puts.is_lent(oid)
 
     async def reclaim(self, oid: ObjectID) -> None:
-        """End the loan of a `put(lend=True)`: the object leaves this node (the
-        directory forgets it), and this returns once no peer reads the caller's
-        memory any more. After a finished reduce nobody is reading it; after a
-        failed call a parent may still be pulling it, and that pull is stopped
-        (the reduce then lacks the input, as if its task had died). A put still
-        registering sees that and stops; objects not lent are left alone."""
-        if self.is_lent(oid):
-            self._let_go(oid, ObjectNotFound(
-                f"object {oid.hex()} was an input lent to a collective call that has returned"))
-            # A peer that reads stops at its next frame; one that does not is
-            # cut off after a second, well within the blocking call's grace.
-            await self.server.release(oid, min(1.0, self.config.stall_timeout_s))
-
-    async def _fill(self, obj: StoredObject, src: memoryview) -> None:
-        """Copy a put value in chunk-sized steps; peers pull the front while we copy the rest."""
-        # A device value is copied on the device, queued on this thread's stream
-        # after the work that produced it (see hoplite_gpu.device on stream order).
-        on_device = device.is_device_buffer(src)
-        srcarr = src if on_device else np.frombuffer(src, dtype=np.uint8)
-        dst, chunk = obj.buffer, self.config.chunk_bytes(on_device)
-        for start in range(0, obj.size, chunk):
-            stop = min(start + chunk, obj.size)
-            dst[start:stop] = srcarr[start:stop]
-            obj.advance(stop)
-            await asyncio.sleep(0)
+        """End the loan of a `put(lend=True)` (see `Puts.reclaim`)."""
+        await self.puts.reclaim(oid)
 
     # ---------------------------------------------------------------- get ---
     async def get(self, oid: ObjectID, timeout: float, array_type: str = "cupy",
@@ -427,316 +292,11 @@ class Node:
     async def fetch(self, oid: ObjectID, timeout: float,
                     asked: float | None = None) -> StoredObject:
         """Make `oid` complete in the local store (pulling it if needed) and return it."""
-        self._check_open()
-        deadline = time.monotonic() + timeout
-        timeout = timeout if asked is None else asked  # (from here on: for messages)
-        try:
-            while True:
-                obj = self.store.get(oid)
-                offered = self._offered.get(oid) if obj is not None else None
-                if offered is not None:
-                    # Our copy is being offered for eviction: a view handed out now
-                    # would outlive it uncounted. Its fate first, then look again.
-                    await asyncio.wait({offered}, timeout=max(0.0, deadline - time.monotonic()))
-                    if offered.done():
-                        continue
-                if obj is None or not obj.complete:
-                    try:
-                        obj = await self._await_pull(oid, deadline, timeout)
-                    except _Retry:
-                        continue  # the object is being rebuilt (a reduce restarted): ask again
-                if obj.reduce_tag is not None and not await self._confirm(obj, deadline, timeout):
-                    if self.store.get(oid) is obj:  # a copy of a tree that was rebuilt: pull again
-                        self._let_go(oid, _Retry("the reduce restarted"))
-                    continue
-                # A final copy of a reduce's result: a restarted directory learns of
-                # it from its holders, so the reduce need not be asked for again.
-                self._my_reduces.pop(oid, None)
-                obj.used = time.monotonic()
-                return obj
-        finally:
-            # (a caller views the copy before it next awaits, or has given up)
-            self._fresh.discard(oid)
-
-    async def _confirm(self, obj: StoredObject, deadline: float, timeout: float) -> bool:
-        """Is this complete copy of a reduce result from the tree that finished?
-        A failover can rebuild the tree after our copy completed but before the
-        directory heard that its root did; that copy would not match
-        `reduced_inputs`. Confirmed once, the copy is final."""
-        tag = obj.reduce_tag
-        msg = m.ReduceConfirm(rid=0, target=obj.oid.binary, tag=tag)
-        try:
-            current = bool((await self._wait_reply(msg, deadline))["current"])
-        except Timeout:
-            raise Timeout(f"get of object {obj.oid.hex()}: the reduce producing it did not "
-                          f"finish within {timeout:g}s") from None
-        if current and obj.reduce_tag == tag:
-            obj.reduce_tag = None
-        return current
-
-    async def _await_pull(self, oid: ObjectID, deadline: float, timeout: float) -> StoredObject:
-        """Join the pull of `oid` (starting it if none runs). Each get waits on
-        its own future, so its deadline or cancellation leaves the pull, which
-        other gets may share, running."""
-        loop = asyncio.get_running_loop()
-        if oid not in self._pulls:
-            self._start_pull(oid, deadline)
-        else:
-            self._pull_deadlines[oid] = max(self._pull_deadlines.get(oid, deadline), deadline)
-        waiter = loop.create_future()
-        waiters = self._pull_waiters[oid]
-        waiters.append(waiter)
-        try:
-            # A little later than the pull's own deadline, so its more precise error wins.
-            return await until(waiter, deadline + 0.25)
-        except Timeout as exc:
-            if time.monotonic() < deadline - 0.01:
-                raise _Retry from None  # the pull ran to the deadline of a less patient get
-            if getattr(exc, "not_available", False):  # (in this get's own terms: a
-                # pull it joined, or asked again, started after it)
-                raise Timeout(f"object {oid.hex()} was not available within {timeout:g}s: "
-                              f"{_NOT_AVAILABLE}") from None
-            raise  # the pull's own, more precise deadline error
-        except Expired:
-            raise Timeout(f"get of object {oid.hex()} did not finish within {timeout:g}s") from None
-        finally:
-            if (not waiter.done() or waiter.cancelled()
-                    or isinstance(waiter.exception(), Expired)):  # this get gave up
-                waiters.remove(waiter)
-                if not waiters and self._pull_waiters.get(oid) is waiters:
-                    # the last one: nobody wants this pull any more (a get that
-                    # joins it as it ends asks again)
-                    self._cancel_pull(oid, _Retry(
-                        f"the pull of object {oid.hex()} was abandoned by its gets"))
-
-    def _start_pull(self, oid: ObjectID, deadline: float, located: dict | None = None) -> None:
-        self._pull_errors.pop(oid, None)  # from an earlier pull of this id
-        self._pull_deadlines[oid] = deadline
-        self._pull_waiters[oid] = []
-        task = asyncio.get_running_loop().create_task(self._run_pull(oid, deadline, located))
-        self._pulls[oid] = task
-        task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
-
-    def _located(self, msg: dict) -> None:
-        """The directory's answer to a locate one of our threads asked
-        directly (`hoplite_gpu.direct`): pull now, from the sender it names;
-        the thread's get joins this pull. A pull already running asked (or
-        will ask) the directory itself, which then superseded this answer."""
-        oid = ObjectID(msg["oid"])
-        if self._closed is not None or oid in self._pulls:
-            return
-        obj = self.store.get(oid)
-        if obj is not None and obj.complete:
-            self._post(self._complete_msg(obj))  # we hold it: free the sender's slot
-            return
-        self._start_pull(oid, time.monotonic() + self.config.timeout_s, msg)
-
-    async def _run_pull(self, oid: ObjectID, deadline: float,
-                        located: dict | None = None) -> StoredObject:
-        """The pull, waking its waiters in the same step it ends in (no extra
-        loop iteration for a done-callback)."""
-        me = asyncio.current_task()
-        try:
-            obj = await self._pull(oid, deadline, located)
-        except asyncio.CancelledError:
-            self._pull_ended(oid, me, self._abandoned(oid))
-            raise
-        except BaseException as exc:
-            self._pull_ended(oid, me, exc)
-            raise
-        self._pull_ended(oid, me, result=obj)
-        return obj
-
-    def _abandoned(self, oid: ObjectID) -> BaseException:
-        return self._pull_errors.get(oid) or self._closed or ObjectNotFound(
-            f"the pull of object {oid.hex()} was abandoned")
-
-    def _pull_ended(self, oid: ObjectID, task: asyncio.Task | None,
-                    error: BaseException | None = None, result: StoredObject | None = None) -> None:
-        """Forget the pull and wake its waiters; also the done-callback, for a
-        pull cancelled before it ran (its body then never starts)."""
-        if task is not None and task.done() and not task.cancelled():
-            task.exception()  # retrieved: the waiters re-raise it
-        if task is None or self._pulls.get(oid) is not task:
-            return
-        del self._pulls[oid]
-        if result is None and error is None:
-            if task.cancelled():
-                error = self._abandoned(oid)
-            elif (error := task.exception()) is None:
-                result = task.result()
-        # (this pull's leftovers: none may outlive it)
-        self._pull_errors.pop(oid, None)
-        self._failed_at.pop(oid, None)
-        self._pull_deadlines.pop(oid, None)
-        for waiter in self._pull_waiters.pop(oid, ()):
-            if not waiter.done():
-                if error is not None:
-                    waiter.set_exception(error)
-                else:
-                    waiter.set_result(result)
-
-    async def _pull(self, oid: ObjectID, deadline: float,
-                    located: dict | None = None) -> StoredObject:
-        self._check_open()
-        failures = 0
-        while True:
-            deadline = self._pull_deadlines.get(oid, deadline)  # (a patient get may have joined)
-            reply = located if located is not None else await self._locate(oid, deadline)
-            located = None
-            log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
-            layout = Layout.from_wire(reply["layout"])
-            if "inline" in reply:
-                self._fresh.add(oid)
-                return self._store_inline(oid, layout, reply["inline"])
-            obj = self.store.get(oid)
-            if reply.get("local"):
-                if layout.nbytes == 0:
-                    obj = obj or self.store.create(oid, layout)
-                    return obj
-                if obj is not None and obj.complete:
-                    return obj
-                # The directory thinks we hold it but we do not: correct it, ask again.
-                self._post(m.Dropped(oid=oid.binary))
-                continue
-            sender, address = reply["sender"], reply["address"]
-            if obj is not None and obj.own and obj.error is None:
-                # Put here meanwhile: that copy is the object, not one to pull
-                # into; once it is whole, `complete` frees the sender's slot.
-                await obj.wait_ready(obj.size, max(0.001, deadline - time.monotonic()))
-                self._post(self._complete_msg(obj))
-                return obj
-            if obj is None or obj.error is not None:
-                obj, mapped = await self._buffer_for(oid, layout, address)
-                if mapped:  # the sender's complete copy, mapped: nothing to pull
-                    obj.reduce_tag = reply.get("reduce_tag")
-                    self._post(self._complete_msg(obj))
-                    return obj
-            obj.reduce_tag = reply.get("reduce_tag")
-            try:
-                await self.pull_plan(obj, plan_for(obj, sender, address))
-            except _PEER_FAILURES:  # (reported: `_flow_failed`)
-                failures += 1
-                if not await self._retry_after(obj, failures, deadline):
-                    raise
-                continue
-            except BaseException:
-                self._drop_partial(obj)
-                raise
-            self._post(self._complete_msg(obj))
-            log.debug("pull %s: complete", oid.hex())
-            return obj
-
-    async def _buffer_for(self, oid: ObjectID, layout: Layout,
-                          address: str) -> tuple[StoredObject, bool]:
-        """The copy to pull `oid` into, and whether it is already whole: a
-        same-host sender's complete copy kept mapped (True), or a buffer here."""
-        try:
-            async with self._room(layout, f"get of object {oid.hex()}"):
-                mapped = await self._map_from(oid, layout, address)
-                if mapped is not None:
-                    return mapped, True
-                obj = self.store.get(oid)  # (made here meanwhile, e.g. by `receive_into`)
-                if obj is None or obj.error is not None:
-                    obj = self.store.create(oid, layout)
-                    log.debug("pull %s: buffer of %d bytes made", oid.hex(), layout.nbytes)
-                return obj, False
-        except BaseException:
-            self._post(m.Dropped(oid=oid.binary))  # free the sender's slot
-            raise
-
-    async def _retry_after(self, obj: StoredObject, failures: int, deadline: float) -> bool:
-        """After the `failures`-th failed attempt to fill `obj`: False past the
-        pull's deadline (the copy is let go: receivers pulling from it fail
-        over at once), else True after a short back-off (the directory may
-        hand us the same sender again)."""
-        deadline = self._pull_deadlines.get(obj.oid, deadline)
-        if time.monotonic() >= deadline:
-            self._let_go(obj.oid)
-            return False
-        try:
-            await asyncio.sleep(min(0.01 * 2 ** failures, 0.5,
-                                    max(0.0, deadline - time.monotonic())))
-        except BaseException:  # given up here: the partial copy goes, as in `_pull`
-            self._drop_partial(obj)
-            raise
-        return True
-
-    async def _map_from(self, oid: ObjectID, layout: Layout, address: str) -> StoredObject | None:
-        """Keep a same-host sender's complete copy as ours, mapped read-only
-        (`transfer.map_object`): None where that cannot be (then pull)."""
-        if (not self.config.shared_memory or layout.nbytes < MIN_POOLED
-                or (layout.kind == "device" and device.gpu_present())):
-            return None
-        try:
-            mapped = await map_object(self.pool, address, oid, layout.nbytes, self.config)
-        except (HopliteError, OSError) as exc:  # the pull that follows meets it too, and fails over
-            log.info("mapping %s from %s failed: %s", oid.hex(), address, exc)
-            return None
-        if mapped is None:
-            return None
-        existing = self.store.get(oid)
-        if existing is not None and existing.error is None:
-            return None  # made here while we asked (`receive_into`, a put): keep that one
-        obj = self.store.create(oid, layout, np.frombuffer(mapped, dtype=np.uint8))
-        obj.advance(obj.size)
-        return obj
-
-    async def _locate(self, oid: ObjectID, deadline: float) -> dict:
-        since = self.forgets
-        try:
-            return await self._wait_reply(m.Locate(rid=0, oid=oid.binary), deadline)
-        except Timeout as exc:
-            self._withdrawn(oid)
-            late = Timeout(f"object {oid.hex()} was not available within {exc.args[0]:.3g}s: "
-                           f"{_NOT_AVAILABLE}")
-            late.not_available = True  # (said in the get's own terms by `_await_pull`)
-            raise late from None
-        except asyncio.CancelledError:
-            # Cancelled by a drop or delete (`_forget`), the directory forgot
-            # this node's part already, and may have made it a holder anew
-            # since (a restarted reduce's root): then nothing is withdrawn.
-            if self._forgotten.get(oid, 0) <= since:
-                self._withdrawn(oid)
-            raise
+        return await self.pulls.fetch(oid, timeout, asked)
 
     def withdraw(self, oid: ObjectID) -> None:
         """A direct call's put given up after it was sent (`hoplite_gpu.direct`)."""
-        self._withdrawn(oid)
-
-    def _withdrawn(self, oid: ObjectID) -> None:
-        """A locate given up. The directory may have named a sender just
-        before (made this node a holder pulling from it, in one of that
-        sender's slots), and its answer is dropped unread: `dropped` frees
-        that (a non-holder's is ignored). A partial copy of an earlier try
-        goes too; a copy made here (a put still copying, a reduce step's
-        output, a caller's receiving array) stays."""
-        obj = self.store.get(oid)
-        if obj is None or not (obj.complete or obj.own or obj.receiving):
-            self._let_go(oid)
-
-    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
-        """A request the directory may answer much later (it waits for something to
-        exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
-        if the directory goes away meanwhile, the request is asked again of the new one."""
-        started = time.monotonic()
-        while True:
-            self._check_open()
-            client = self.client
-            assert client is not None
-            rid = client.next_id()
-            try:
-                return raise_for_error(await until(client.start(msg, rid), deadline))
-            except DirectoryUnavailable:
-                await self._wait_connected(deadline)  # then ask the new directory
-            except Expired:
-                client.forget(rid)
-                client.post(m.Cancel(request=rid))
-                raise Timeout(max(0.0, deadline - started)) from None
-            except asyncio.CancelledError:  # withdraw the request, or it waits on
-                client.forget(rid)
-                client.post(m.Cancel(request=rid))
-                raise
+        self.pulls.withdrawn(oid)
 
     # ----------------------------------------------------------- channels ---
     def channel_seen(self, name: str, version: int) -> None:
@@ -761,44 +321,9 @@ class Node:
                           f"within {exc.args[0]:.3g}s") from None
         return int(body["head"])
 
-    def _complete_msg(self, obj: StoredObject) -> m.Complete:
-        # size and layout let a restarted directory learn of the object from
-        # this alone; `own`: put or made here, so a restarted directory counts
-        # it as an origin; `tag`: a reduce result's tree
-        host = not device.is_device_buffer(obj.buffer)
-        return m.Complete(oid=obj.oid.binary, size=obj.size, layout=obj.layout.to_wire(),
-                          own=obj.own, tag=obj.reduce_tag,
-                          print_=fingerprint(obj.buffer) if obj.own and host else None)
-
     async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
-        """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
-        sub-flow's failure is reported to the directory, and its rest moves
-        to another of the plan's senders; with none left, this raises."""
-        await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
-                       functools.partial(self._flow_failed, obj), _PEER_FAILURES)
-
-    def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
-        log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
-                 obj.ready, exc)
-        self._failed_at.setdefault(obj.oid, time.time())
-        self._post(m.Failed(oid=obj.oid.binary, sender=flow.sender, have=obj.ready))
-
-    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
-        """Pull one sub-flow of `obj`, telling the directory now and then how
-        much of the object is ready here (relays may start from it)."""
-        last = [time.monotonic()]
-
-        def progress(pos: int) -> None:
-            failed_at = self._failed_at.pop(obj.oid, None)
-            if failed_at is not None:
-                self.failovers.append((obj.oid, failed_at, time.time()))
-            now = time.monotonic()
-            if now - last[0] >= _PROGRESS_EVERY_S:
-                last[0] = now
-                self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
-
-        await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
-                          start=flow.start, sink=sink)
+        """Fill `obj` (in the store) as `plan` says (see `Pulls.pull_plan`)."""
+        await self.pulls.pull_plan(obj, plan)
 
     def keep_inline(self, oid: ObjectID, layout: Layout, data: bytes, since: int) -> None:
         """Hold an inline object that a caller's thread put directly (registered
@@ -808,18 +333,8 @@ class Node:
         it would leave a copy the directory does not know, which a later put
         of the id would take for its own and not register."""
         if (self._closed is None and self.store.get(oid) is None
-                and self._forgotten.get(oid, 0) <= since):
-            self._store_inline(oid, layout, data).own = True
-
-    def _store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
-        obj = self.store.get(oid)
-        if obj is None or obj.error is not None:
-            obj = self.store.create(oid, layout, np.frombuffer(bytearray(data), dtype=np.uint8))
-            self._trim_soon()
-        elif not obj.complete:  # a caller's array to receive into (`receive_into`)
-            obj.buffer[:] = np.frombuffer(data, dtype=np.uint8)
-        obj.advance(obj.size)
-        return obj
+                and not self.forgotten.since(oid, since)):
+            self.pulls.store_inline(oid, layout, data).own = True
 
     # ------------------------------------------------------------- delete ---
     async def delete(self, oid: ObjectID) -> None:
@@ -851,16 +366,8 @@ class Node:
     def _forget(self, oid: ObjectID, reason: BaseException) -> None:
         """Everything of `oid` on this node ends: its reduce step, its copy, its
         pull, and (unless it is being rebuilt) the reduce we would re-ask for."""
-        self.forgets += 1
-        self._forgotten[oid] = self.forgets
-        self._forgotten.move_to_end(oid)
-        while len(self._forgotten) > _FORGOTTEN_KEPT:
-            self._forgotten.popitem(last=False)
-        if not isinstance(reason, _Retry):
-            self._my_reduces.pop(oid, None)  # deleted, failed or lost: nothing to ask for
-        step = self._steps.pop(oid, None)
-        if step is not None:
-            step.task.cancel(str(reason))
+        self.forgotten.record(oid)
+        self.steps.forget(oid, reason)
         self.store.remove(oid, reason)
         self._stop_serving(oid)
         self._cancel_pull(oid, reason)
@@ -876,147 +383,12 @@ class Node:
     def in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run `coro` (which must end by itself: every wait in it has a
         deadline) beside the caller; it is cancelled when the node closes."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-        return task
-
-    @contextlib.asynccontextmanager
-    async def _room(self, layout: Layout, what: str) -> AsyncIterator[None]:
-        """Room under `store_bytes` for an object of `layout`, kept for it
-        (`ChunkStore.reserved`) until the block, which makes it, ends: calls
-        making objects at the same time cannot both take the last of it."""
-        need = await self._make_room(layout.nbytes, what) if self.store.on_host(layout) else 0
-        self.store.reserved += need
-        try:
-            yield
-        finally:
-            self.store.reserved -= need
-
-    async def _make_room(self, need: int, what: str, collect: bool = True) -> int:
-        """Make room under `store_bytes` for `need` more bytes of host
-        objects: evict pulled copies that another node also holds, least
-        recently used first, with the directory's consent; else raise
-        `StoreFull`. Nothing is evicted for a call that cannot get room.
-        Returns the bytes that count against the limit (0 without one).
-        `collect`: run the garbage collector once before giving up (see below;
-        not for a background trim, which runs after every inline object made
-        while the store is over its limit and gives up quietly)."""
-        limit = self.config.store_bytes
-        if not limit:
-            return 0
-        if self.store.used + need <= limit:
-            return need
-        if need > limit:
-            raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
-                            f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
-        tried: set[ObjectID] = set()
-        give_up = time.monotonic() + self.config.timeout_s
-        collected = not collect
-        while self.store.used + need > limit:
-            over = self.store.used + need - limit
-            # (copies another call offers now are its: their fate comes first)
-            candidates = [obj for obj in self.store.evictable(busy=self._step_reads())
-                          if obj.oid not in tried and obj.oid not in self._offered]
-            if sum(obj.size for obj in candidates) < over:
-                others = set(self._offered.values())
-                if not others and not collected:
-                    # A view kept only by a reference cycle (the traceback of a
-                    # send that failed mid-message, a get result dropped inside
-                    # one) counts as a user until the collector runs: run it
-                    # once before giving up, never on the way that succeeds.
-                    collected = True
-                    log.debug("%s: collecting garbage before evicting (%d free candidate "
-                              "bytes, %d needed)", what, sum(o.size for o in candidates), over)
-                    gc.collect()
-                    continue
-                if not others or time.monotonic() >= give_up:
-                    break  # even all of them would not do: keep them
-                await asyncio.wait(others, timeout=give_up - time.monotonic())
-                continue
-            if not await self._offer(candidates, over, tried):
-                break
-        if self.store.used + need > limit:
-            raise StoreFull(
-                f"{what} needs {need} bytes, but this node holds {self.store.used} bytes of "
-                f"objects (limit HOPLITE_STORE_BYTES={limit}) and could not evict enough: only "
-                "copies pulled from others, held by another node too and used by no get "
-                "result here, can go. Delete objects you no longer need, drop references "
-                "to get results, or raise the limit")
-        return need
-
-    async def _offer(self, candidates: list[StoredObject], over: int, tried: set[ObjectID]) -> bool:
-        """Offer all of `candidates` for eviction, least recently used first:
-        the directory frees the first that may go and make `over` bytes of
-        room together, or none. False where it could not answer."""
-        offered = {obj.oid: obj for obj in candidates}
-        tried.update(offered)
-        msg = m.Evict(rid=0, oids=[oid.binary for oid in offered], need=over)
-        try:
-            assert self.client is not None
-            reply = self.client.start(msg)
-        except DirectoryUnavailable:
-            return False
-        # The directory forgets the copies it agrees to as it answers, so
-        # they go whatever becomes of this call (cancelled, timed out):
-        # a copy kept past that would miss the object's deletion.
-        for oid in offered:
-            self._offered[oid] = reply
-        reply.add_done_callback(lambda fut, offered=offered: self._evicted(fut, offered))
-        try:
-            await until(asyncio.shield(reply), time.monotonic() + self.config.timeout_s)
-        except (Expired, DirectoryUnavailable):
-            return False
-        return True
-
-    def _trim_soon(self) -> None:
-        """An object made without asking for room first (an inline one, at
-        most `inline_threshold` bytes, or a reduce step's output that no
-        eviction could make room for) left this node over `store_bytes`:
-        evict in the background what the limit allows, as a get would."""
-        limit = self.config.store_bytes
-        if (limit and self.store.used > limit and self._trimming is None
-                and self._closed is None):
-            self._trimming = asyncio.get_running_loop().create_task(self._trim())
-
-    async def _trim(self) -> None:
-        try:
-            await self._make_room(0, "keeping the store within its limit", collect=False)
-        except HopliteError as exc:  # nothing may go now; the next call tries again
-            log.debug("store over its limit: %s", exc)
-        finally:
-            self._trimming = None
-
-    def _evicted(self, reply: asyncio.Future, offered: dict[ObjectID, StoredObject]) -> None:
-        """Free the copies the directory agreed to evict (it no longer counts them)."""
-        for oid in offered:
-            if self._offered.get(oid) is reply:
-                del self._offered[oid]
-        if reply.cancelled() or reply.exception() is not None:
-            return  # no answer: the directory kept them, or a new one hears of them
-        for raw in reply.result().get("evicted", ()):
-            oid = ObjectID(raw)
-            if self.store.get(oid) is not offered.get(oid):
-                continue  # (made here anew since: not the copy offered)
-            self.store.remove(oid, ObjectNotFound(
-                f"object {oid.hex()} was evicted from node {self.node_id} to make room "
-                "(HOPLITE_STORE_BYTES); get it again"))
-            self.evicted += 1
-            log.debug("evicted %s", oid.hex())
+        return self._background.spawn(coro)
 
     def _step_reads(self) -> set[ObjectID]:
         """Objects the reduce steps running here read or write, and fresh
         copies no get has taken yet: none may be evicted."""
-        busy = set(self._steps) | self._fresh
-        for _, step in self._steps.values():
-            busy.add(ObjectID(step["input"]))
-            busy.update(ObjectID(child["oid"]) for child in step["children"])
-        return busy
-
-    def _drop_partial(self, obj: StoredObject) -> None:
-        """A pull given up: its copy goes if it is still ours (a put's stays)."""
-        if self.store.get(obj.oid) is obj and not obj.own:
-            self._let_go(obj.oid)
+        return self.steps.busy() | self.pulls.busy()
 
     def _let_go(self, oid: ObjectID, reason: BaseException | None = None) -> None:
         """Remove our copy of `oid` and tell the directory we no longer hold it."""
@@ -1033,8 +405,8 @@ class Node:
                 "pool_hits": self.store.pool.hits, "pooled_bytes": self.store.pool.pooled,
                 "pool_reclaimed": self.store.pool.reclaimed,
                 "held_bytes": self.store.held, "store_bytes": self.config.store_bytes,
-                "evicted": self.evicted,
-                "failovers": len(self.failovers)}
+                "evicted": self.memory.evicted,
+                "failovers": len(self.pulls.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:
         return await self._request(m.Query(rid=0, oid=oid.binary), self.config.timeout_s)
@@ -1046,154 +418,22 @@ class Node:
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
                      target: ObjectID, root_input: ObjectID | None = None,
                      relay: bool = False) -> ObjectID:
-        msg = self.reduce_msg(inputs, op, num_objects, target, root_input, relay)
-        # Remembered first: a call given up while the answer was on its way
-        # may have started the reduce, which a restarted directory must hear of.
-        before = self._my_reduces.get(target)
-        self.remember_reduce(target, msg)
-        try:
-            await self._request(msg, self.config.timeout_s)
-        except (asyncio.CancelledError, Timeout, DirectoryUnavailable):
-            raise
-        except BaseException:  # refused: nothing new to ask again
-            if self._my_reduces.get(target) is msg:
-                del self._my_reduces[target]
-                if before is not None:
-                    self._my_reduces[target] = before
-            raise
-        return target
+        return await self.steps.reduce(inputs, op, num_objects, target, root_input, relay)
 
-    @staticmethod
-    def reduce_msg(inputs: list[ObjectID], op: str, num_objects: int, target: ObjectID,
-                   root_input: ObjectID | None = None, relay: bool = False) -> m.Reduce:
-        return m.Reduce(rid=0, target=target.binary, inputs=[i.binary for i in inputs],
-                        op_name=op, num_objects=num_objects,
-                        root_input=None if root_input is None else root_input.binary, relay=relay)
+    reduce_msg = staticmethod(Steps.reduce_msg)
 
     def remember_reduce(self, target: ObjectID, msg: m.Reduce, since: int | None = None) -> None:
-        """Ask `msg` again of a restarted directory, until this node sees the
-        final result, deletes it or hears it dropped; the oldest are forgotten
-        past MAX_REMEMBERED_REDUCES (a rank that never reads the result, as a
-        non-root of `collectives.reduce`, would otherwise grow this forever).
-        `since`: see `keep_inline`."""
-        if since is not None and self._forgotten.get(target, 0) > since:
-            return  # deleted or dropped since it was asked: nothing to ask again
-        self._my_reduces[target] = msg
-        while len(self._my_reduces) > MAX_REMEMBERED_REDUCES:
-            del self._my_reduces[next(iter(self._my_reduces))]
+        """See `Steps.remember_reduce` (also called from a caller's thread's
+        direct reduce, on the loop)."""
+        self.steps.remember_reduce(target, msg, since)
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
-        body = await self._request(m.ReducedInputs(rid=0, target=target.binary), timeout)
-        # Done: its result's holder announces it to a restarted directory, so
-        # it need not be asked for again (a non-root rank of a collective
-        # reduce never holds the result, and is not the one that deletes it).
-        self._my_reduces.pop(target, None)
-        return [ObjectID(i) for i in body["inputs"]]
-
-    async def _reduce_step(self, step: dict) -> None:
-        if self._closed is not None:
-            return
-        target = step["target"]
-        try:
-            await self._room_for_step(step)
-            out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:
-            # a child died or stalled: the directory rebuilds the tree without it
-            log.info("reduce step for %s lost a child: %r", target.hex(), exc)
-            self._drop_unfinished(step)
-            self._post(m.StepLost(target=target, tag=step.get("tag"),
-                                  message=f"on node {self.node_id}: {type(exc).__name__}: {exc}"))
-            return
-        except Exception as exc:  # any other failure must reach every waiter, not vanish here
-            log.warning("reduce step for %s failed: %r", target.hex(), exc)
-            self._drop_unfinished(step)
-            self._post(m.ReduceFailed(target=target, tag=step.get("tag"),
-                                      message=f"a reduce step on node {self.node_id} failed: "
-                                              f"{type(exc).__name__}: {exc}"))
-            return
-        if step.get("early"):
-            # Its input was this position's early result, read by this step
-            # only: free it now rather than when the whole reduce ends.
-            self.store.remove(ObjectID(step["input"]), ObjectNotFound(
-                f"partial result {step['input'].hex()} was folded into the next one"))
-        if out.oid.binary == target:
-            self._post(self._complete_msg(out))
-        else:  # an intermediate result: its parent is already pulling it
-            self._post(m.Complete(oid=out.oid.binary))
-
-    def _drop_unfinished(self, step: dict) -> None:
-        """A failed step's output, if it is half made: nothing will finish it.
-        Its readers (a get here waiting on its watermark, a parent pulling
-        it) ask again. The directory drops it too when it rebuilds the tree,
-        but not on a node it has declared dead meanwhile, whose step may fail
-        only after it is back: such a copy would be kept, and taken by this
-        node's own gets for a put under way, for good."""
-        out = ObjectID(step["output"])
-        obj, mine = self.store.get(out), self._steps.get(out)
-        if (obj is not None and not obj.complete and not obj.receiving
-                and mine is not None and mine.msg is step):  # (not a newer step's)
-            self.store.remove(out, _Retry("its reduce step failed"))
-
-    async def _room_for_step(self, step: dict) -> None:
-        """Evict, as a get would, for the output a reduce step is about to
-        make (it makes it as soon as it starts, with no await between).
-        Nothing to do for a leaf (its output shares its input's buffer), an
-        output already here, or device memory. Where no eviction makes room
-        the step goes over the limit: failing would fail the reduce for every
-        rank over one node's cache, and later calls evict again."""
-        layout = Layout.from_wire(step["layout"])
-        leaf = not step["children"] and not int(step["count"])
-        if (leaf or not self.store.on_host(layout)
-                or self.store.get(ObjectID(step["output"])) is not None):
-            return
-        try:
-            await self._make_room(layout.nbytes, "a reduce step")
-        except StoreFull as exc:
-            log.info("reduce step for %s goes over the store limit: %s",
-                     ObjectID(step["output"]).hex(), exc)
+        return await self.steps.reduced_inputs(target, timeout)
 
     # ------------------------------------------------------- reconnection ---
-    def _directory_lost(self, reason: str) -> None:
-        if self._closed is not None or not self._connected.is_set():
-            return
-        self._connected.clear()
-        log.warning("lost the directory (%s); reconnecting", reason)
-        self._reconnector = asyncio.get_running_loop().create_task(self._reconnect())
-
-    async def _reconnect(self) -> None:
-        """Reconnect with backoff, then tell the new directory what we hold: the
-        directory keeps only soft state, so nodes rebuild it."""
-        deadline = time.monotonic() + self.config.timeout_s
-        delay = 0.05
-        old = self.client
-        while self._closed is None and time.monotonic() < deadline:
-            try:
-                client = await DirectoryClient.connect(
-                    self.directory_address, token=self.token, node=self.node_id,
-                    data_address=self._data_address,
-                    timeout=self.config.connect_timeout_s, on_push=self._on_push,
-                    stall_s=self.config.stall_timeout_s)
-            except HopliteError as exc:
-                log.info("reconnect to %s failed: %s", self.directory_address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            self.client = client
-            if old is not None:
-                await old.close()
-            self._announce(client)
-            self._connected.set()
-            log.warning("reconnected to the directory at %s", self.directory_address)
-            return
-        err = PeerLost(f"the directory at {self.directory_address} stayed unreachable")
-        for oid in list(self._pulls):
-            self._cancel_pull(oid, err)
-
     def _announce(self, client: DirectoryClient) -> None:
         for obj in self.store.objects():
-            if not obj.complete or obj.oid in self._steps:
+            if not obj.complete or self.steps.making(obj.oid):
                 continue
             if obj.size <= self.config.inline_threshold:
                 data = obj.buffer.tobytes()
@@ -1201,65 +441,30 @@ class Node:
                                    layout=obj.layout.to_wire(), inline=data,
                                    print_=fingerprint(data)))
             else:
-                client.post(self._complete_msg(obj))
-        for msg in self._my_reduces.values():
-            client.start(msg)  # "already exists" answers are fine: nobody waits
+                client.post(complete_msg(obj))
+        self.steps.announce(client)
         for name, version in self._channels.items():
             client.start(m.ChannelPublish(rid=0, name=name, version=version))
 
     # ------------------------------------------------------------- pushes ---
     def _on_push(self, msg: dict) -> None:
-        op = msg.get("op")
-        if op == "drop":
-            oid = ObjectID(msg["oid"])
-            text = msg.get("reason", f"object {oid.hex()} was dropped")
-            if msg.get("retry") and oid in self._puts:
-                # (a completion of ours that crossed a removal is dropped with
-                # `retry`; a put of the id under way here came after it)
-                return
-            error = (_Retry(text) if msg.get("retry")
-                     else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
-                     else ObjectNotFound(text))
-            self._forget(oid, error)
-        elif op == "reduce_step":
-            out = ObjectID(msg["output"])
-            old = self._steps.pop(out, None)
-            if old is not None:
-                old.task.cancel("replaced by a new step")
-            stale = self.store.get(out)
-            # (A first step into memory set aside by `receive_into` keeps it.)
-            fresh = stale is not None and stale.receiving and old is None and not stale.ready
-            # The target's id is the same in every tree: a copy made here by an
-            # earlier tree's root step (this node was declared dead meanwhile,
-            # and the step finished all the same) holds other inputs, complete
-            # or not, and must not be taken for this step's output.
-            earlier = (stale is not None and out.binary == msg["target"]
-                       and stale.reduce_tag is not None and stale.reduce_tag != msg.get("tag"))
-            if stale is not None and (not stale.complete or earlier) and not fresh:
-                # a partial result of an earlier tree (e.g. before a directory restart)
-                # may hold other inputs: start over; its readers ask again
-                self.store.remove(out, _Retry("the reduce restarted"))
-            task = asyncio.get_running_loop().create_task(self._reduce_step(msg))
-            self._steps[out] = _Step(task, msg)
-            task.add_done_callback(lambda t, out=out: self._step_done(out, t))
-        elif op == "located":
-            self._located(msg)
-        elif op == "directory_lost":
-            self._directory_lost(str(msg.get("reason")))
-        else:
-            log.warning("ignoring unknown push %r", op)
+        """A push from the directory (`DirectoryLink.on_push`)."""
+        self.link.on_push(msg)
 
-    def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
-        step = self._steps.get(out)
-        if step is not None and step.task is task:
-            del self._steps[out]
+    def _on_drop(self, msg: dict) -> None:
+        oid = ObjectID(msg["oid"])
+        text = msg.get("reason", f"object {oid.hex()} was dropped")
+        if msg.get("retry") and self.puts.making(oid):
+            # (a completion of ours that crossed a removal is dropped with
+            # `retry`; a put of the id under way here came after it)
+            return
+        error = (_Retry(text) if msg.get("retry")
+                 else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
+                 else ObjectNotFound(text))
+        self._forget(oid, error)
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
-        task = self._pulls.get(oid)
-        if task is not None and not task.done():
-            self._pull_errors[oid] = reason
-            task.cancel(str(reason))
-
+        self.pulls.cancel(oid, reason)
 
 
 def advertised(address: str, directory_address: str) -> str:

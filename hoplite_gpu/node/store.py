@@ -124,7 +124,7 @@ class ChunkStore:
         self._objects: dict[ObjectID, StoredObject] = {}
         self._appear: dict[ObjectID, list[asyncio.Future]] = {}
         #: Bytes of the counted objects (see `StoredObject.counted`), and of
-        #: objects about to be made that room was made for (`Node._room`).
+        #: objects about to be made that room was made for (`Memory.room`).
         self.held = 0
         self.reserved = 0
         #: `shared`: large host buffers are memfd mappings that pulls from

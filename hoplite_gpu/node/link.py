@@ -1,0 +1,193 @@
+"""A node's link to the directory: the client, the heartbeat that renews the
+node's lease, reconnection after the directory is lost, and the pushes the
+directory sends, handed to whichever part of the node registered for them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from hoplite_gpu import messages as m
+from hoplite_gpu.config import Config
+from hoplite_gpu.directory.client import DirectoryClient
+from hoplite_gpu.directory.wire import raise_for_error
+from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, PeerLost, Timeout
+from hoplite_gpu.timers import Expired, until
+
+from .tasks import TaskSet
+
+log = logging.getLogger("hoplite_gpu.node")
+
+
+class DirectoryLink:
+    """`announce(client)` tells a new directory what this node holds (the
+    directory keeps only soft state); `gone(error)` runs when the directory
+    stayed away until the reconnection's deadline."""
+
+    def __init__(self, address: str, token: str, node_id: str, config: Config, *,
+                 announce: Callable[[DirectoryClient], None],
+                 gone: Callable[[BaseException], None]) -> None:
+        self.address, self.token, self.node_id, self.config = address, token, node_id, config
+        self._announce, self._gone = announce, gone
+        self.client: DirectoryClient | None = None
+        #: set while a client is connected (cleared from a loss to the reconnection)
+        self.connected = asyncio.Event()
+        #: the task renewing this node's lease (`start_heartbeat`)
+        self.heartbeat: asyncio.Task | None = None
+        self._reconnector: asyncio.Task | None = None
+        self._handlers: dict[str, Callable[[dict], None]] = {}
+        self._data_address = ""
+        self._tasks = TaskSet()
+        self._closed: BaseException | None = None
+
+    def handle(self, op: str, handler: Callable[[dict], None]) -> None:
+        """Hand the directory's pushes of `op` to `handler`."""
+        self._handlers[op] = handler
+
+    async def connect(self, data_address: str) -> None:
+        """Register this node (its data server at `data_address`) and start beating."""
+        self._data_address = data_address
+        self.client = await self._connect()
+        self.connected.set()
+        self.start_heartbeat()
+
+    def _connect(self):  # (a coroutine: the client once connected)
+        return DirectoryClient.connect(
+            self.address, token=self.token, node=self.node_id,
+            data_address=self._data_address,
+            timeout=self.config.connect_timeout_s, on_push=self.on_push,
+            stall_s=self.config.stall_timeout_s)
+
+    def start_heartbeat(self) -> None:
+        """Renew this node's lease from now on (again, after the heartbeat was stopped)."""
+        self.heartbeat = self._tasks.spawn(self.beat())
+
+    async def beat(self) -> None:
+        """Renew this node's lease; a node that stops beating is declared dead.
+        Beats come at least three times per lease of the directory's (its
+        settings count, not this process's)."""
+        while True:
+            lease = self.client.lease_s if self.client is not None else None
+            interval = self.config.heartbeat_interval_s
+            await asyncio.sleep(interval if lease is None else min(interval, lease / 3))
+            self.post(m.Ping())
+
+    def stop(self, reason: BaseException) -> list[asyncio.Task]:
+        """Refuse further requests with `reason` and stop the heartbeat and
+        any reconnection: the cancelled tasks, for the node to await."""
+        self._closed = reason
+        return self._tasks.cancel()
+
+    async def close(self) -> None:
+        """Close the client (after `stop`)."""
+        if self.client is not None:
+            await self.client.close()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+
+    # ----------------------------------------------------------- requests ---
+    def post(self, msg: m.Message | dict) -> None:
+        """A one-way notice to the directory (lost if it is away; holdings are
+        re-announced when we reconnect)."""
+        if self.client is not None:
+            self.client.post(msg)
+
+    def ask(self, msg: m.Request) -> asyncio.Future:
+        """Start a request to the directory, its answer a future (no wait, no
+        asking again: DirectoryUnavailable while it is away)."""
+        assert self.client is not None
+        return self.client.start(msg)
+
+    async def request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
+        """A request to the directory; if the directory goes away, wait for the
+        reconnection and ask again, all within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_open()
+            try:
+                assert self.client is not None
+                return await self.client.request(msg, max(0.001, deadline - time.monotonic()))
+            except DirectoryUnavailable:
+                await self._wait_connected(deadline)
+
+    async def wait_reply(self, msg: m.Request, deadline: float) -> dict:
+        """A request the directory may answer much later (it waits for something to
+        exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
+        if the directory goes away meanwhile, the request is asked again of the new one."""
+        started = time.monotonic()
+        while True:
+            self._check_open()
+            client = self.client
+            assert client is not None
+            rid = client.next_id()
+            try:
+                return raise_for_error(await until(client.start(msg, rid), deadline))
+            except DirectoryUnavailable:
+                await self._wait_connected(deadline)  # then ask the new directory
+            except Expired:
+                client.forget(rid)
+                client.post(m.Cancel(request=rid))
+                raise Timeout(max(0.0, deadline - started)) from None
+            except asyncio.CancelledError:  # withdraw the request, or it waits on
+                client.forget(rid)
+                client.post(m.Cancel(request=rid))
+                raise
+
+    async def _wait_connected(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DirectoryUnavailable("the directory is unreachable and the deadline passed")
+        try:
+            async with asyncio.timeout(remaining):
+                await self.connected.wait()
+        except TimeoutError:
+            raise DirectoryUnavailable(
+                f"the directory at {self.address} stayed unreachable until the "
+                "deadline") from None
+        self._check_open()
+
+    # ------------------------------------------------------------- pushes ---
+    def on_push(self, msg: dict) -> None:
+        op = msg.get("op")
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is not None:
+            handler(msg)
+        elif op == "directory_lost":
+            self._lost(str(msg.get("reason")))
+        else:
+            log.warning("ignoring unknown push %r", op)
+
+    # ------------------------------------------------------- reconnection ---
+    def _lost(self, reason: str) -> None:
+        if self._closed is not None or not self.connected.is_set():
+            return
+        self.connected.clear()
+        log.warning("lost the directory (%s); reconnecting", reason)
+        self._reconnector = self._tasks.spawn(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Reconnect with backoff, then tell the new directory what we hold: the
+        directory keeps only soft state, so nodes rebuild it."""
+        deadline = time.monotonic() + self.config.timeout_s
+        delay = 0.05
+        old = self.client
+        while self._closed is None and time.monotonic() < deadline:
+            try:
+                client = await self._connect()
+            except HopliteError as exc:
+                log.info("reconnect to %s failed: %s", self.address, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            self.client = client
+            if old is not None:
+                await old.close()
+            self._announce(client)
+            self.connected.set()
+            log.warning("reconnected to the directory at %s", self.address)
+            return
+        self._gone(PeerLost(f"the directory at {self.address} stayed unreachable"))

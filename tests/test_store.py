@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hoplite_gpu as hg
+from hoplite_gpu import messages
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node.pool import BufferPool, host_buffer
 from hoplite_gpu.node.store import ChunkStore
@@ -216,8 +217,8 @@ def test_release_stops_every_pull_of_an_object_before_it_returns(window):
         oid = ObjectID.random()
         store.create(oid, layout(8 * MiB)).advance(8 * MiB)
         reading, stuck = Peer(), Peer()
-        req = {"oid": oid.binary, "offset": 0, "end": 8 * MiB}
-        pulls = [asyncio.create_task(server._serve_pull(p, dict(req))) for p in (reading, stuck)]
+        req = messages.Pull(oid=oid.binary, offset=0, end=8 * MiB)
+        pulls = [asyncio.create_task(server._serve_pull(p, req)) for p in (reading, stuck)]
         reading.gate.set()
         await asyncio.sleep(0.01)
         store.remove(oid, hg.ObjectNotFound("the call that lent it returned"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .commands import Command, Reply
 from .events import NodeId
 
 
@@ -40,13 +39,14 @@ class Requests:
             del self.waits[node]
         return where
 
-    def replied(self, out: list[Command]) -> None:
-        """An answered request, whatever the answer, waits no more."""
-        if self.direct or self.waits:
-            for cmd in out:
-                if isinstance(cmd, Reply):
-                    self.direct.discard((cmd.node, cmd.request))
-                    self.answered(cmd.node, cmd.request)
+    def replied(self, node: NodeId, request: int) -> None:
+        """The request was answered: whatever the answer, it waits no more."""
+        self.direct.discard((node, request))
+        mine = self.waits.get(node)  # (`answered`, inline: once per reply)
+        if mine:
+            mine.pop(request, None)
+            if not mine:
+                del self.waits[node]
 
     def cancelled(self, node: NodeId, request: int) -> tuple[str, Any] | None:
         """A request was cancelled: what it waited on (None: answered already)."""
@@ -56,7 +56,9 @@ class Requests:
     def lost(self, node: NodeId) -> list[tuple[int, str, Any]]:
         """`node` is gone: its unanswered requests, each with what it waited on
         (its next connection numbers requests anew)."""
-        waits = self.waits.pop(node, {})
+        waits = self.waits.pop(node, None)
+        if not waits:
+            return []
         for request in waits:
             self.direct.discard((node, request))
         return [(request, kind, key) for request, (kind, key) in waits.items()]

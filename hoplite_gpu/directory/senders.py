@@ -166,9 +166,17 @@ class Senders:
         # (nobody can pull from a receiver that serves nobody, even through others)
         served = mine is not None and bool(mine.serving)
         if entry.relay_at.get(receiver, 0) > 0:
-            decided, choice = self._relay_sender(entry, receiver, mine, have, served, avoid_failed)
-            if decided:
-                return choice
+            before = entry.relay[entry.relay_at[receiver] - 1]
+            if before in self._nodes and not (avoid_failed and mine is not None
+                                              and before in mine.failed_from):
+                # The node before this one in the relay serves it, and only it:
+                # wait until that node holds (or pulls) the result, as it will.
+                holder = entry.holders.get(before)
+                if (holder is None or not (holder.complete or self.can_complete(entry, before))
+                        or (served and self.depends_on(entry, before, receiver))):
+                    return None
+                if holder.complete or holder.origin or holder.nbytes >= have:
+                    return before
             # that node is gone, failed us, or is behind us: any other holder
         fanout = self.fanout(entry)
         if fanout > entry.open_fanout:  # (holders found full before may have room now)
@@ -179,24 +187,6 @@ class Senders:
             if choice is not None:
                 return choice
         return self._scan(entry, receiver, mine, have, served, fanout, avoid_failed)
-
-    def _relay_sender(self, entry: Entry, receiver: NodeId, mine: Holder | None, have: int,
-                      served: bool, avoid_failed: bool) -> tuple[bool, NodeId | None]:
-        """(True, the choice) where the node before `receiver` in the relay
-        decides it (itself, or None: wait for it); (False, None) where any
-        other holder may serve."""
-        before = entry.relay[entry.relay_at[receiver] - 1]
-        if before in self._nodes and not (avoid_failed and mine is not None
-                                          and before in mine.failed_from):
-            # The node before this one in the relay serves it, and only it:
-            # wait until that node holds (or pulls) the result, as it will.
-            holder = entry.holders.get(before)
-            if (holder is None or not (holder.complete or self.can_complete(entry, before))
-                    or (served and self.depends_on(entry, before, receiver))):
-                return True, None
-            if holder.complete or holder.origin or holder.nbytes >= have:
-                return True, before
-        return False, None
 
     def _earliest_copy(self, entry: Entry, receiver: NodeId, mine: Holder | None,
                        served: bool, fanout: int, avoid_failed: bool) -> NodeId | None:

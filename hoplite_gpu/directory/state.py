@@ -168,8 +168,10 @@ class Directory:
             return out
         handler(event, out)
         requests = self._requests
-        if requests.direct or requests.waits:
-            requests.replied(out)
+        if requests.direct or requests.waits:  # an answered request, whatever the answer, waits no more
+            for cmd in out:
+                if isinstance(cmd, Reply):
+                    requests.replied(cmd.node, cmd.request)
         return out
 
     def describe(self, oid: Key) -> dict[str, Any]:

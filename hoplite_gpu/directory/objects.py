@@ -26,6 +26,7 @@ from .events import (
     Put,
     TransferFailed,
 )
+from .holdings import Holdings
 from .leases import Leases
 from .requests import Requests
 
@@ -66,10 +67,9 @@ class Objects:
         self.objects: dict[Key, Entry] = {}
         #: Locates for objects nobody has put yet, in arrival order.
         self.pending: dict[Key, Waiters] = {}
-        #: node -> ids whose entry names it as a holder or in its relay (a
-        #: superset: checked on use), so a node's loss visits its own objects,
-        #: not every object the directory knows
-        self.holding: dict[NodeId, dict[Key, None]] = {}
+        #: node -> ids whose entry names it as a holder or in its relay
+        self.holdings = Holdings()
+        self._holding = self.holdings.holding
         #: ids whose entry this directory removed (deleted, lost, a reduce
         #: restarted or failed), most recent last, at most `_GONE_KEPT`: a
         #: completion announced for one crossed that removal and is stale.
@@ -351,7 +351,7 @@ class Objects:
     def node_lost(self, node: NodeId, out: list[Command]) -> None:
         """`node` is gone (its requests were unqueued already): its copies go,
         and objects no live copy is left of are lost."""
-        visited = self.holding.pop(node, {})
+        visited = self.holdings.take(node)
         for key in visited:
             entry = self.objects.get(key)
             if entry is None:
@@ -368,7 +368,7 @@ class Objects:
             # and leave again, and its successor must hear of that too.
             entry = self.objects.get(key)
             if entry is not None and node in entry.relay_at:
-                self.holds(node, key)
+                self.holdings.add(node, key)
 
     # ---------------------------------------------------- reduce results ---
     def known(self, oid: Key) -> bool:
@@ -411,11 +411,11 @@ class Objects:
         entry = self.objects[oid] = Entry(size, layout, None)
         if old is not None:
             entry.waiting.extend(old.waiting)
-            self._unhold(oid, old)
+            self.holdings.unhold(oid, old)
         if relay is not None:
             entry.set_relay(relay)
             for member in entry.relay:
-                self.holds(member, oid)
+                self.holdings.add(member, oid)
         self.new_holder(oid, entry, node, Holder(origin=True))
         self.serve_pending(oid, out)
 
@@ -451,7 +451,7 @@ class Objects:
         entry.close(node)
         entry.epoch += 1
         if node not in entry.relay_at:
-            self._let_go(node, oid)
+            self.holdings.let_go(node, oid)
         for receiver in gone.serving:
             if receiver in entry.holders:
                 entry.holders[receiver].upstream = None
@@ -481,7 +481,7 @@ class Objects:
             self.gone.popitem(last=False)
         entry = self.objects.pop(oid, None)
         if entry is not None:
-            self._unhold(oid, entry)
+            self.holdings.unhold(oid, entry)
         return entry
 
     def new_holder(self, oid: Key, entry: Entry, node: NodeId, holder: Holder) -> Holder:
@@ -489,26 +489,8 @@ class Objects:
         holder.seq = entry.joined
         entry.holders[node] = holder
         entry.reopen(node)
-        mine = self.holding.get(node)  # (`holds`, inline: once per holder of every object)
+        mine = self._holding.get(node)  # (`holdings.add`, inline: once per holder of every object)
         if mine is None:
-            mine = self.holding[node] = {}
+            mine = self._holding[node] = {}
         mine[oid] = None
         return holder
-
-    def holds(self, node: NodeId, oid: Key) -> None:
-        """`oid`'s entry names `node` (a holder, or in its relay): see `holding`."""
-        self.holding.setdefault(node, {})[oid] = None
-
-    def _let_go(self, node: NodeId, oid: Key) -> None:
-        mine = self.holding.get(node)
-        if mine is not None:  # (an empty one stays while the node lives: it is reused)
-            mine.pop(oid, None)
-
-    def _unhold(self, oid: Key, entry: Entry) -> None:
-        """`entry` of `oid` is gone or replaced: no node holds it through it."""
-        holding = self.holding
-        for nodes in (entry.holders, entry.relay):
-            for node in nodes:
-                mine = holding.get(node)
-                if mine is not None:
-                    mine.pop(oid, None)

@@ -27,6 +27,7 @@ from .settings import Settings
 
 if TYPE_CHECKING:
     from .objects import Objects
+    from .reduce_task import ReduceTask
     from .reduces import Reduces
 
 
@@ -41,14 +42,16 @@ class Senders:
         #: the direct locates (`Requests.direct`, read here)
         self._direct = requests.direct
         self._objects = objects
-        self._reduces: Reduces
+        self._tasks: dict[Key, ReduceTask]
         #: Pick every sender by the scan of `Entry.open` alone, never by the
         #: earliest open complete copy (`Entry.senders`): the reference that
         #: tests/test_sender_choice.py holds the fast choice to.
         self._scan_only = scan_only
 
     def bind(self, reduces: Reduces) -> None:
-        self._reduces = reduces
+        #: the reduce tasks (`Reduces.reduces`, read here, written there only:
+        #: a get of a tree's result is told the tree's tag)
+        self._tasks = reduces.reduces
 
     # ------------------------------------------------------------ serving ---
     def serve_waiting(self, oid: Key, entry: Entry, out: list[Command]) -> None:
@@ -107,9 +110,10 @@ class Senders:
     def assign(self, oid: Key, entry: Entry, receiver: NodeId,
                record: bool = True) -> dict[str, Any] | None:
         base = {"size": entry.size, "layout": entry.layout}
-        tag = self._reduces.tree_tag(oid)
-        if tag is not None:
-            base["reduce_tag"] = tag  # confirm the copy before handing it out
+        task = self._tasks.get(oid)
+        reducing = task is not None and not (task.done or task.failed or task.inline)
+        if reducing:
+            base["reduce_tag"] = task.tag  # confirm the copy before handing it out
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
             if record and receiver not in entry.holders:
@@ -118,7 +122,7 @@ class Senders:
             return {**base, "inline": entry.inline}
         if mine is not None and mine.complete:
             return {**base, "local": True}
-        if mine is not None and mine.origin and tag is not None:
+        if mine is not None and mine.origin and reducing:
             # The reduce's root step runs on this node and makes the result
             # here: pulling it as well would only move its bytes twice.
             return None

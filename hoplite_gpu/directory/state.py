@@ -10,7 +10,8 @@ tests and the network simulator all drive this same code by calling
 - `requests.Requests`: which queue each unanswered request waits in, and
   which locates came on a direct connection;
 - `objects.Objects`: the objects' entries and holders, the gets waiting for
-  an object not put yet, the node -> objects index, the ids removed lately;
+  an object not put yet, the ids removed lately, and the node -> objects
+  index (`holdings.Holdings`);
 - `senders.Senders`: the sender choice and the serving of waiting gets;
 - `reduces.Reduces`: the reduce tasks, their trees, steps and restarts;
 - `channels.Channels`: each channel's head and who waits for a newer one.
@@ -233,7 +234,8 @@ class Directory:
     direct = _table("_requests", "direct")
     objects = _table("_objects", "objects")
     pending = _table("_objects", "pending")
-    holding = _table("_objects", "holding")
+    holding = property(lambda self: self._objects.holdings.holding,
+                       doc="`holdings.Holdings.holding`, the objects part's index (read-only)")
     gone = _table("_objects", "gone")
     reduces = _table("_reduces", "reduces")
     reduce_pending = _table("_reduces", "reduce_pending")

@@ -190,32 +190,8 @@ class Senders:
             choice = self._earliest_copy(entry, receiver, mine, served, fanout, avoid_failed)
             if choice is not None:
                 return choice
-        return self._scan(entry, receiver, mine, have, served, fanout, avoid_failed)
-
-    def _earliest_copy(self, entry: Entry, receiver: NodeId, mine: Holder | None,
-                       served: bool, fanout: int, avoid_failed: bool) -> NodeId | None:
-        """The earliest open complete copy, if it may serve `receiver` (None:
-        the scan decides). It outranks every other candidate: where it may
-        serve this receiver (the checks below, for a complete copy), it is
-        the scan's choice too."""
-        senders, nodes = entry.senders, self._nodes
-        while senders.items:
-            node = senders.first()
-            holder = entry.holders[node]
-            if len(holder.serving) >= fanout:
-                entry.close(node)  # (as the scan would: full)
-                continue
-            if not (node == receiver or node not in nodes
-                    or (avoid_failed and mine is not None and node in mine.failed_from)
-                    or (served and self.depends_on(entry, node, receiver))):
-                return node
-            break  # (not for this receiver: any other may be)
-        return None
-
-    def _scan(self, entry: Entry, receiver: NodeId, mine: Holder | None, have: int,
-              served: bool, fanout: int, avoid_failed: bool) -> NodeId | None:
-        """The best of every open holder that may serve `receiver`: complete
-        first, then the furthest ahead, then the earliest."""
+        # The scan: the best of every open holder that may serve the receiver
+        # (complete first, then the furthest ahead, then the earliest).
         best: tuple[bool, int, int] | None = None
         choice: NodeId | None = None
         nodes = self._nodes
@@ -237,6 +213,26 @@ class Senders:
             if best is None or rank > best:
                 best, choice = rank, node
         return choice
+
+    def _earliest_copy(self, entry: Entry, receiver: NodeId, mine: Holder | None,
+                       served: bool, fanout: int, avoid_failed: bool) -> NodeId | None:
+        """The earliest open complete copy, if it may serve `receiver` (None:
+        the scan decides). It outranks every other candidate: where it may
+        serve this receiver (the checks below, for a complete copy), it is
+        the scan's choice too."""
+        senders, nodes = entry.senders, self._nodes
+        while senders.items:
+            node = senders.first()
+            holder = entry.holders[node]
+            if len(holder.serving) >= fanout:
+                entry.close(node)  # (as the scan would: full)
+                continue
+            if not (node == receiver or node not in nodes
+                    or (avoid_failed and mine is not None and node in mine.failed_from)
+                    or (served and self.depends_on(entry, node, receiver))):
+                return node
+            break  # (not for this receiver: any other may be)
+        return None
 
     @staticmethod
     def depends_on(entry: Entry, candidate: NodeId, receiver: NodeId) -> bool:

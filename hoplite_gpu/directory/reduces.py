@@ -177,13 +177,6 @@ class Reduces:
         """Why the reduce making `oid` failed (None: it did not)."""
         return self.failed.get(oid)
 
-    def tree_tag(self, oid: Key) -> bytes | None:
-        """The tag of the tree making `oid` now (None: no tree is making it)."""
-        task = self.reduces.get(oid)
-        if task is None or task.done or task.failed or task.inline:
-            return None
-        return task.tag
-
     def stale_result(self, oid: Key, tag: bytes | None) -> bool:
         """Whether a complete copy of `oid` from tree `tag` is a rebuilt
         tree's root (on this node too), not the result of the current one."""

@@ -17,8 +17,14 @@ tests and the network simulator all drive this same code by calling
 - `channels.Channels`: each channel's head and who waits for a newer one.
 
 Each event type goes to one handler (`Directory._handlers`); the parts call
-each other's methods, never each other's tables. The events, commands and
-structures are defined in their own modules and named here too, so that
+each other's methods, and write only their own tables. Three tables are read
+elsewhere, handed over at construction as read-only views because every get
+reads them (a method call each would show in the per-get cost): the live
+nodes (`Leases.nodes`), the direct locates (`Requests.direct`) and the reduce
+tasks (`Reduces.reduces`, for a tree's tag). Tunables that several parts read
+are one `Settings` record, which the directory's own attributes (``latency_s``
+and the like) read and set. The events, commands and structures are defined
+in their own modules and named here too, so that
 ``state.Put``, ``state.Directory`` and the like stay where users find them.
 """
 

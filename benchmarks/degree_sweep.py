@@ -78,14 +78,14 @@ def _fmt_size(n: int) -> str:
 @contextlib.contextmanager
 def forced_degree(d: int) -> Iterator[None]:
     """Make the directory build a d-ary tree whatever the model says."""
-    from hoplite_gpu.directory import state
+    from hoplite_gpu.directory import reduce_task  # (a reduce's first input picks the degree)
 
-    original = state.choose_degree
-    state.choose_degree = lambda *args, **kwargs: d
+    original = reduce_task.choose_degree
+    reduce_task.choose_degree = lambda *args, **kwargs: d
     try:
         yield
     finally:
-        state.choose_degree = original
+        reduce_task.choose_degree = original
 
 
 def candidates(k: int, max_degree: int = 8) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks import degree_sweep
-from hoplite_gpu.directory import reduce_plan, state
+from hoplite_gpu.directory import reduce_plan, reduce_task
 from hoplite_gpu.simulator import simulate_reduce
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -53,10 +53,10 @@ def test_the_best_is_the_fastest_simulated_degree_and_ratios_are_at_least_one(ro
 
 
 def test_forcing_a_degree_restores_the_model_and_matches_an_unforced_run(rows):
-    original = state.choose_degree
+    original = reduce_task.choose_degree
     with degree_sweep.forced_degree(3):
-        assert state.choose_degree is not original
-    assert state.choose_degree is original
+        assert reduce_task.choose_degree is not original
+    assert reduce_task.choose_degree is original
     # The model's own pick, simulated without forcing, takes the time the
     # sweep recorded for that degree.
     r = next(r for r in rows if r["schedule"] == "all-at-once" and r["inputs"] == 9)

@@ -16,7 +16,7 @@ from in_process import local_mode, run_nodes
 import hoplite_gpu as hg
 from hoplite_gpu import cli
 from hoplite_gpu.config import Config
-from hoplite_gpu.directory import state
+from hoplite_gpu.directory import reduce_task
 from hoplite_gpu.directory.reduce_plan import fold_unit, tree_walk_time
 from hoplite_gpu.errors import ObjectExists
 from hoplite_gpu.ids import ObjectID
@@ -105,7 +105,8 @@ def test_cost_model_walk_range_on_trees_that_are_not_complete(monkeypatch):
         unit = fold_unit(size, chunk)  # (the piece a step hands on, as the simulator moves it)
         ratio = (r.makespan - CONTROL) / tree_walk_time(size, k, r.degree, L, bw, unit)
         assert low - 0.005 <= ratio <= high + 0.005, (size, k, ratio)
-    monkeypatch.setattr(state, "choose_degree", lambda *a, **kw: 2)
+    # (the reduce task's input check picks the degree)
+    monkeypatch.setattr(reduce_task, "choose_degree", lambda *a, **kw: 2)
     size = 256 << 10
     r = simulate_reduce(10, size, bandwidth=1.25e8, latency=L, chunk=4 * MiB)
     ratio = (r.makespan - CONTROL) / tree_walk_time(size, 10, 2, L, 1.25e8, fold_unit(size))

@@ -65,9 +65,12 @@ class CountingDirectory(Directory):
     def __init__(self, **config: Any) -> None:
         super().__init__(**config)
         self.choices: Counter[str] = Counter()
+        # (the sender choice is its own part: its method is wrapped there)
+        self._choose = self._senders.best_sender
+        self._senders.best_sender = self._best_sender
 
     def _best_sender(self, entry: Entry, receiver: NodeId, avoid_failed: bool) -> NodeId | None:
-        choice = super()._best_sender(entry, receiver, avoid_failed)
+        choice = self._choose(entry, receiver, avoid_failed)
         holder = entry.holders.get(choice) if choice is not None else None
         if holder is None:
             self.choices["no sender"] += 1

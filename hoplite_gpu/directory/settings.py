@@ -1,0 +1,21 @@
+"""The directory's tunables that more than one part reads: one shared record,
+so that a change (a test telling the directory of slower links) reaches every
+part at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .reduce_plan import FOLD_STEP
+
+
+@dataclass
+class Settings:
+    #: receivers one holder serves at once (0: "auto", the cost model's choice)
+    max_receivers_per_sender: int = 1
+    latency_s: float = 1e-4
+    bytes_per_s: float = 1.25e9
+    chunk_size: int = 4 << 20
+    #: the pieces a host reduce step folds and hands on in (nodes fold in
+    #: `reduce_plan.FOLD_STEP`s; a simulator passes its own chunk)
+    fold_step: int = FOLD_STEP

@@ -191,7 +191,7 @@ class Outbox:
         self.failed: HopliteError | None = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop())
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def post(self, msg: msgspec.Struct | dict[str, Any]) -> None:
         """Send `msg` after everything posted before it; dropped once the stream
         failed or `finish` was called."""
         if self.failed is not None or self._finished:

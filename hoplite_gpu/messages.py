@@ -49,6 +49,30 @@ class Request(Message):
     rid: int
 
 
+# ------------------------------------- the handshake (docs/protocol.md) ---
+class Challenge(Struct, kw_only=True):
+    """The accepting side's first message: who it is, and its nonce."""
+
+    hello: str
+    version: int
+    nonce: bytes
+
+
+class Proof(Struct, kw_only=True):
+    """The connecting side's answer: its nonce and its MAC over both."""
+
+    nonce: bytes
+    mac: bytes
+
+
+class Verdict(Struct, omit_defaults=True, kw_only=True):
+    """The accepting side's verdict: `ok` with its own MAC, or why not."""
+
+    ok: bool
+    mac: bytes | None = None
+    error: str | None = None
+
+
 # ------------------------------------------------ first message of a connection ---
 class Register(Message, tag="register"):
     node: str
@@ -274,7 +298,8 @@ class Done(Body, kw_only=True):
 
 
 class Failure(Body, kw_only=True):
-    """A refused or failed request: `error` names a HopliteError subclass."""
+    """A refused or failed request: `error` names a HopliteError subclass.
+    Also the body of a data connection's error frame (no `rid`)."""
 
     error: str
     message: str

@@ -119,14 +119,16 @@ def test_every_reply_kind_is_in_the_protocol_docs_with_its_fields(kind):
     assert not missing, f"docs/protocol.md's {kind.__name__!r} row does not name {missing}"
 
 
-def _sent(msg) -> list:
-    """The map a peer decodes, as (key, value) pairs in the order they travel."""
-    return list(msgpack.unpackb(m.encode(msg), raw=False).items())
+def _sent(msg) -> bytes:
+    """The bytes `msg` travels as (checked to decode to a map, first)."""
+    assert isinstance(msgpack.unpackb(m.encode(msg), raw=False), dict)
+    return m.encode(msg)
 
 
-def _was(literal: dict) -> list:
-    """What the dict literal the directory used to send travelled as."""
-    return list(msgpack.unpackb(msgpack.packb(literal, use_bin_type=True), raw=False).items())
+def _was(literal: dict) -> bytes:
+    """The bytes the dict literal the directory used to send travelled as
+    (the same encoder: byte for byte, so key order counts too)."""
+    return msgspec.msgpack.encode(literal)
 
 
 def test_the_directorys_replies_travel_as_the_maps_they_always_were():
@@ -196,3 +198,26 @@ def test_the_directorys_pushes_travel_as_the_maps_they_always_were():
          "local": True})
     assert _sent(m.Drop(oid=OID, reason="gone", retry=False)) == _was(
         {"op": "drop", "oid": OID, "reason": "gone", "retry": False})
+
+
+def test_the_handshake_and_error_frames_travel_as_the_maps_they_always_were():
+    from hoplite_gpu import protocol
+
+    nonce, mac = b"n" * 32, b"m" * 32
+    assert _sent(m.Challenge(hello="hoplite-gpu", version=11, nonce=nonce)) == _was(
+        {"hello": "hoplite-gpu", "version": 11, "nonce": nonce})
+    assert _sent(m.Proof(nonce=nonce, mac=mac)) == _was({"nonce": nonce, "mac": mac})
+    assert _sent(m.Verdict(ok=True, mac=mac)) == _was({"ok": True, "mac": mac})
+    assert _sent(m.Verdict(ok=False, error="wrong cluster token")) == _was(
+        {"ok": False, "error": "wrong cluster token"})
+
+    class Window:
+        async def send(self, head, body):
+            self.body = bytes(body)
+
+    import asyncio
+
+    window = Window()
+    asyncio.run(protocol.send_error_frame(window, "ObjectNotFound", "x" * 300))
+    assert window.body == msgpack.packb({"error": "ObjectNotFound", "message": "x" * 300},
+                                        use_bin_type=True)

@@ -110,13 +110,15 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
         "print(json.dumps({c.__name__: [m.op(c), list(c.__struct_fields__), "
         "{k: repr(v) for k, v in c.__struct_defaults__.items()}] "
         "for c in m.Message.__subclasses__() + m.Request.__subclasses__() + m.Body.__subclasses__()"
-        " + [m.Body, m.StepChild, m.HolderInfo] if c is not m.Request}))"
+        " + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]"
+        " if c is not m.Request}))"
     )
     r = _bare(listing)
     assert r.returncode == 0, r.stderr
     bare = json.loads(r.stdout)
     classes = [c for c in m.Message.__subclasses__() + m.Request.__subclasses__()
-               + m.Body.__subclasses__() + [m.Body, m.StepChild, m.HolderInfo]
+               + m.Body.__subclasses__()
+               + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]
                if c is not m.Request]
     assert {"Done", "Failure", "Location", "ReduceStep", "Located", "Registered"} <= {
         c.__name__ for c in classes}

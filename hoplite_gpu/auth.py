@@ -9,6 +9,7 @@ import hmac
 import os
 import secrets
 
+from . import messages as m
 from .errors import AuthenticationFailed, ProtocolError, Timeout, TransportClosed
 from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
@@ -43,15 +44,16 @@ async def server_handshake(stream: Stream, token: str, timeout: float) -> None:
     try:
         async with asyncio.timeout(timeout):
             s_nonce = os.urandom(_NONCE)
-            await send_msg(stream, {"hello": "hoplite-gpu", "version": PROTOCOL_VERSION, "nonce": s_nonce})
+            await send_msg(stream, m.Challenge(hello="hoplite-gpu", version=PROTOCOL_VERSION,
+                                               nonce=s_nonce))
             msg = await recv_msg(stream, SMALL_MESSAGE)
             c_nonce, mac = msg.get("nonce"), msg.get("mac")
             if not isinstance(c_nonce, bytes) or not isinstance(mac, bytes):
                 raise ProtocolError(f"bad handshake from {stream.peer}")
             if not hmac.compare_digest(mac, _mac(token, b"client", s_nonce, c_nonce)):
-                await send_msg(stream, {"ok": False, "error": "wrong cluster token"})
+                await send_msg(stream, m.Verdict(ok=False, error="wrong cluster token"))
                 raise AuthenticationFailed(f"peer {stream.peer} presented a wrong cluster token")
-            await send_msg(stream, {"ok": True, "mac": _mac(token, b"server", c_nonce, s_nonce)})
+            await send_msg(stream, m.Verdict(ok=True, mac=_mac(token, b"server", c_nonce, s_nonce)))
             stream.authenticated()
     except TimeoutError as exc:
         raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
@@ -77,7 +79,7 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
         raise Timeout(f"handshake with {stream.peer} took longer than {timeout:g}s") from exc
 
 
-def client_answer(hello: dict, token: str, peer: str) -> tuple[bytes, bytes, dict]:
+def client_answer(hello: dict, token: str, peer: str) -> tuple[bytes, bytes, m.Proof]:
     """The client's side of the handshake, free of I/O: check the server's
     hello, return its nonce, ours and the message that answers it."""
     if hello.get("hello") != "hoplite-gpu":
@@ -87,7 +89,7 @@ def client_answer(hello: dict, token: str, peer: str) -> tuple[bytes, bytes, dic
     s_nonce, c_nonce = hello.get("nonce"), os.urandom(_NONCE)
     if not isinstance(s_nonce, bytes) or len(s_nonce) < 16:
         raise ProtocolError(f"{peer} sent a malformed handshake (no usable nonce)")
-    return s_nonce, c_nonce, {"nonce": c_nonce, "mac": _mac(token, b"client", s_nonce, c_nonce)}
+    return s_nonce, c_nonce, m.Proof(nonce=c_nonce, mac=_mac(token, b"client", s_nonce, c_nonce))
 
 
 def check_verdict(verdict: dict, token: str, s_nonce: bytes, c_nonce: bytes, peer: str) -> None:

@@ -49,6 +49,30 @@ class Request(Message):
     rid: int
 
 
+# ------------------------------------- the handshake (docs/protocol.md) ---
+class Challenge(Struct, kw_only=True):
+    """The accepting side's first message: who it is, and its nonce."""
+
+    hello: str
+    version: int
+    nonce: bytes
+
+
+class Proof(Struct, kw_only=True):
+    """The connecting side's answer: its nonce and its MAC over both."""
+
+    nonce: bytes
+    mac: bytes
+
+
+class Verdict(Struct, omit_defaults=True, kw_only=True):
+    """The accepting side's verdict: `ok` with its own MAC, or why not."""
+
+    ok: bool
+    mac: bytes | None = None
+    error: str | None = None
+
+
 # ------------------------------------------------ first message of a connection ---
 class Register(Message, tag="register"):
     node: str
@@ -92,6 +116,43 @@ class Drop(Message, tag="drop"):
     reason: str
     retry: bool
     kind: str | None = None
+
+
+class StepChild(Struct, kw_only=True):
+    """One child of a reduce step: its stream `oid`, read locally if the node
+    holds it, else pulled from `address`."""
+
+    oid: bytes
+    address: str
+
+
+class ReduceStep(Message, tag="reduce_step"):
+    """A push: run one reduce tree position (docs/protocol.md, "Pushes").
+    Every field but `early` is always sent (`count` is 0 below the root)."""
+
+    target: bytes
+    output: bytes
+    input: bytes
+    children: list[StepChild]
+    reduce_op: str
+    count: int
+    size: int
+    layout: dict[str, Any]
+    tag: bytes
+    early: bool = False
+
+
+class Located(Message, tag="located"):
+    """A push: the answer to a locate of `oid` that a direct connection of
+    the node asked (a sender, or `local`), for the node to start the pull."""
+
+    oid: bytes
+    size: int
+    layout: dict[str, Any]
+    reduce_tag: bytes | None = None
+    local: bool = False
+    sender: str | None = None
+    address: str | None = None
 
 
 class DirectoryLost(Message, tag="directory_lost"):
@@ -213,6 +274,124 @@ class ReducedInputs(Request, tag="reduced_inputs"):
 class ReduceConfirm(Request, tag="reduce_confirm"):
     target: Id
     tag: bytes
+
+
+# --------------------------------------- the directory's replies to a node ---
+class Body(Struct, omit_defaults=True):
+    """A reply: untagged (a node tells a reply from a push by its `rid`),
+    its fields the keys of the map besides `rid`. The state machine leaves
+    `rid` unset; whoever sends the reply sets it (`answering`), and a set
+    `rid` is always sent, first, as it always was (so each kind is
+    `kw_only` itself: its fields follow `rid`). The connection's first
+    reply has none."""
+
+    rid: int | None = None
+
+
+class Done(Body, kw_only=True):
+    """`ok: true`, with what a `delete` found (`existed`: a bool, or one per
+    id of a `delete_many`) or a channel's `head` after a `channel_publish`."""
+
+    ok: bool
+    existed: bool | list[bool] | None = None
+    head: int | None = None
+
+
+class Failure(Body, kw_only=True):
+    """A refused or failed request: `error` names a HopliteError subclass.
+    Also the body of a data connection's error frame (no `rid`)."""
+
+    error: str
+    message: str
+
+
+class Location(Body, kw_only=True):
+    """The answer to a `locate`: `size`, `layout` and one of `inline` /
+    `local` / `sender` with its `address`; `reduce_tag` while the object is
+    an unfinished tree reduce's result. A direct connection's locate may be
+    answered `pushed` (the assignment went to the node as `Located`) or
+    `held` (the node holds or pulls it already) instead."""
+
+    size: int
+    layout: dict[str, Any]
+    reduce_tag: bytes | None = None
+    inline: bytes | None = None
+    local: bool = False
+    sender: str | None = None
+    address: str | None = None
+    pushed: bool = False
+    held: bool = False
+
+
+class Evicted(Body, kw_only=True):
+    evicted: list[bytes]
+
+
+class Head(Body, kw_only=True):
+    """A channel's newest version (-1: none yet)."""
+
+    head: int
+
+
+class Inputs(Body, kw_only=True):
+    """The inputs a finished reduce folded."""
+
+    inputs: list[bytes]
+
+
+class Current(Body, kw_only=True):
+    """Whether a reduce's tree `tag` is the one that finished."""
+
+    current: bool
+
+
+class HolderInfo(Struct, kw_only=True):
+    """One holder of an object, as `query` describes it (every field sent)."""
+
+    node: str
+    address: str
+    nbytes: int
+    complete: bool
+    origin: bool
+    upstream: str | None
+    serving: list[str]
+
+
+class Description(Body, kw_only=True):
+    """The answer to a `query`: what the directory knows of an object."""
+
+    size: int
+    layout: dict[str, Any]
+    inline: bool
+    holders: list[HolderInfo]
+    edges: list[list[str]]
+    waiting: int
+
+
+class NodeList(Body, kw_only=True):
+    """The answer to `nodes`: node id -> data address."""
+
+    nodes: dict[str, str]
+
+
+class Registered(Body, kw_only=True):
+    """The answer to `register` (no `rid`)."""
+
+    ok: bool
+    node: str
+    lease_s: float
+
+
+class Attached(Body, kw_only=True):
+    """The answer to `attach` (no `rid`)."""
+
+    ok: bool
+    node: str
+
+
+def answering(body: Body, rid: int) -> Body:
+    """`body` sent as the reply to request `rid`."""
+    return replace(body, rid=rid)
 
 
 #: What a node may send the directory on its connection, after `register`.

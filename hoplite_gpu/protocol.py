@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from . import messages as m
 from .errors import HopliteError, ProtocolError, Timeout, TransportClosed, TransportError
 from .transports import SendWindow, Stream
 
@@ -191,7 +192,7 @@ class Outbox:
         self.failed: HopliteError | None = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop())
 
-    def post(self, msg: dict[str, Any]) -> None:
+    def post(self, msg: msgspec.Struct | dict[str, Any]) -> None:
         """Send `msg` after everything posted before it; dropped once the stream
         failed or `finish` was called."""
         if self.failed is not None or self._finished:
@@ -283,7 +284,7 @@ class Outbox:
 
 
 async def send_error_frame(stream: Stream | SendWindow, kind: str, message: str) -> None:
-    body = msgpack.packb({"error": kind, "message": message}, use_bin_type=True)
+    body = _encoder.encode(m.Failure(error=kind, message=message))
     await stream.send(FRAME.pack(FRAME_ERROR, len(body)), body)
 
 

@@ -18,6 +18,7 @@ import itertools
 import numbers
 from dataclasses import dataclass, field
 
+from . import messages as m
 from .directory import state as s
 from .directory.reduce_plan import fold_unit, tree_depth, tree_walk_time
 from .errors import InvalidArgument
@@ -118,13 +119,13 @@ class BroadcastSim:
 
     def _apply(self, t: float, commands: list) -> None:
         for cmd in commands:
-            if not isinstance(cmd, s.Reply):
+            if not (isinstance(cmd, s.Reply) and isinstance(cmd.body, m.Location)):
                 continue
-            if "sender" in cmd.body:
-                self.result.edges.append((cmd.node, cmd.body["sender"]))
+            if cmd.body.sender is not None:
+                self.result.edges.append((cmd.node, cmd.body.sender))
                 self.have.setdefault(cmd.node, 0)
-                self._at(t + self.lat, "send", _Transfer(cmd.node, cmd.body["sender"]))
-            elif "local" in cmd.body or "inline" in cmd.body:  # (nothing to move: 0 bytes)
+                self._at(t + self.lat, "send", _Transfer(cmd.node, cmd.body.sender))
+            elif cmd.body.local or cmd.body.inline is not None:  # (nothing to move: 0 bytes)
                 self.result.done_at[cmd.node] = t + self.lat
 
     def _send(self, t: float, tr: _Transfer) -> None:
@@ -321,7 +322,7 @@ class ReduceSim:
             for cmd in self.dir.handle(ev):
                 if isinstance(cmd, s.StartReduceStep):  # directory -> node: one latency
                     self._at(t + self.lat, "start", cmd.node, cmd.step)
-                elif isinstance(cmd, s.Reply) and "error" in cmd.body:
+                elif isinstance(cmd, s.Reply) and isinstance(cmd.body, m.Failure):
                     raise RuntimeError(f"the directory refused {ev}: {cmd.body}")
                 elif isinstance(cmd, s.InlineReduce):
                     raise RuntimeError("an inline reduce: inputs here are never inline")
@@ -334,17 +335,17 @@ class ReduceSim:
         self._tell(t, s.Put(node, 1, oid, self.size, self.layout), s.Completed(node, oid))
 
     # ------------------------------------------------------------- steps ---
-    def _start(self, t: float, node: str, step: dict) -> None:
+    def _start(self, t: float, node: str, step: m.ReduceStep) -> None:
         """A step begins: one pull request per child, reaching it a latency later
         (a child's partial result may not exist yet: its node serves it as it
         is made, as a real node's data server waits for it)."""
         self.steps += 1
-        st = _Step(node, step["output"], step["output"] == _TARGET, step["tag"], step["input"])
-        if step.get("early"):  # folds as its input, the early step's output, grows
+        st = _Step(node, step.output, step.output == _TARGET, step.tag, step.input)
+        if step.early:  # folds as its input, the early step's output, grows
             self.reads.setdefault(st.input, []).append(st)
-        for child in step["children"]:
-            sender = "n" + child["address"].removeprefix("sim://")
-            stream = _Stream(child["oid"], sender, st)
+        for child in step.children:
+            sender = "n" + child.address.removeprefix("sim://")
+            stream = _Stream(child.oid, sender, st)
             st.streams.append(stream)
             self._at(t + self.lat, "send", stream)
         self._fold_ready(t, st)  # (a root with no children: k = 1)

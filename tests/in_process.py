@@ -60,7 +60,7 @@ def swallow_first_ok(server: Any) -> list:
     real = server._reply_direct
 
     def swallow(cmd: Any) -> None:
-        if cmd.body.get("ok") and not swallowed:
+        if getattr(cmd.body, "ok", False) and not swallowed:
             swallowed.append(cmd)
             return
         real(cmd)

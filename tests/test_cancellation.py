@@ -50,7 +50,7 @@ def slow_answers(node, op: str, delay: float = 0.5):
 
 
 def holders(directory, oid) -> dict:
-    info = directory.state.describe(oid.binary)
+    info = messages.as_map(directory.state.describe(oid.binary))  # (the map a query answers)
     return {h["node"]: h for h in info.get("holders", ())}
 
 

@@ -45,16 +45,16 @@ def test_a_direct_locate_sends_the_sender_to_the_node_and_bytes_to_the_thread():
     d.handle(state.Put("a", 1, OID, 1 << 20, {"kind": "bytes"}))
     out = d.handle(state.Locate("b", -7, OID, direct=True))
     [push] = [c for c in out if isinstance(c, state.PushLocated)]
-    assert (push.node, push.oid, push.body["sender"]) == ("b", OID, "a")
+    assert (push.node, push.oid, push.body.sender) == ("b", OID, "a")
     [(node, rid, body)] = _replies(out)
-    assert (node, rid, body["pushed"], body["size"]) == ("b", -7, True, 1 << 20)
+    assert (node, rid, body.pushed, body.size) == ("b", -7, True, 1 << 20)
     assert out.index(push) < out.index(next(c for c in out if isinstance(c, state.Reply)))
     assert list(d.objects[OID].edges) == [("b", "a")] and not d.direct
 
     small = b"s" * 20
     assert d.handle(state.Locate("b", -2, small, direct=True)) == []  # waits for the put
     out = d.handle(state.Put("a", 2, small, 3, {"kind": "bytes"}, b"xyz"))
-    assert [body["inline"] for node, _, body in _replies(out) if node == "b"] == [b"xyz"]
+    assert [body.inline for node, _, body in _replies(out) if node == "b"] == [b"xyz"]
     assert not [c for c in out if isinstance(c, state.PushLocated)] and not d.direct
 
 
@@ -63,7 +63,7 @@ def test_a_direct_locate_never_disturbs_the_nodes_own_pull():
     d.handle(state.Put("a", 1, OID, 1 << 20, {"kind": "bytes"}))
     d.handle(state.Locate("b", 5, OID))  # b's loop pulls from a
     [(_, _, body)] = _replies(d.handle(state.Locate("b", -1, OID, direct=True)))
-    assert body["held"] is True and "sender" not in body
+    assert body.held is True and body.sender is None
     assert d.objects[OID].holders["b"].upstream == "a" and list(d.objects[OID].edges) == [("b", "a")]
 
     # both waiting before the put: the first is served, the second sees b pulling
@@ -72,7 +72,7 @@ def test_a_direct_locate_never_disturbs_the_nodes_own_pull():
     d.handle(state.Locate("c", -2, other, direct=True))
     out = d.handle(state.Put("a", 2, other, 1 << 20, {"kind": "bytes"}))
     by_rid = {rid: body for node, rid, body in _replies(out) if node == "c"}
-    assert by_rid[6]["sender"] == "a" and by_rid[-2]["held"] is True
+    assert by_rid[6].sender == "a" and by_rid[-2].held is True
     assert not d.direct
 
 

@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.directory.state import (
     CancelLocate,
     ChannelHead,
@@ -50,10 +51,10 @@ class ChannelsMachine(RuleBasedStateMachine):
         out = self.d.handle(ChannelPublish(node, request, name, version))
         self.heads[name] = max(version, self.heads.get(name, -1))
         head = self.heads[name]
-        assert out[0] == Reply(node, request, {"ok": True, "head": head})
+        assert out[0] == Reply(node, request, m.Done(ok=True, head=head))
         woken = [(w, newer) for w, (n, newer) in self.waiting.items() if n == name and head > newer]
         assert sorted((c.node, c.request) for c in out[1:]) == sorted(w for w, _ in woken)
-        assert all(c.body == {"head": head} for c in out[1:])
+        assert all(c.body == m.Head(head=head) for c in out[1:])
         for w, _ in woken:
             del self.waiting[w]
 
@@ -64,7 +65,7 @@ class ChannelsMachine(RuleBasedStateMachine):
         out = self.d.handle(ChannelHead(node, request, name, newer_than, wait))
         head = self.heads.get(name, -1)
         if head > newer_than or not wait:
-            assert out == [Reply(node, request, {"head": head})]
+            assert out == [Reply(node, request, m.Head(head=head))]
         else:
             assert out == []
             self.waiting[node, request] = (name, newer_than)

@@ -7,6 +7,7 @@ failed before its fix and names the invariant it checks.
 
 from __future__ import annotations
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.directory.state import (
     Command,
     Completed,
@@ -80,7 +81,7 @@ def test_a_locate_from_a_node_whose_lease_expired_takes_no_sender_slot():
     d.handle(Locate("n2", 5, K))  # n2's message, read before its connection closed
     assert set(d.objects[K].holders) <= set(d.nodes)
     out = d.handle(Locate("n1", 6, K))
-    assert [r.body.get("sender") for r in replies_to(out, "n1", 6)] == ["n0"]
+    assert [getattr(r.body, "sender", None) for r in replies_to(out, "n1", 6)] == ["n0"]
 
 
 def test_a_put_from_a_lost_node_does_not_keep_the_object_alive():
@@ -129,7 +130,7 @@ def test_deleting_the_result_of_an_unfinished_reduce_does_not_leave_the_reduce_s
     assert replies_to(out, "n0", 2), "the ReducedInputs waiter is left waiting forever"
     again = d.handle(ReduceRequested("n0", 4, T, (oid(1), oid(2)), "sum", 2))
     assert any(isinstance(c, StartReduceStep) for c in again) or any(
-        "error" in r.body for r in replies_to(again, "n0", 4))
+        isinstance(r.body, m.Failure) for r in replies_to(again, "n0", 4))
 
 
 # --------------------------------- a reduce result announced by a node ---
@@ -147,9 +148,9 @@ def test_an_announced_reduce_result_does_not_finish_the_reduce_with_missing_inpu
     assert T not in d.reduces and d.objects[T].holders["n3"].complete
     out = d.handle(ReducedInputs("n0", 2, T))
     [reply] = replies_to(out, "n0", 2)
-    assert reply.body["error"] == "ObjectNotFound"
+    assert reply.body.error == "ObjectNotFound"
     out = d.handle(Locate("n4", 3, T))
-    assert [r.body.get("sender") for r in replies_to(out, "n4", 3)] == ["n3"]
+    assert [getattr(r.body, "sender", None) for r in replies_to(out, "n4", 3)] == ["n3"]
 
 
 # --------------------------------------- a put of a reduce's target id ---
@@ -164,7 +165,7 @@ def test_an_announced_inline_reduce_result_does_not_leave_the_reduce_unfinished(
     d.handle(ReduceRequested("n0", 1, T, (oid(1), oid(2)), "sum", 2))
     d.handle(ReducedInputs("n0", 2, T))
     out = d.handle(Put("n3", 1, T, 4, SCALAR, TWO))  # the result, re-announced inline
-    assert [r.body.get("error") for r in replies_to(out, "n0", 2)] == ["ObjectNotFound"]
+    assert [getattr(r.body, "error", None) for r in replies_to(out, "n0", 2)] == ["ObjectNotFound"]
     d.handle(Put("n1", 2, oid(1), 4, SCALAR, ONE))
     out = d.handle(Put("n2", 2, oid(2), 4, SCALAR, ONE))
     assert not any(isinstance(c, InlineReduce) for c in out)
@@ -177,7 +178,7 @@ def test_a_put_of_a_target_whose_tree_is_making_it_is_refused():
     put_complete(d, "n1", oid(1))
     put_complete(d, "n2", oid(2))  # the root step runs: the result is registered
     out = d.handle(Put("n4", 5, T, 16 * MiB, FLOATS))
-    assert [r.body.get("error") for r in replies_to(out, "n4", 5)] == ["ObjectExists"]
+    assert [getattr(r.body, "error", None) for r in replies_to(out, "n4", 5)] == ["ObjectExists"]
     assert "n4" not in d.objects[T].holders
 
 
@@ -212,7 +213,7 @@ def test_a_relay_receiver_is_served_when_the_node_before_it_is_lost_holding_noth
     d.handle(Completed("n2", T))  # the result is complete on n2; the reduce is done
     assert d.objects[T].relay[:3] == ("n2", "n3", "n4")
     out = d.handle(NodeLost("n3"))  # n3 never asked: it held nothing of T
-    assert [r.body.get("sender") for r in replies_to(out, "n4", 50)] == ["n2"]
+    assert [getattr(r.body, "sender", None) for r in replies_to(out, "n4", 50)] == ["n2"]
 
 
 # ------------------------------------------------- randomized driver ---
@@ -290,10 +291,10 @@ class ReduceMachine(RuleBasedStateMachine):
             assert c.node in self.alive, (ev, c)
             if isinstance(c, Reply):
                 assert self.open.pop((c.node, c.request), None) is not None, (ev, c)
-                if "inputs" in c.body:
-                    assert len(set(c.body["inputs"])) == len(c.body["inputs"])
+                if isinstance(c.body, m.Inputs):
+                    assert len(set(c.body.inputs)) == len(c.body.inputs)
             if isinstance(c, StartReduceStep):  # every step is of the current tree
-                assert c.step["tag"] == self.d.reduces[c.step["target"]].tag
+                assert c.step.tag == self.d.reduces[c.step.target].tag
         for task in self.d.reduces.values():
             assert len(task.chosen) == len(set(task.chosen)) <= task.k
             assert not task.done or len(task.chosen) == task.k
@@ -384,7 +385,7 @@ class ReduceMachine(RuleBasedStateMachine):
         before = copy.deepcopy(entry)
         ev = Evict(node, self.r(), (which,))
         self.open[(node, ev.request)] = "Evict"
-        freed = self.d.handle(ev)[0].body["evicted"]
+        freed = self.d.handle(ev)[0].body.evicted
         self.open.pop((node, ev.request))
         if freed and before is not None:
             event("evicted")

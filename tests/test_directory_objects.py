@@ -128,7 +128,7 @@ class ObjectsMachine(RuleBasedStateMachine):
     def evict(self, i: int, need: int) -> None:
         node = self.someone(i)
         out = self.d.handle(Evict(node, self.r(), (*OIDS, TINY), need))
-        evicted = out[0].body["evicted"]
+        evicted = out[0].body.evicted
         for oid in evicted:  # (what it may free, it no longer holds)
             entry = self.d.objects.get(oid)
             assert entry is None or node not in entry.holders

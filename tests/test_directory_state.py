@@ -14,6 +14,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.directory.state import (
     CancelLocate,
     Command,
@@ -61,8 +62,8 @@ def put(d: Directory, node: str, request: int = 0, *, oid: bytes = K, size: int 
 
 def senders(out: list[Command]) -> dict[tuple[str, int], str]:
     """(receiver, request) -> sender, for every Reply that names a sender."""
-    return {(c.node, c.request): c.body["sender"] for c in out
-            if isinstance(c, Reply) and "sender" in c.body}
+    return {(c.node, c.request): c.body.sender for c in out
+            if isinstance(c, Reply) and getattr(c.body, "sender", None) is not None}
 
 
 def locate(d: Directory, node: str, request: int, oid: bytes = K) -> str | None:
@@ -85,7 +86,7 @@ def depth(d: Directory, node: str, oid: bytes = K) -> int:
 
 def not_found(out: list[Command], node: str, request: int) -> bool:
     return any(isinstance(c, Reply) and (c.node, c.request) == (node, request)
-               and c.body.get("error") == "ObjectNotFound" for c in out)
+               and getattr(c.body, "error", None) == "ObjectNotFound" for c in out)
 
 
 def waiting_receiver(d: Directory) -> None:
@@ -103,7 +104,7 @@ def waiting_receiver(d: Directory) -> None:
 @pytest.mark.parametrize("origin_complete", [True, False])
 def test_one_receiver_per_sender_builds_a_chain(origin_complete):
     d = make(1)
-    assert put(d, "n0", 7, complete=origin_complete)[0] == Reply("n0", 7, {"ok": True})
+    assert put(d, "n0", 7, complete=origin_complete)[0] == Reply("n0", 7, m.Done(ok=True))
     got = [locate(d, f"n{k}", 100 + k) for k in range(1, 9)]
     assert got == [f"n{k - 1}" for k in range(1, 9)]  # receiver k pulls from receiver k-1
     assert depth(d, "n8") == 8
@@ -169,9 +170,9 @@ def test_locate_before_put_waits_then_is_served_in_arrival_order():
     assert K not in d.objects
     out = put(d, "n0", 9)
     assert [(c.node, c.request) for c in out] == [("n0", 9), ("n1", 1), ("n2", 2)]
-    assert out[0].body == {"ok": True}
+    assert out[0].body == m.Done(ok=True)
     assert senders(out) == {("n1", 1): "n0", ("n2", 2): "n1"}
-    assert out[1].body == {"size": SIZE, "layout": LAYOUT, "sender": "n0", "address": "addr0"}
+    assert out[1].body == m.Location(size=SIZE, layout=LAYOUT, sender="n0", address="addr0")
     assert K not in d.pending
 
 
@@ -184,7 +185,7 @@ def test_cancel_locate_removes_a_pending_request():
     d.handle(CancelLocate("n2", 2))
     assert d.pending == {}  # no empty queues left behind
     out = put(d, "n0")
-    assert out == [Reply("n0", 0, {"ok": True})]
+    assert out == [Reply("n0", 0, m.Done(ok=True))]
     d.handle(CancelLocate("n5", 99))  # unknown: ignored
 
 
@@ -200,20 +201,20 @@ def test_cancel_locate_removes_a_waiting_request():
 def test_inline_object_is_answered_with_its_bytes():
     d = make(1)
     out = put(d, "n0", 1, size=3, layout={"l": 1}, inline=b"abc")
-    assert out == [Reply("n0", 1, {"ok": True})]
+    assert out == [Reply("n0", 1, m.Done(ok=True))]
     assert d.objects[K].holders["n0"].complete
     for k in (1, 2, 3):  # no sender slots involved
         out = d.handle(Locate(f"n{k}", k, K))
-        assert out == [Reply(f"n{k}", k, {"size": 3, "layout": {"l": 1}, "inline": b"abc"})]
+        assert out == [Reply(f"n{k}", k, m.Location(size=3, layout={"l": 1}, inline=b"abc"))]
     assert d.objects[K].holders["n3"].complete
-    assert d.describe(K)["inline"] is True
+    assert d.describe(K).inline is True
 
 
 def test_inline_object_survives_its_putter():
     d = make(1)
     put(d, "n0", size=3, inline=b"abc")
     assert d.handle(NodeLost("n0")) == []
-    assert d.handle(Locate("n1", 1, K))[0].body["inline"] == b"abc"
+    assert d.handle(Locate("n1", 1, K))[0].body.inline == b"abc"
 
 
 def test_zero_size_object_replies_local():
@@ -221,7 +222,7 @@ def test_zero_size_object_replies_local():
     put(d, "n0", size=0, layout={"l": 0})
     assert d.objects[K].holders["n0"].complete
     out = d.handle(Locate("n1", 1, K))
-    assert out == [Reply("n1", 1, {"size": 0, "layout": {"l": 0}, "local": True})]
+    assert out == [Reply("n1", 1, m.Location(size=0, layout={"l": 0}, local=True))]
     assert d.objects[K].holders["n1"].complete
     assert d.objects[K].holders["n0"].serving == set()
 
@@ -230,7 +231,7 @@ def test_a_complete_holder_is_told_it_is_local():
     d = make(1)
     put(d, "n0", complete=True)
     assert d.handle(Locate("n0", 1, K)) == [
-        Reply("n0", 1, {"size": SIZE, "layout": LAYOUT, "local": True})]
+        Reply("n0", 1, m.Location(size=SIZE, layout=LAYOUT, local=True))]
 
 
 # ---------------------------------------------------------------- reput ---
@@ -238,7 +239,7 @@ def test_reput_with_same_size_and_layout_adds_a_holder():
     d = make(2)
     put(d, "n0")
     out = put(d, "n1", 5)
-    assert out == [Reply("n1", 5, {"ok": True})]
+    assert out == [Reply("n1", 5, m.Done(ok=True))]
     holders = d.objects[K].holders
     assert set(holders) == {"n0", "n1"} and holders["n1"].origin
     # n0 dying now loses nothing: n1 is still putting it.
@@ -250,14 +251,14 @@ def test_a_put_of_other_bytes_under_an_id_is_refused_and_the_same_bytes_add_a_co
     d = make(3)
     d.handle(Put("n0", 1, K, SIZE, LAYOUT, fingerprint=b"A" * 8))
     out = d.handle(Put("n1", 2, K, SIZE, LAYOUT, fingerprint=b"B" * 8))
-    assert out[0].body["error"] == "ObjectExists" and "other bytes" in out[0].body["message"]
+    assert out[0].body.error == "ObjectExists" and "other bytes" in out[0].body.message
     assert set(d.objects[K].holders) == {"n0"}
-    assert d.handle(Put("n2", 3, K, SIZE, LAYOUT, fingerprint=b"A" * 8)) == [Reply("n2", 3, {"ok": True})]
-    assert d.handle(Put("n1", 4, K, SIZE, LAYOUT)) == [Reply("n1", 4, {"ok": True})]  # not told: taken
+    assert d.handle(Put("n2", 3, K, SIZE, LAYOUT, fingerprint=b"A" * 8)) == [Reply("n2", 3, m.Done(ok=True))]
+    assert d.handle(Put("n1", 4, K, SIZE, LAYOUT)) == [Reply("n1", 4, m.Done(ok=True))]  # not told: taken
     small = {"kind": "bytes", "nbytes": 3}
     d.handle(Put("n0", 5, K2, 3, small, b"abc"))
-    assert d.handle(Put("n1", 6, K2, 3, small, b"xyz"))[0].body["error"] == "ObjectExists"
-    assert d.handle(Put("n2", 7, K2, 3, small, b"abc")) == [Reply("n2", 7, {"ok": True})]
+    assert d.handle(Put("n1", 6, K2, 3, small, b"xyz"))[0].body.error == "ObjectExists"
+    assert d.handle(Put("n2", 7, K2, 3, small, b"abc")) == [Reply("n2", 7, m.Done(ok=True))]
 
 
 @pytest.mark.parametrize("size, layout", [(SIZE + 1, LAYOUT), (SIZE, {"other": True})])
@@ -266,7 +267,7 @@ def test_reput_with_a_different_size_or_layout_is_refused(size, layout):
     put(d, "n0")
     out = put(d, "n1", 5, size=size, layout=layout)
     assert len(out) == 1 and out[0].node == "n1" and out[0].request == 5
-    assert out[0].body["error"] == "ObjectExists" and "message" in out[0].body
+    assert out[0].body.error == "ObjectExists" and isinstance(out[0].body, m.Failure)
     entry = d.objects[K]
     assert set(entry.holders) == {"n0"} and (entry.size, entry.layout) == (SIZE, LAYOUT)
 
@@ -276,7 +277,7 @@ def test_reput_by_a_current_holder_keeps_its_links():
     put(d, "n0", complete=True)
     assert locate(d, "n1", 1) == "n0"
     assert locate(d, "n2", 2) == "n1"
-    assert put(d, "n1", 3) == [Reply("n1", 3, {"ok": True})]
+    assert put(d, "n1", 3) == [Reply("n1", 3, m.Done(ok=True))]
     holders = d.objects[K].holders
     assert holders["n1"].origin and holders["n1"].upstream == "n0"
     assert holders["n1"].serving == {"n2"} and holders["n0"].serving == {"n1"}
@@ -353,7 +354,7 @@ def test_losing_the_only_origin_loses_the_object():
     assert K not in d.objects
     # A locate after the loss is told so at once, not left waiting for a put
     [reply] = d.handle(Locate("n5", 5, K))
-    assert reply.body["error"] == "ObjectNotFound" and "lost" in reply.body["message"]
+    assert reply.body.error == "ObjectNotFound" and "lost" in reply.body.message
     assert K not in d.pending
     assert d.handle(NodeLost("n4")) == []
     assert K2 not in d.pending
@@ -387,7 +388,7 @@ def test_delete_drops_every_holder_and_fails_waiters():
     d = make(1)
     waiting_receiver(d)
     out = d.handle(Delete("n1", 70, K))  # n1, a holder, deletes: it drops its own copy
-    assert out[0] == Reply("n1", 70, {"ok": True, "existed": True})
+    assert out[0] == Reply("n1", 70, m.Done(ok=True, existed=True))
     assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n2"}
     assert all("deleted" in c.reason for c in out if isinstance(c, Drop))
     assert not_found(out, "n2", 3) and len(out) == 4
@@ -397,7 +398,7 @@ def test_delete_drops_every_holder_and_fails_waiters():
         (Drop, "n1", True)]
     assert K not in d.objects
     assert locate(d, "n3", 4) is None and list(d.pending[K]) == [("n3", 4)]
-    assert d.handle(Delete("n7", 71, K2)) == [Reply("n7", 71, {"ok": True, "existed": False})]
+    assert d.handle(Delete("n7", 71, K2)) == [Reply("n7", 71, m.Done(ok=True, existed=False))]
     # A new put serves the waiter again.
     assert senders(put(d, "n5")) == {("n3", 4): "n5"}
 
@@ -414,11 +415,11 @@ def test_delete_many_is_each_delete_answered_once():
     d = make(1)
     waiting_receiver(d)
     out = d.handle(DeleteMany("n7", 70, (K2, K, K2)))
-    assert out[0] == Reply("n7", 70, {"ok": True, "existed": [False, True, False]})
+    assert out[0] == Reply("n7", 70, m.Done(ok=True, existed=[False, True, False]))
     assert {c.node for c in out if isinstance(c, Drop)} == {"n0", "n1", "n2"}
     assert not_found(out, "n2", 3)
     assert K not in d.objects
-    assert d.handle(DeleteMany("n7", 71, ())) == [Reply("n7", 71, {"ok": True, "existed": []})]
+    assert d.handle(DeleteMany("n7", 71, ())) == [Reply("n7", 71, m.Done(ok=True, existed=[]))]
 
 
 # ---------------------------------------------------------------- query ---
@@ -429,7 +430,7 @@ def test_query_describes_holders_edges_and_waiters():
     d.handle(Progress("n1", K, 250))
     [reply] = d.handle(Query("n5", 9, K))
     assert (reply.node, reply.request) == ("n5", 9)
-    assert reply.body == d.describe(K) == {
+    assert reply.body == d.describe(K) and m.as_map(reply.body) == {
         "size": SIZE, "layout": LAYOUT, "inline": False,
         "holders": [
             {"node": "n0", "address": "addr0", "nbytes": SIZE, "complete": True,
@@ -439,7 +440,7 @@ def test_query_describes_holders_edges_and_waiters():
         ],
         "edges": [["n1", "n0"]], "waiting": 0}
     [missing] = d.handle(Query("n5", 10, K2))
-    assert missing.body["error"] == "ObjectNotFound" and K2.hex() in missing.body["message"]
+    assert missing.body.error == "ObjectNotFound" and K2.hex() in missing.body.message
 
 
 def test_unknown_event_type_is_a_type_error():
@@ -587,7 +588,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 self.check_locate_reply(cmd, oid)
             elif op == "evict":
                 # what may go was complete, pulled and idle, and is held elsewhere
-                for freed in cmd.body["evicted"]:
+                for freed in cmd.body.evicted:
                     event("a copy evicted")
                     assert freed in ev.oids and cmd.node not in self.holders_of(freed)
                     # what is freed is held complete elsewhere, or inline here
@@ -602,27 +603,27 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def check_locate_reply(self, cmd: Reply, oid: bytes) -> None:
         body = cmd.body
-        if "error" in body:
-            assert body["error"] == "ObjectNotFound"
+        if isinstance(body, m.Failure):
+            assert body.error == "ObjectNotFound"
             return
         entry = self.d.objects[oid]
-        assert (body["size"], body["layout"]) == (entry.size, entry.layout)
+        assert (body.size, body.layout) == (entry.size, entry.layout)
         mine = entry.holders[cmd.node]
-        if "sender" in body:
+        if body.sender is not None:
             # 4: a live holder other than the receiver, now registered as its upstream.
-            sender = body["sender"]
+            sender = body.sender
             event("pipelined from a partial copy" if not entry.holders[sender].complete
                   else "pulled from a complete copy")
             assert sender != cmd.node and sender in entry.holders and sender in self.d.nodes
-            assert body["address"] == self.d.nodes[sender]
+            assert body.address == self.d.nodes[sender]
             assert mine.upstream == sender and cmd.node in entry.holders[sender].serving
             assert sender not in mine.failed_from
             assert self.d._can_complete(entry, sender)  # never a dead end
             assert entry.inline is None and entry.size > 0
-        elif "inline" in body:
-            assert body["inline"] == entry.inline and mine.complete
+        elif body.inline is not None:
+            assert body.inline == entry.inline and mine.complete
         else:
-            assert body["local"] is True and mine.complete
+            assert body.local is True and mine.complete
 
     def send(self, op: str, ev) -> None:
         self.open[(ev.node, ev.request)] = (op, getattr(ev, "oid", None))
@@ -783,7 +784,7 @@ TestDirectoryMachine = DirectoryMachine.TestCase
 def evicted(d: Directory, node: str, *oids: bytes, request: int = 99, need: int = 0) -> list[bytes]:
     (reply,) = d.handle(Evict(node, request, oids, need))
     assert isinstance(reply, Reply) and (reply.node, reply.request) == (node, request)
-    return reply.body["evicted"]
+    return reply.body.evicted
 
 
 def test_a_pulled_idle_copy_held_elsewhere_may_be_evicted_and_is_forgotten():

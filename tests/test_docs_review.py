@@ -55,7 +55,7 @@ def test_sliced_allreduce_slices_are_reduced_on_chains_with_the_default_cost_mod
                                          root_input=_oid(j, j), relay=True))
         for cmd in out:
             if isinstance(cmd, s.StartReduceStep):
-                hops += [(cmd.node, child["address"], j) for child in cmd.step["children"]]
+                hops += [(cmd.node, child.address, j) for child in cmd.step.children]
     off_ring = [(f"rank {int(node[1:])} pulls from {addr} for slice {j}")
                 for node, addr, j in hops
                 if addr != address[f"n{(int(node[1:]) - 1) % ranks}"]]

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.reduce_plan import fold_unit, inorder_tree
 from hoplite_gpu.simulator import simulate_reduce
@@ -60,21 +61,21 @@ def test_a_position_folds_its_early_child_ahead_and_its_last_step_takes_that_as_
     early = steps(arrive(d, 1))
     assert [c.node for c in early] == ["n2"]
     first = early[0].step
-    assert first["input"] == oid(1) and "early" not in first
-    assert [c["oid"] for c in first["children"]] == [oid(0)]
-    assert first["output"] == s.step_id(TARGET, 1, task.tag, 0) and first["count"] == 0
+    assert first.input == oid(1) and not first.early
+    assert [c.oid for c in first.children] == [oid(0)]
+    assert first.output == s.step_id(TARGET, 1, task.tag, 0) and first.count == 0
     assert TARGET not in d.objects, "the result exists only once the last step starts"
     last = steps(arrive(d, 2))
     assert [c.node for c in last] == ["n2"]
     root = last[0].step
-    assert root["early"] is True and root["input"] == first["output"]
-    assert [c["oid"] for c in root["children"]] == [oid(2)]
-    assert root["output"] == TARGET and root["count"] == 3
+    assert root.early is True and root.input == first.output
+    assert [c.oid for c in root.children] == [oid(2)]
+    assert root.output == TARGET and root.count == 3
     assert d.objects[TARGET].holders["n2"].origin
     # once the result is complete, the early result is freed with the others
     done = d.handle(s.Completed("n2", TARGET))
     drops = {(c.node, c.oid) for c in done if isinstance(c, s.Drop)}
-    assert ("n2", first["output"]) in drops
+    assert ("n2", first.output) in drops
 
 
 def test_inputs_all_at_once_fold_each_child_once():
@@ -92,7 +93,7 @@ def test_inputs_all_at_once_fold_each_child_once():
 
 def _check_every_child_folded_once(task: s.ReduceTask, cmds: list[s.StartReduceStep]) -> None:
     parent, children = inorder_tree(task.k, task.degree)
-    by_node: dict[str, list[dict]] = {}
+    by_node: dict[str, list[m.ReduceStep]] = {}
     for c in cmds:
         by_node.setdefault(c.node, []).append(c.step)
     for pos in range(task.k):
@@ -101,12 +102,12 @@ def _check_every_child_folded_once(task: s.ReduceTask, cmds: list[s.StartReduceS
         own, node = task.slot(pos)
         chain = by_node.get(node, [])
         assert chain, f"position {pos} never started"
-        assert chain[0]["input"] == own
+        assert chain[0].input == own
         for before, after in itertools.pairwise(chain):
-            assert after["input"] == before["output"] and after.get("early") is True
-        final = chain[-1]["output"]
+            assert after.input == before.output and after.early is True
+        final = chain[-1].output
         assert final == (TARGET if parent[pos] is None else s.step_id(TARGET, pos, task.tag))
-        folded = [k["oid"] for step in chain for k in step["children"]]
+        folded = [k.oid for step in chain for k in step.children]
         want = [s.step_id(TARGET, c, task.tag) if children[c] else task.slot(c)[0]
                 for c in children[pos]]
         assert sorted(folded) == sorted(want) and len(set(folded)) == len(folded), (
@@ -123,7 +124,7 @@ def test_any_arrival_order_folds_each_child_once(data, k):
     for i in order:
         cmds += steps(arrive(d, i))
     task = d.reduces[TARGET]
-    assert task.degree > 1 or all("early" not in c.step for c in cmds)
+    assert task.degree > 1 or all(not c.step.early for c in cmds)
     _check_every_child_folded_once(task, cmds)
 
 
@@ -134,7 +135,7 @@ def test_a_restart_drops_the_early_results_too():
     first = steps(arrive(d, 1))[0].step  # the root's early step, on n2
     out = d.handle(s.NodeLost("n1"))  # input 0's holder: its stream is gone
     drops = {(c.node, c.oid) for c in out if isinstance(c, s.Drop)}
-    assert ("n2", first["output"]) in drops
+    assert ("n2", first.output) in drops
     assert d.reduces[TARGET].phases == {} and d.reduces[TARGET].folded == {}
 
 
@@ -145,7 +146,7 @@ def test_a_failed_reduce_drops_the_early_results_too():
     first = steps(arrive(d, 1))[0].step
     out = d.handle(s.ReduceFailed("n2", TARGET, "a kernel failed", d.reduces[TARGET].tag))
     drops = {(c.node, c.oid) for c in out if isinstance(c, s.Drop)}
-    assert ("n2", first["output"]) in drops
+    assert ("n2", first.output) in drops
 
 
 @pytest.mark.parametrize("size,k,chunk", [(16 * MiB, 64, MiB), (MiB, 8, 4 * MiB)])

@@ -53,7 +53,7 @@ def test_device_inputs_that_trickle_in_fold_early_on_the_device(transport, op):
         def watch(event):
             out = handle(event)
             early_steps.extend(c for c in out if type(c).__name__ == "StartReduceStep"
-                               and c.step.get("early"))
+                               and c.step.early)
             return out
 
         directory.state.handle = watch

@@ -120,7 +120,7 @@ def test_a_caller_giving_up_during_an_eviction_still_frees_what_the_directory_fo
             if reader.evicted:
                 break
             await asyncio.sleep(0.01)
-        holders = {h["node"] for h in directory.state.describe(x.binary)["holders"]}
+        holders = {h.node for h in directory.state.describe(x.binary).holders}
         # the directory forgot the reader's x, and so did the reader
         assert reader.node_id not in holders and reader.store.get(x) is None
         assert reader.evicted == 1

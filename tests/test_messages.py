@@ -85,3 +85,139 @@ def test_from_map_names_the_bad_field():
     with pytest.raises(ProtocolError, match="relay"):
         m.from_map({"op": "reduce", "rid": 1, "target": OID, "inputs": [OID],
                     "op_name": "sum", "num_objects": 1, "relay": 1})
+
+
+# ------------------------------------------------ the directory to a node ---
+PUSHES = [m.Drop, m.ReduceStep, m.Located]
+
+
+def _doc_section(title: str) -> str:
+    text = DOCS.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end]
+
+
+@pytest.mark.parametrize("kind", PUSHES, ids=lambda k: m.op(k))
+def test_every_push_is_in_the_protocol_docs_with_its_fields(kind):
+    paragraphs = _doc_section("Pushes, directory -> node").split("\n\n")
+    [text] = [p for p in paragraphs if p.startswith(f'`{{"op": "{m.op(kind)}"')]
+    named = set(re.findall(r'"([a-z_]+)"', text)) | set(re.findall(r"`([a-z_]+)", text))
+    missing = [f for f in _wire_fields(kind) if f not in named]
+    assert not missing, f"docs/protocol.md's {m.op(kind)!r} push does not name {missing}"
+
+
+@pytest.mark.parametrize("kind", [m.Body, *m.Body.__subclasses__()], ids=lambda k: k.__name__)
+def test_every_reply_kind_is_in_the_protocol_docs_with_its_fields(kind):
+    rows = {row.split("|")[1].strip().strip("`"): row
+            for row in _doc_section("Replies, directory -> node").splitlines()
+            if row.startswith("| `")}
+    row = rows.get(kind.__name__)
+    assert row is not None, f"docs/protocol.md has no reply row for {kind.__name__!r}"
+    named = set(re.findall(r"`([a-z_]+)", row))
+    missing = [f for f in _wire_fields(kind) if f != "rid" and f not in named]
+    assert not missing, f"docs/protocol.md's {kind.__name__!r} row does not name {missing}"
+
+
+def _sent(msg) -> bytes:
+    """The bytes `msg` travels as (checked to decode to a map, first)."""
+    assert isinstance(msgpack.unpackb(m.encode(msg), raw=False), dict)
+    return m.encode(msg)
+
+
+def _was(literal: dict) -> bytes:
+    """The bytes the dict literal the directory used to send travelled as
+    (the same encoder: byte for byte, so key order counts too)."""
+    return msgspec.msgpack.encode(literal)
+
+
+def test_the_directorys_replies_travel_as_the_maps_they_always_were():
+    from hoplite_gpu.directory import state as s
+
+    layout = {"kind": "bytes", "dtype": "|u1", "shape": [1 << 20], "nbytes": 1 << 20}
+    d = s.Directory()
+    for node in ("n0", "n1"):
+        d.handle(s.NodeJoined(node, f"tcp://{node}:1"))
+    [ok] = d.handle(s.Put("n0", 1, OID, 1 << 20, layout))
+    assert _sent(m.answering(ok.body, 1)) == _was({"rid": 1, "ok": True})
+    d.handle(s.Completed("n0", OID))
+    [located] = d.handle(s.Locate("n1", 7, OID))
+    assert _sent(m.answering(located.body, 7)) == _was(
+        {"rid": 7, "size": 1 << 20, "layout": layout, "sender": "n0", "address": "tcp://n0:1"})
+    [query] = d.handle(s.Query("n1", 8, OID))
+    assert _sent(m.answering(query.body, 8)) == _was(
+        {"rid": 8, "size": 1 << 20, "layout": layout, "inline": False, "holders": [
+            {"node": "n0", "address": "tcp://n0:1", "nbytes": 1 << 20, "complete": True,
+             "origin": True, "upstream": None, "serving": ["n1"]},
+            {"node": "n1", "address": "tcp://n1:1", "nbytes": 0, "complete": False,
+             "origin": False, "upstream": "n0", "serving": []}],
+         "edges": [["n1", "n0"]], "waiting": 0})
+    out = d.handle(s.DeleteMany("n1", 10, (OID, b"x" * 20)))
+    assert _sent(m.answering(out[0].body, 10)) == _was(
+        {"rid": 10, "ok": True, "existed": [True, False]})
+    # a refusal, and the first replies of a connection (no rid)
+    assert _sent(m.Failure(rid=0, error="ProtocolError", message="no")) == _was(
+        {"rid": 0, "error": "ProtocolError", "message": "no"})
+    assert _sent(m.Failure(error="ProtocolError", message="no")) == _was(
+        {"error": "ProtocolError", "message": "no"})
+    assert _sent(m.Registered(ok=True, node="n2", lease_s=5.0)) == _was(
+        {"ok": True, "node": "n2", "lease_s": 5.0})
+    assert _sent(m.Attached(ok=True, node="n2")) == _was({"ok": True, "node": "n2"})
+
+
+def test_the_directorys_pushes_travel_as_the_maps_they_always_were():
+    from hoplite_gpu.directory import state as s
+
+    layout = {"kind": "numpy", "dtype": "<f4", "shape": [4], "nbytes": 16}
+    target = b"t" * 20
+    d = s.Directory()
+    for i in range(3):
+        d.handle(s.NodeJoined(f"n{i}", f"tcp://n{i}:1"))
+    d.handle(s.ReduceRequested("n0", 1, target, (b"a" * 20, b"b" * 20), "sum", 2))
+    out = []
+    for i, key in enumerate((b"a" * 20, b"b" * 20)):
+        out += d.handle(s.Put(f"n{i + 1}", 1, key, 16, layout))
+        out += d.handle(s.Completed(f"n{i + 1}", key))
+    [step] = [c.step for c in out if isinstance(c, s.StartReduceStep)]
+    [child] = step.children
+    assert _sent(step) == _was(
+        {"op": "reduce_step", "target": target, "output": step.output, "input": step.input,
+         "children": [{"oid": child.oid, "address": child.address}], "reduce_op": "sum",
+         "count": 2, "size": 16, "layout": layout, "tag": step.tag})
+    early = m.ReduceStep(target=target, output=b"o" * 20, input=b"i" * 20, children=[],
+                         reduce_op="sum", count=0, size=16, layout=layout, tag=b"g", early=True)
+    assert _sent(early) == _was(
+        {"op": "reduce_step", "target": target, "output": b"o" * 20, "input": b"i" * 20,
+         "children": [], "reduce_op": "sum", "count": 0, "size": 16, "layout": layout,
+         "tag": b"g", "early": True})
+    assert _sent(m.Located(oid=OID, size=16, layout=layout, sender="n1", address="tcp://n1:1")) \
+        == _was({"op": "located", "oid": OID, "size": 16, "layout": layout, "sender": "n1",
+                 "address": "tcp://n1:1"})
+    assert _sent(m.Located(oid=OID, size=16, layout=layout, reduce_tag=b"g", local=True)) == _was(
+        {"op": "located", "oid": OID, "size": 16, "layout": layout, "reduce_tag": b"g",
+         "local": True})
+    assert _sent(m.Drop(oid=OID, reason="gone", retry=False)) == _was(
+        {"op": "drop", "oid": OID, "reason": "gone", "retry": False})
+
+
+def test_the_handshake_and_error_frames_travel_as_the_maps_they_always_were():
+    from hoplite_gpu import protocol
+
+    nonce, mac = b"n" * 32, b"m" * 32
+    assert _sent(m.Challenge(hello="hoplite-gpu", version=11, nonce=nonce)) == _was(
+        {"hello": "hoplite-gpu", "version": 11, "nonce": nonce})
+    assert _sent(m.Proof(nonce=nonce, mac=mac)) == _was({"nonce": nonce, "mac": mac})
+    assert _sent(m.Verdict(ok=True, mac=mac)) == _was({"ok": True, "mac": mac})
+    assert _sent(m.Verdict(ok=False, error="wrong cluster token")) == _was(
+        {"ok": False, "error": "wrong cluster token"})
+
+    class Window:
+        async def send(self, head, body):
+            self.body = bytes(body)
+
+    import asyncio
+
+    window = Window()
+    asyncio.run(protocol.send_error_frame(window, "ObjectNotFound", "x" * 300))
+    assert window.body == msgpack.packb({"error": "ObjectNotFound", "message": "x" * 300},
+                                        use_bin_type=True)

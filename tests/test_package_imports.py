@@ -96,7 +96,9 @@ def test_the_package_pickles_by_reference():
 
 def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
     """Every message class built on plain_struct (no msgspec) has the same
-    fields, in order, the same defaults and the same tag as with msgspec."""
+    fields, in order, the same defaults and the same tag as with msgspec: the
+    node's messages, the directory's pushes and replies, and the structures
+    inside them."""
     import json
 
     import msgspec
@@ -107,13 +109,19 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
         "import json; from hoplite_gpu import messages as m; "
         "print(json.dumps({c.__name__: [m.op(c), list(c.__struct_fields__), "
         "{k: repr(v) for k, v in c.__struct_defaults__.items()}] "
-        "for c in m.Message.__subclasses__() + m.Request.__subclasses__() if c is not m.Request}))"
+        "for c in m.Message.__subclasses__() + m.Request.__subclasses__() + m.Body.__subclasses__()"
+        " + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]"
+        " if c is not m.Request}))"
     )
     r = _bare(listing)
     assert r.returncode == 0, r.stderr
     bare = json.loads(r.stdout)
     classes = [c for c in m.Message.__subclasses__() + m.Request.__subclasses__()
+               + m.Body.__subclasses__()
+               + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]
                if c is not m.Request]
+    assert {"Done", "Failure", "Location", "ReduceStep", "Located", "Registered"} <= {
+        c.__name__ for c in classes}
     assert set(bare) == {c.__name__ for c in classes}
     for c in classes:
         fields = msgspec.structs.fields(c)

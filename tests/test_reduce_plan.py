@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.directory import state as s
 from hoplite_gpu.directory.reduce_plan import (
     allreduce_slices,
@@ -184,8 +185,8 @@ def test_chain_steps_follow_arrival_order():
     # chain: position p reduces position p-1's stream; the last arrival is the root
     assert [c.node for c in started] == ["n1", "n4", "n2"]
     root = started[-1].step
-    assert root["output"] == target and root["count"] == 4
-    assert [c["oid"] for c in started[0].step["children"]] == [oid(2)]  # leaf's own input
+    assert root.output == target and root.count == 4
+    assert [c.oid for c in started[0].step.children] == [oid(2)]  # leaf's own input
     assert d.objects[target].holders["n2"].origin
     assert d.reduces[target].chosen == [oid(i) for i in arrival]
 
@@ -201,10 +202,10 @@ def test_root_input_takes_the_chain_root_whenever_it_arrives(root_first):
     for i in arrival:
         started += steps(put_complete(d, f"n{i + 1}", oid(i)))
     root = started[-1]
-    assert root.node == "n1" and root.step["output"] == target and root.step["input"] == oid(0)
+    assert root.node == "n1" and root.step.output == target and root.step.input == oid(0)
     assert d.objects[target].holders["n1"].origin
     # the others keep the in-order rule: the first arrival other than the root is the leaf
-    assert [c["oid"] for c in started[0].step["children"]] == [oid(2)]
+    assert [c.oid for c in started[0].step.children] == [oid(2)]
     assert d.reduces[target].chosen == [oid(i) for i in arrival]
 
 
@@ -216,7 +217,7 @@ def test_root_input_that_comes_too_late_for_a_subset_reduce_is_not_waited_for():
     started = []
     for i in [0, 1, 2]:
         started += steps(put_complete(d, f"n{i + 1}", oid(i)))
-    assert started and started[-1].step["output"] == target
+    assert started and started[-1].step.output == target
     assert d.reduces[target].chosen == [oid(0), oid(1), oid(2)]
     put_complete(d, "n5", oid(4))
     assert d.reduces[target].backups == [oid(4)]
@@ -265,7 +266,7 @@ def test_subset_reduce_keeps_backups_and_answers_reduced_inputs():
     root = next(n for n, h in d.objects[target].holders.items() if h.origin)
     out = d.handle(s.Completed(root, target))
     replies = [c for c in out if isinstance(c, s.Reply) and c.request == 2]
-    assert replies and replies[0].body["inputs"] == [oid(4), oid(1), oid(2)]
+    assert replies and replies[0].body.inputs == [oid(4), oid(1), oid(2)]
 
 
 def test_lost_participant_restarts_the_reduce_with_a_backup():
@@ -282,7 +283,7 @@ def test_lost_participant_restarts_the_reduce_with_a_backup():
     drops = [c for c in out if isinstance(c, s.Drop)]
     assert any(c.oid == target and c.node == "n8" and c.retry for c in drops)
     new_steps = steps(out)
-    assert new_steps and new_steps[-1].step["output"] == target
+    assert new_steps and new_steps[-1].step.output == target
     assert d.objects[target].holders[new_steps[-1].node].origin
 
 
@@ -297,26 +298,26 @@ def test_a_copy_of_a_rebuilt_tree_is_not_confirmed():
     for i in range(4):
         put_complete(d, f"n{i + 1}", oid(i))
     reply = [c for c in d.handle(s.Locate("n8", 5, target)) if isinstance(c, s.Reply)][0]
-    first = reply.body["reduce_tag"]
+    first = reply.body.reduce_tag
     assert first == d.reduces[target].tag
     # n8's copy is complete, and it asks before the root's Completed arrived
     assert d.handle(s.ReduceConfirm("n8", 6, target, first)) == []
     out = d.handle(s.NodeLost("n2"))  # input 1's holder dies: the tree is rebuilt
-    assert s.Reply("n8", 6, {"current": False}) in out
+    assert s.Reply("n8", 6, m.Current(current=False)) in out
     assert d.reduces[target].tag != first
     # a late question about the old tree is refused at once
-    assert d.handle(s.ReduceConfirm("n8", 7, target, first)) == [s.Reply("n8", 7, {"current": False})]
+    assert d.handle(s.ReduceConfirm("n8", 7, target, first)) == [s.Reply("n8", 7, m.Current(current=False))]
     # a copy of the new tree is confirmed when its root completes
     second = d.reduces[target].tag
     assert d.handle(s.ReduceConfirm("n8", 8, target, second)) == []
     root = steps(out)[-1].node
-    assert steps(out)[-1].step["tag"] == second
+    assert steps(out)[-1].step.tag == second
     done = d.handle(s.Completed(root, target))
-    assert s.Reply("n8", 8, {"current": True}) in done
-    assert d.handle(s.ReduceConfirm("n8", 9, target, second)) == [s.Reply("n8", 9, {"current": True})]
+    assert s.Reply("n8", 8, m.Current(current=True)) in done
+    assert d.handle(s.ReduceConfirm("n8", 9, target, second)) == [s.Reply("n8", 9, m.Current(current=True))]
     # once done, locate replies carry no tag: nothing left to confirm
     later = [c for c in d.handle(s.Locate("n7", 10, target)) if isinstance(c, s.Reply)]
-    assert later and "reduce_tag" not in later[0].body
+    assert later and later[0].body.reduce_tag is None
 
 
 def test_step_lost_restarts_and_too_many_restarts_fail():
@@ -341,11 +342,11 @@ def test_mismatched_input_fails_the_reduce_for_every_waiter():
     put_complete(d, "n1", oid(0))
     other = {**LAYOUT, "shape": [3], "nbytes": 12}
     out = put_complete(d, "n2", oid(1), size=12, layout=other)
-    errors = [c for c in out if isinstance(c, s.Reply) and "error" in c.body]
-    assert errors and all(c.body["error"] == "ReduceFailed" for c in errors)
-    assert oid(1).hex() in errors[0].body["message"]
+    errors = [c for c in out if isinstance(c, s.Reply) and isinstance(c.body, m.Failure)]
+    assert errors and all(c.body.error == "ReduceFailed" for c in errors)
+    assert oid(1).hex() in errors[0].body.message
     late = d.handle(s.Locate("n6", 8, target))
-    assert late[0].body["error"] == "ReduceFailed"
+    assert late[0].body.error == "ReduceFailed"
 
 
 @pytest.mark.parametrize("kind,accepted", [("numpy", True), ("device", True), ("bytes", False),
@@ -357,10 +358,10 @@ def test_reduce_accepts_typed_arrays_only(kind, accepted):
     d.handle(s.ReduceRequested("n0", 1, target, (oid(0), oid(1)), "sum", 2))
     d.handle(s.Locate("n5", 7, target))
     out = put_complete(d, "n1", oid(0), layout=layout) + put_complete(d, "n2", oid(1), layout=layout)
-    errors = [c for c in out if isinstance(c, s.Reply) and "error" in c.body]
+    errors = [c for c in out if isinstance(c, s.Reply) and isinstance(c.body, m.Failure)]
     assert bool(steps(out)) == accepted and bool(errors) == (not accepted)
     if not accepted:
-        assert f"a {kind!r} object" in errors[0].body["message"]
+        assert f"a {kind!r} object" in errors[0].body.message
 
 
 def test_inline_inputs_are_reduced_by_the_directory():
@@ -374,7 +375,7 @@ def test_inline_inputs_are_reduced_by_the_directory():
     assert len(cmd) == 1 and len(cmd[0].inputs) == 2
     d.handle(s.InlineReduced(target, b"\x04\x00\x00\x00\x06\x00\x00\x00"))
     reply = d.handle(s.Locate("n3", 9, target))
-    assert reply[0].body["inline"] == b"\x04\x00\x00\x00\x06\x00\x00\x00"
+    assert reply[0].body.inline == b"\x04\x00\x00\x00\x06\x00\x00\x00"
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -384,7 +385,7 @@ def test_bad_reduce_requests_are_refused(bad, msg):
     d = directory()
     k = 3 if msg == "num_objects" else max(1, len(bad))
     out = d.handle(s.ReduceRequested("n0", 1, oid(100), bad, "sum", k))
-    assert out[0].body["error"] == "InvalidArgument" and msg in out[0].body["message"]
+    assert out[0].body.error == "InvalidArgument" and msg in out[0].body.message
 
 
 def test_long_chains_build_without_recursion():
@@ -441,7 +442,7 @@ def test_a_relay_that_failed_a_receiver_is_passed_over():
     assert relayed(d, ["n3", "n4"]) == {"n3": "n2", "n4": "n3"}
     d.handle(s.TransferFailed("n4", oid(100), "n3", 0))
     out = d.handle(s.Locate("n4", 52, oid(100)))
-    assert [(r.node, r.body.get("sender")) for r in out if isinstance(r, s.Reply)] == [("n4", "n2")]
+    assert [(r.node, getattr(r.body, "sender", None)) for r in out if isinstance(r, s.Reply)] == [("n4", "n2")]
 
 
 def test_a_non_bool_relay_is_refused_on_the_wire():
@@ -466,7 +467,7 @@ def test_a_reduce_root_asking_for_its_own_result_waits_for_its_step_instead_of_p
     d.handle(s.Completed("n6", oid(100)))  # a receiver done first
     assert d.handle(s.Locate("n1", 41, oid(100))) == []  # the root: no sender, it waits
     out = d.handle(s.Completed("n1", oid(100)))
-    assert [(r.node, r.body.get("local")) for r in out if isinstance(r, s.Reply)] == [("n1", True)]
+    assert [(r.node, getattr(r.body, "local", None)) for r in out if isinstance(r, s.Reply)] == [("n1", True)]
     assert ("n1", "n6") not in d.objects[oid(100)].edges
 
 

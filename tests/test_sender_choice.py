@@ -468,13 +468,13 @@ def test_the_earliest_complete_copy_serves_a_get_over_time():
     d.handle(Completed("n0", HOT))
     for i in range(1, 50):
         (reply,) = d.handle(Locate(f"n{i}", 1, HOT))
-        assert reply.body["sender"] == "n0"
+        assert reply.body.sender == "n0"
         d.handle(Completed(f"n{i}", HOT))
     assert len(d.objects[HOT].senders) == 50
     # n0 busy, n1 failed this receiver before: the next earliest, n2
     d.handle(NodeJoined("x", "ax"))
     d.handle(NodeJoined("y", "ay"))
-    assert d.handle(Locate("x", 1, HOT))[0].body["sender"] == "n0"
+    assert d.handle(Locate("x", 1, HOT))[0].body.sender == "n0"
     d.handle(Locate("y", 1, HOT))
     d.handle(TransferFailed("y", HOT, "n1", 10))
-    assert d.handle(Locate("y", 2, HOT))[0].body["sender"] == "n2"
+    assert d.handle(Locate("y", 2, HOT))[0].body.sender == "n2"

@@ -15,8 +15,8 @@ ARRAY = {"kind": "numpy", "dtype": "<f4", "shape": [1 << 18], "nbytes": 1 << 20}
 
 
 def senders(out: list[s.Command], node: str) -> list[str]:
-    return [c.body["sender"] for c in out
-            if isinstance(c, s.Reply) and c.node == node and "sender" in c.body]
+    return [c.body.sender for c in out
+            if isinstance(c, s.Reply) and c.node == node and getattr(c.body, "sender", None) is not None]
 
 
 # ---------------------------------------------------------------- relays ---

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hoplite_gpu import messages as m
+
 from .commands import Command, Reply
 from .events import ChannelHead, ChannelPublish, NodeId
 from .requests import Requests
@@ -19,11 +21,11 @@ class Channels:
     def publish(self, ev: ChannelPublish, out: list[Command]) -> None:
         if ev.version > self.channels.get(ev.name, -1):
             self.channels[ev.name] = ev.version
-        out.append(Reply(ev.node, ev.request, {"ok": True, "head": self.channels[ev.name]}))
+        out.append(Reply(ev.node, ev.request, m.Done(ok=True, head=self.channels[ev.name])))
         head, still = self.channels[ev.name], {}
         for (node, request), newer_than in self.channel_waiters.pop(ev.name, {}).items():
             if head > newer_than:
-                out.append(Reply(node, request, {"head": head}))
+                out.append(Reply(node, request, m.Head(head=head)))
             else:
                 still[node, request] = newer_than
         if still:
@@ -32,7 +34,7 @@ class Channels:
     def head(self, ev: ChannelHead, out: list[Command]) -> None:
         head = self.channels.get(ev.name, -1)
         if head > ev.newer_than or not ev.wait:
-            out.append(Reply(ev.node, ev.request, {"head": head}))
+            out.append(Reply(ev.node, ev.request, m.Head(head=head)))
         else:
             self.channel_waiters.setdefault(ev.name, {})[ev.node, ev.request] = ev.newer_than
             self._requests.wait(ev.node, ev.request, "channel", ev.name)

@@ -11,20 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hoplite_gpu import messages as m
+
 from .events import Key, NodeId
 
 
-def error_body(kind: str, message: str) -> dict[str, Any]:
-    return {"error": kind, "message": message}
+def error_body(kind: str, message: str) -> m.Failure:
+    return m.Failure(error=kind, message=message)
 
 
 @dataclass(frozen=True)
 class Reply:
-    """Answer request `request` of `node` with `body` (an ``error`` key means failure)."""
+    """Answer request `request` of `node` with `body` (a `messages.Failure`
+    means failure); the driver sends it under the request's `rid`."""
 
     node: NodeId
     request: int
-    body: dict[str, Any]
+    body: m.Body
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,10 @@ class Drop:
 
 @dataclass(frozen=True)
 class StartReduceStep:
-    """`node` folds its input and its children's streams into `step["output"]`."""
+    """`node` folds its input and its children's streams into `step.output`."""
 
     node: NodeId
-    step: dict[str, Any]
+    step: m.ReduceStep
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,13 @@ class InlineReduce:
 
 @dataclass(frozen=True)
 class PushLocated:
-    """Send `node`, on its own connection, the answer `body` to a locate of
-    `oid` that one of its threads asked directly: the node starts the pull
-    at once (`Locate.direct`)."""
+    """Send `node`, on its own connection, the answer `body` (its `oid` is
+    `oid`) to a locate of `oid` that one of its threads asked directly: the
+    node starts the pull at once (`Locate.direct`)."""
 
     node: NodeId
     oid: Key
-    body: dict[str, Any]
+    body: m.Located
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,8 @@ class Locate:
     (docs/protocol.md, "Direct connections"). Inline bytes are answered
     alike. A sender (or "local") goes to the node itself (`PushLocated`), so
     that its loop starts the pull with no thread in between, and the thread
-    is answered ``{"pushed": True}``. A node already holding or pulling a
-    pulled object gets ``{"held": True}`` and nothing changes: its own pull
+    is answered ``Location(pushed=True)``. A node already holding or pulling a
+    pulled object gets ``Location(held=True)`` and nothing changes: its own pull
     goes on as it was."""
 
     node: NodeId
@@ -127,7 +127,7 @@ class Dropped:
 @dataclass(frozen=True)
 class Evict:
     """`node` would free its copies of `oids` to make room for new objects.
-    Answered ``{"evicted": [oid, ...]}``: the ones it may free, which the
+    Answered ``Evicted(evicted=[oid, ...])``: the ones it may free, which the
     directory forgets as its copies at once. A copy may go only if nothing is
     lost and nothing breaks: it is complete and was pulled, not put; no
     receiver is assigned to it; no unfinished reduce takes it as an input; and
@@ -251,7 +251,7 @@ class ReducedInputs:
 @dataclass(frozen=True)
 class ReduceConfirm:
     """`node` holds a complete copy of reduce result `target` from tree `tag`:
-    is that still the result? Answered ``{"current": bool}`` once the reduce is
+    is that still the result? Answered ``Current(current=bool)`` once the reduce is
     done (True) or the tree is rebuilt (False: the copy may hold a lost input's
     bytes, or miss a backup's, and `reduced_inputs` would not match it)."""
 

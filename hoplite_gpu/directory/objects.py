@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any
 
+from hoplite_gpu import messages as m
+
 from .commands import Command, Drop, Reply, error_body
 from .entry import EDGES_KEPT, Entry, Holder, Waiters
 from .events import (
@@ -51,8 +53,8 @@ def _held(entry: Entry, node: NodeId) -> bool:
     return entry.inline is None and node in entry.holders
 
 
-def _held_body(entry: Entry) -> dict[str, Any]:
-    return {"size": entry.size, "layout": entry.layout, "held": True}
+def _held_body(entry: Entry) -> m.Location:
+    return m.Location(size=entry.size, layout=entry.layout, held=True)
 
 
 class Objects:
@@ -110,7 +112,7 @@ class Objects:
             if complete:
                 holder.complete, holder.nbytes = True, ev.size
                 entry.ranked(ev.node)
-        out.append(Reply(ev.node, ev.request, {"ok": True}))
+        out.append(Reply(ev.node, ev.request, m.Done(ok=True)))
         waiters = self.pending.pop(ev.oid, ())
         entry.waiting.extend(waiters)
         self._senders.serve_waiting(ev.oid, entry, out)
@@ -291,7 +293,7 @@ class Objects:
         for oid, entry in chosen:
             if ev.node in entry.holders:
                 self.forget_holder(oid, entry, ev.node)
-        out.append(Reply(ev.node, ev.request, {"evicted": [oid for oid, _ in chosen]}))
+        out.append(Reply(ev.node, ev.request, m.Evicted(evicted=[oid for oid, _ in chosen])))
 
     def _may_evict(self, oid: Key, entry: Entry, node: NodeId) -> bool:
         holder = entry.holders.get(node)
@@ -311,8 +313,8 @@ class Objects:
     def delete_many(self, ev: DeleteMany, out: list[Command], one: bool = False) -> None:
         at = len(out)  # (the answer goes first, before what the deletes tell others)
         existed = [self._delete(ev.node, oid, out) for oid in ev.oids]
-        out.insert(at, Reply(ev.node, ev.request, {"ok": True,
-                                                   "existed": existed[0] if one else existed}))
+        out.insert(at, Reply(ev.node, ev.request, m.Done(
+            ok=True, existed=existed[0] if one else existed)))
 
     def _delete(self, by: NodeId, oid: Key, out: list[Command]) -> bool:
         """Remove `oid` for node `by`; whether it existed."""
@@ -334,19 +336,19 @@ class Objects:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
         return True
 
-    def describe(self, oid: Key) -> dict[str, Any]:
+    def describe(self, oid: Key) -> m.Description | m.Failure:
         entry = self.objects.get(oid)
         if entry is None:
             return error_body("ObjectNotFound", f"object {oid.hex()} is not known to the directory")
         holders = [
-            {"node": n, "address": self._nodes.get(n, ""), "nbytes": h.nbytes,
-             "complete": h.complete, "origin": h.origin, "upstream": h.upstream,
-             "serving": sorted(h.serving)}
+            m.HolderInfo(node=n, address=self._nodes.get(n, ""), nbytes=h.nbytes,
+                         complete=h.complete, origin=h.origin, upstream=h.upstream,
+                         serving=sorted(h.serving))
             for n, h in entry.holders.items()
         ]
-        return {"size": entry.size, "layout": entry.layout, "inline": entry.inline is not None,
-                "holders": holders, "edges": [list(e) for e in entry.edges],
-                "waiting": len(entry.waiting)}
+        return m.Description(size=entry.size, layout=entry.layout,
+                             inline=entry.inline is not None, holders=holders,
+                             edges=[list(e) for e in entry.edges], waiting=len(entry.waiting))
 
     def node_lost(self, node: NodeId, out: list[Command]) -> None:
         """`node` is gone (its requests were unqueued already): its copies go,

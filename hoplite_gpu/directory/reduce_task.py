@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hoplite_gpu import messages as m
+
 from .entry import Entry
 from .events import Key, NodeId, ReduceRequested
 from .reduce_plan import choose_degree, fold_unit, inorder_tree, tree_root
@@ -154,7 +156,7 @@ def check_input(task: ReduceTask, oid: Key, entry: Entry, settings: Settings) ->
 
 
 def step_command(task: ReduceTask, pos: int, kids: list[int], addresses: dict[NodeId, str],
-                 final: bool = False) -> dict[str, Any]:
+                 final: bool = False) -> m.ReduceStep:
     """The command of a step at `pos` folding `kids` (children of it) into
     what the position holds so far: its input, or its last early step's
     output. Final: the position's own output (the target at the root);
@@ -163,19 +165,17 @@ def step_command(task: ReduceTask, pos: int, kids: list[int], addresses: dict[No
     sources = []
     for c in kids:
         source = step_id(task.target, c, task.tag) if children[c] else task.slot(c)[0]
-        sources.append({"oid": source, "address": addresses.get(task.slot(c)[1], "")})
+        sources.append(m.StepChild(oid=source, address=addresses.get(task.slot(c)[1], "")))
     done = task.phases.get(pos, 0)
     is_root = final and parent[pos] is None
     output = (task.target if is_root else step_id(task.target, pos, task.tag) if final
               else step_id(task.target, pos, task.tag, done))
-    step = {"target": task.target, "output": output,
-            "input": step_id(task.target, pos, task.tag, done - 1) if done else task.slot(pos)[0],
-            "children": sources, "reduce_op": task.op,
-            "count": task.k if is_root else 0, "size": task.size, "layout": task.layout,
-            "tag": task.tag}
-    if done:
-        step["early"] = True  # (its input is this node's own early step's output)
-    return step
+    return m.ReduceStep(
+        target=task.target, output=output,
+        input=step_id(task.target, pos, task.tag, done - 1) if done else task.slot(pos)[0],
+        children=sources, reduce_op=task.op, count=task.k if is_root else 0, size=task.size,
+        layout=task.layout, tag=task.tag,
+        early=bool(done))  # (early: its input is this node's own early step's output)
 
 
 def step_outputs(task: ReduceTask) -> list[tuple[int, Key]]:

@@ -9,6 +9,8 @@ and written through the objects part's methods.
 
 from __future__ import annotations
 
+from hoplite_gpu import messages as m
+
 from .commands import Command, Drop, InlineReduce, Reply, StartReduceStep, error_body
 from .events import (
     InlineReduced,
@@ -72,7 +74,7 @@ class Reduces:
         task.tag = self._next_tag()
         self.failed.pop(ev.target, None)
         task.waiters.extend(self.reduce_pending.pop(ev.target, ()))
-        out.append(Reply(ev.node, ev.request, {"ok": True}))
+        out.append(Reply(ev.node, ev.request, m.Done(ok=True)))
         for oid in ev.inputs:
             self.watching.setdefault(oid, set()).add(ev.target)
         for oid in ev.inputs:
@@ -96,7 +98,7 @@ class Reduces:
         elif same and (old.op, old.k) == (ev.op, ev.num_objects):
             if old.root_input is None and ev.root_input in old.inputs:
                 old.root_input = ev.root_input  # still honoured if the root is free
-            out.append(Reply(ev.node, ev.request, {"ok": True}))  # same reduce asked twice
+            out.append(Reply(ev.node, ev.request, m.Done(ok=True)))  # same reduce asked twice
         else:
             out.append(Reply(ev.node, ev.request, error_body(
                 "ObjectExists", f"a different reduce already produces {ev.target.hex()}")))
@@ -129,7 +131,7 @@ class Reduces:
         elif task.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
         elif task.done:
-            out.append(Reply(ev.node, ev.request, {"inputs": task.chosen}))
+            out.append(Reply(ev.node, ev.request, m.Inputs(inputs=task.chosen)))
         else:  # answered when the result is complete: a failover may still change the set
             task.waiters.append((ev.node, ev.request))
             self._requests.wait(ev.node, ev.request, "reduce", ev.target)
@@ -137,13 +139,13 @@ class Reduces:
     def confirm(self, ev: ReduceConfirm, out: list[Command]) -> None:
         task = self.reduces.get(ev.target)
         if task is None:  # deleted (or never a tree reduce): nothing can replace the copy
-            out.append(Reply(ev.node, ev.request, {"current": True}))
+            out.append(Reply(ev.node, ev.request, m.Current(current=True)))
         elif task.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
         elif task.tag != ev.tag:
-            out.append(Reply(ev.node, ev.request, {"current": False}))
+            out.append(Reply(ev.node, ev.request, m.Current(current=False)))
         elif task.done:
-            out.append(Reply(ev.node, ev.request, {"current": True}))
+            out.append(Reply(ev.node, ev.request, m.Current(current=True)))
         else:  # the root's completion may still lose the race with a failover
             task.confirms.append((ev.node, ev.request))
             self._requests.wait(ev.node, ev.request, "reduce", ev.target)
@@ -387,14 +389,14 @@ class Reduces:
         self.unfinished.pop(task.target, None)
         self._forget_watch(task)  # (a re-put input must not join a finished reduce)
         for waiter, request in task.waiters:
-            out.append(Reply(waiter, request, {"inputs": task.chosen}))
+            out.append(Reply(waiter, request, m.Inputs(inputs=task.chosen)))
         task.waiters.clear()
         self._answer_confirms(task, True, out)
 
     @staticmethod
     def _answer_confirms(task: ReduceTask, current: bool, out: list[Command]) -> None:
         for node, request in task.confirms:
-            out.append(Reply(node, request, {"current": current}))
+            out.append(Reply(node, request, m.Current(current=current)))
         task.confirms.clear()
 
     def _fail(self, task: ReduceTask, message: str, out: list[Command],

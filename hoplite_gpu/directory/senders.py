@@ -14,7 +14,9 @@ objects part's), and asks the objects part to record a new holder.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hoplite_gpu import messages as m
 
 from .commands import Command, PushLocated, Reply
 from .entry import Entry, Holder
@@ -81,9 +83,11 @@ class Senders:
         body = self.assign(oid, entry, node, record=(node, request) not in self._direct)
         if body is None:
             return False
-        if (node, request) in self._direct and "inline" not in body:
-            out.append(PushLocated(node, oid, body))
-            body = {"size": entry.size, "layout": entry.layout, "pushed": True}
+        if (node, request) in self._direct and body.inline is None:
+            out.append(PushLocated(node, oid, m.Located(
+                oid=oid, size=body.size, layout=body.layout, reduce_tag=body.reduce_tag,
+                local=body.local, sender=body.sender, address=body.address)))
+            body = m.Location(size=entry.size, layout=entry.layout, pushed=True)
         out.append(Reply(node, request, body))
         return True
 
@@ -108,27 +112,26 @@ class Senders:
             node = entry.relay[at + 1]
 
     def assign(self, oid: Key, entry: Entry, receiver: NodeId,
-               record: bool = True) -> dict[str, Any] | None:
-        base = {"size": entry.size, "layout": entry.layout}
+               record: bool = True) -> m.Location | None:
         task = self._tasks.get(oid)
         reducing = task is not None and not (task.done or task.failed or task.inline)
-        if reducing:
-            base["reduce_tag"] = task.tag  # confirm the copy before handing it out
+        tag = task.tag if reducing else None  # (confirm the copy before handing it out)
         mine = entry.holders.get(receiver)
         if entry.inline is not None:
             if record and receiver not in entry.holders:
                 self._objects.new_holder(oid, entry, receiver,
                                          Holder(nbytes=entry.size, complete=True))
-            return {**base, "inline": entry.inline}
+            return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag,
+                              inline=entry.inline)
         if mine is not None and mine.complete:
-            return {**base, "local": True}
+            return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, local=True)
         if mine is not None and mine.origin and reducing:
             # The reduce's root step runs on this node and makes the result
             # here: pulling it as well would only move its bytes twice.
             return None
         if entry.size == 0:
             self._objects.new_holder(oid, entry, receiver, Holder(complete=True))
-            return {**base, "local": True}
+            return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, local=True)
         if mine is not None and mine.upstream is not None:
             entry.detach(receiver)  # asked again while pulling: free the old slot
         sender = self.pick_sender(entry, receiver)
@@ -139,7 +142,8 @@ class Senders:
         mine.upstream = sender
         entry.holders[sender].serving.add(receiver)
         entry.edges.append((receiver, sender))
-        return {**base, "sender": sender, "address": self._nodes[sender]}
+        return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, sender=sender,
+                          address=self._nodes[sender])
 
     # ------------------------------------------------------------- choice ---
     def fanout(self, entry: Entry) -> int:

@@ -184,11 +184,11 @@ class DirectoryServer:
             if cmd.request < 0:
                 self._reply_direct(cmd)
             else:
-                peer.outbox.post({"rid": cmd.request, **cmd.body})
+                peer.outbox.post(m.answering(cmd.body, cmd.request))
         elif isinstance(cmd, state.StartReduceStep):
-            peer.outbox.post({"op": "reduce_step", **cmd.step})
+            peer.outbox.post(cmd.step)
         elif isinstance(cmd, state.PushLocated):
-            peer.outbox.post({"op": "located", "oid": cmd.oid, **cmd.body})
+            peer.outbox.post(cmd.body)
         else:
             peer.outbox.post(m.Drop(oid=cmd.oid, reason=cmd.reason, retry=cmd.retry,
                                     kind=None if cmd.kind == "ObjectNotFound" else cmd.kind))
@@ -222,14 +222,16 @@ class DirectoryServer:
                 # peer sees only that the connection closed.
                 with contextlib.suppress(HopliteError, OSError, TimeoutError):
                     async with asyncio.timeout(1.0):
-                        await send_msg(stream, {"error": type(exc).__name__, "message": str(exc)})
+                        await send_msg(stream, m.Failure(error=type(exc).__name__,
+                                                         message=str(exc)))
             return
         if node in self.peers:
-            await send_msg(stream, {"error": "ProtocolError", "message": f"node id {node} is already registered"})
+            await send_msg(stream, m.Failure(error="ProtocolError",
+                                             message=f"node id {node} is already registered"))
             return
         peer = self.peers[node] = _Peer(node, stream, self.state.lease_s)
         # (our lease, which the node beats well within, whatever its own settings)
-        peer.outbox.post({"ok": True, "node": node, "lease_s": self.state.lease_s})
+        peer.outbox.post(m.Registered(ok=True, node=node, lease_s=self.state.lease_s))
         self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
             await self._read_loop(peer)
@@ -246,12 +248,12 @@ class DirectoryServer:
     async def _serve_direct(self, stream: Stream, node: str) -> None:
         peer = self.peers.get(node)
         if peer is None or node not in self.state.nodes:  # (or its lease just ended)
-            await send_msg(stream, {"error": "ProtocolError",
-                                    "message": f"node id {node} is not registered here"})
+            await send_msg(stream, m.Failure(error="ProtocolError",
+                                             message=f"node id {node} is not registered here"))
             return
         direct = _Direct(peer, stream, self.state.lease_s)
         peer.directs.add(direct)
-        direct.outbox.post({"ok": True, "node": node})
+        direct.outbox.post(m.Attached(ok=True, node=node))
         try:
             await read_messages(stream, functools.partial(self._received_direct, direct),
                                 decoder=m.decode_to_directory)
@@ -306,7 +308,7 @@ class DirectoryServer:
             return  # its connection ended meanwhile
         direct, theirs = found
         direct.requests.pop(theirs, None)
-        direct.outbox.post({"rid": theirs, **cmd.body})
+        direct.outbox.post(m.answering(cmd.body, theirs))
 
     async def _read_loop(self, peer: _Peer) -> None:
         await read_messages(peer.stream, functools.partial(self._received, peer),
@@ -325,13 +327,13 @@ class DirectoryServer:
         if isinstance(msg, m.Ping):
             self.apply(state.Heartbeat(peer.node, asyncio.get_running_loop().time()))
             if msg.rid is not None:
-                peer.outbox.post({"rid": msg.rid, "ok": True})
+                peer.outbox.post(m.Done(rid=msg.rid, ok=True))
             return
         if isinstance(msg, m.Nodes):
-            peer.outbox.post({"rid": msg.rid, "nodes": dict(self.state.nodes)})
+            peer.outbox.post(m.NodeList(rid=msg.rid, nodes=dict(self.state.nodes)))
             return
         self.apply(to_event(peer.node, msg))
 
 
-def _refusal(rid: int, message: str) -> dict:
-    return {"rid": rid, "error": "ProtocolError", "message": message}
+def _refusal(rid: int, message: str) -> m.Failure:
+    return m.Failure(rid=rid, error="ProtocolError", message=message)

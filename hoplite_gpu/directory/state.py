@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hoplite_gpu import messages as m
+
 from .channels import Channels
 from .commands import (
     Command,
@@ -181,7 +183,7 @@ class Directory:
                     requests.replied(cmd.node, cmd.request)
         return out
 
-    def describe(self, oid: Key) -> dict[str, Any]:
+    def describe(self, oid: Key) -> m.Description | m.Failure:
         return self._objects.describe(oid)
 
     # -------------------------------------------------------------- nodes ---

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 SUM    := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
-# The package alone (numpy, msgpack, rich, ml_dtypes): enough for the demo.
+# The package alone (numpy, msgspec, rich, ml_dtypes): enough for the demo.
 BASE   := $(VENV)/.base-$(SUM)
 # Everything the tests cover (torch, ucxx, Ray: about 1.5 GB).
 STAMP  := $(VENV)/.installed-$(SUM)

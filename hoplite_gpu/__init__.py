@@ -1,7 +1,7 @@
 """hoplite-gpu: dynamic, pipelined, fault-tolerant collectives for task-based systems.
 
 Importing the package is cheap: the errors, ids and config load at once (the
-standard library alone), while the runtime's API (numpy, msgpack, the node and
+standard library alone), while the runtime's API (numpy, msgspec, the node and
 its transports) loads on first use of one of its names. So the pure parts,
 `hoplite_gpu.directory` and `hoplite_gpu.simulator`, work where only the
 standard library is installed.

@@ -29,10 +29,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from . import api
+from . import messages as m
 from .errors import (
     DirectoryUnavailable,
     HopliteError,
@@ -138,8 +138,8 @@ class WeightChannel:
                 done.append(await node.put(tensors[key], _oid(self.name, version, "t/" + key)))
             # (`held`: the versions this publisher has not freed, which a
             # publisher that restarts takes over, whatever their numbers)
-            manifest = msgpack.packb({"version": version, "keys": keys,
-                                      "held": sorted(self._published)}, use_bin_type=True)
+            manifest = m.encode({"version": version, "keys": keys,
+                                 "held": sorted(self._published)})
             await node.put(manifest, _oid(self.name, version, "manifest"))
         except BaseException:
             # None of this version may stay: a later publish of it would find
@@ -168,8 +168,8 @@ class WeightChannel:
             oid = _oid(self.name, old, "manifest")
             try:
                 if old not in self._published and await _exists(node, oid):
-                    manifest = msgpack.unpackb(
-                        await node.get(oid, node.config.connect_timeout_s), raw=False)
+                    manifest = m.decode_map(
+                        f"manifest {oid.hex()}", await node.get(oid, node.config.connect_timeout_s))
                     self._published[old] = manifest["keys"]
                     candidates.update(v for v in manifest.get("held", ())
                                       if isinstance(v, int) and 0 <= v < old)
@@ -268,7 +268,7 @@ class WeightChannel:
         manifest = await self._get(node, _oid(self.name, version, "manifest"), version, deadline)
         if manifest is None:
             return None
-        keys = msgpack.unpackb(manifest, raw=False)["keys"]
+        keys = m.decode_map(f"manifest of version {version}", manifest)["keys"]
         out: dict[str, Any] = {}
         for key in keys:
             value = await self._get(node, _oid(self.name, version, "t/" + key), version, deadline)

@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 from . import messages as m
 from .auth import check_verdict, client_answer
 from .directory.wire import raise_for_error
@@ -44,7 +42,6 @@ if TYPE_CHECKING:
     from .node.node import Node
 
 log = logging.getLogger("hoplite_gpu.direct")
-_unpackb = msgpack.unpackb
 
 #: What a direct call returns when the loop's path must do the call instead.
 MISS = object()
@@ -188,13 +185,7 @@ class DirectLink:
                 if have >= 4 + n:
                     body = buf[4:4 + n]  # (a copy: the buffer shrinks next)
                     del buf[:4 + n]
-                    try:
-                        msg = _unpackb(body, raw=False)
-                    except Exception:  # msgpack raises several unrelated types
-                        msg = None
-                    if type(msg) is not dict:
-                        decode(self.peer, body)  # raises the ProtocolError that says why
-                    return msg
+                    return decode(self.peer, body)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Expired

@@ -423,7 +423,7 @@ def op(msg: Message | type[Message] | dict[str, Any]) -> str:
     return str(msg.get("op")) if isinstance(msg, dict) else msg.__struct_config__.tag
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message | dict[str, Any]) -> bytes:
     return _codec(None).encode(msg)
 
 
@@ -445,7 +445,7 @@ def _decode(kind: Any, peer: str, body: bytes | bytearray | memoryview) -> Messa
     try:
         return _codec(kind).decode(body)
     except msgspec.ValidationError as exc:
-        raw = _raw(peer, body)
+        raw = decode_map(peer, body)
         op, rid = raw.get("op"), raw.get("rid")
         rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
         what = f"unknown op {op!r}" if "$.op" in str(exc) and "Invalid value" in str(exc) \
@@ -455,7 +455,9 @@ def _decode(kind: Any, peer: str, body: bytes | bytearray | memoryview) -> Messa
         raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
 
 
-def _raw(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
+def decode_map(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """A message read as a plain map (what a node reads); ProtocolError naming
+    `peer` for bytes that are no map."""
     try:
         raw = _codec(Any).decode(body)
     except msgspec.DecodeError as exc:

@@ -14,9 +14,6 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
-import msgspec
-
 from . import messages as m
 from .errors import HopliteError, ProtocolError, Timeout, TransportClosed, TransportError
 from .transports import SendWindow, Stream
@@ -30,17 +27,14 @@ FRAME_ERROR = 1
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
-_encoder = msgspec.msgpack.Encoder()
-
-
-def pack(msg: msgspec.Struct | dict[str, Any]) -> bytes:
+def pack(msg: m.Message | dict[str, Any]) -> bytes:
     """A message with its length in front: a typed one (`hoplite_gpu.messages`)
     travels as the map of its fields, tagged by `op`."""
-    body = _encoder.encode(msg)
+    body = m.encode(msg)
     return LENGTH.pack(len(body)) + body
 
 
-async def send_msg(stream: Stream, msg: msgspec.Struct | dict[str, Any]) -> None:
+async def send_msg(stream: Stream, msg: m.Message | dict[str, Any]) -> None:
     await stream.send(pack(msg))
 
 
@@ -75,14 +69,8 @@ def check_length(peer: str, n: int) -> None:
         raise ProtocolError(f"message of {n} bytes from {peer} exceeds {MAX_MESSAGE}")
 
 
-def decode(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any]:
-    try:
-        msg = msgpack.unpackb(body, raw=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"expected a map from {peer}; got {type(msg).__name__}")
-    return msg
+#: A message read as a plain map (`messages.decode_map`).
+decode = m.decode_map
 
 
 async def read_messages(stream: Stream, on_message: Callable[[Any], None],
@@ -192,7 +180,7 @@ class Outbox:
         self.failed: HopliteError | None = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop())
 
-    def post(self, msg: msgspec.Struct | dict[str, Any]) -> None:
+    def post(self, msg: m.Message | dict[str, Any]) -> None:
         """Send `msg` after everything posted before it; dropped once the stream
         failed or `finish` was called."""
         if self.failed is not None or self._finished:
@@ -284,7 +272,7 @@ class Outbox:
 
 
 async def send_error_frame(stream: Stream | SendWindow, kind: str, message: str) -> None:
-    body = _encoder.encode(m.Failure(error=kind, message=message))
+    body = m.encode(m.Failure(error=kind, message=message))
     await stream.send(FRAME.pack(FRAME_ERROR, len(body)), body)
 
 

@@ -10,7 +10,7 @@ so a drift of the machine over the run falls on both sides alike. For every
 row both sides measured, it prints the median of each side and head / base.
 
 Rows and the time that counts in each:
-- `emulated`: (op, size, system) -> the row's `seconds` (its median call);
+- `emulated`: (op, size, system) -> each launch's `seconds` (its median call);
 - `directory-scale`: (event) -> `seconds_per_unit` at n and at 10 n;
 - `broadcast`: (size, shared memory) -> `broadcast_median_s` and `p2p_median_s`.
 """
@@ -53,24 +53,29 @@ def _lay_out(rev: str, into: Path) -> Path:
     return into
 
 
-def _rows(result: dict) -> dict[str, float]:
-    """Name -> seconds for every row of a saved result this module knows."""
+def _rows(result: dict) -> dict[str, list[float]]:
+    """Name -> the seconds of each of its rows in a saved result this module
+    knows (a launch of `emulated` per row: `--repeats 2` gives two)."""
     name, out = result.get("benchmark", ""), {}
+
+    def add(key: str, value: float) -> None:
+        out.setdefault(key, []).append(value)
+
     for r in result.get("rows", []):
         if "op" in r and "seconds" in r and r.get("seconds"):
-            out[f"{r['op']} {r['size_bytes'] >> 20 or r['size_bytes']}"
-                f"{' MiB' if r['size_bytes'] >> 20 else ' B'} {r['system']}"] = r["seconds"]
+            add(f"{r['op']} {r['size_bytes'] >> 20 or r['size_bytes']}"
+                f"{' MiB' if r['size_bytes'] >> 20 else ' B'} {r['system']}", r["seconds"])
         elif name == "directory-scale":
-            out[f"{r['event']} (n={r['n']:,})"] = r["seconds_per_unit"]
-            out[f"{r['event']} (n={r['n_large']:,})"] = r["seconds_per_unit_large"]
+            add(f"{r['event']} (n={r['n']:,})", r["seconds_per_unit"])
+            add(f"{r['event']} (n={r['n_large']:,})", r["seconds_per_unit_large"])
         elif "broadcast_median_s" in r:
             where = f"{r['size_bytes'] >> 20} MiB, shm {'on' if r['shared_memory'] else 'off'}"
-            out[f"broadcast {where}"] = r["broadcast_median_s"]
-            out[f"p2p {where}"] = r["p2p_median_s"]
+            add(f"broadcast {where}", r["broadcast_median_s"])
+            add(f"p2p {where}", r["p2p_median_s"])
     return out
 
 
-def _run_once(tree: Path, bench: list[str], timeout: float) -> dict[str, float]:
+def _run_once(tree: Path, bench: list[str], timeout: float) -> dict[str, list[float]]:
     results = tree / "benchmarks" / "results"
     shutil.rmtree(results, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -88,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", required=True, help="the commit to compare against (e.g. a tag)")
     p.add_argument("--head", default="HEAD", help="the commit to measure (default HEAD)")
     p.add_argument("--rounds", type=at_least(1), default=3,
-                   help="runs of the benchmark on each side, alternating the order")
+                   help="runs of the benchmark on each side, alternating the order (each "
+                        "run's every sample counts: a launch of emulated, a round of the rest)")
     p.add_argument("--timeout", type=at_least(1), default=1800, help="seconds per run at most")
     p.add_argument("bench", nargs=argparse.REMAINDER,
                    help="after --: the benchmark and its arguments")
@@ -107,8 +113,8 @@ def run(args: argparse.Namespace, console) -> dict:
             for side in order:
                 console.print(f"round {i + 1}/{args.rounds}: {side} ({revs[side][:10]})")
                 got = _run_once(trees[side], bench, args.timeout)
-                for key, value in got.items():
-                    samples[side].setdefault(key, []).append(value)
+                for key, values in got.items():
+                    samples[side].setdefault(key, []).extend(values)
     rows = []
     table = Table(title=f"{' '.join(bench)}: head {revs['head'][:10]} against base "
                   f"{revs['base'][:10]}, {args.rounds} rounds each: medians, then the best")

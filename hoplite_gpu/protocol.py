@@ -82,7 +82,7 @@ async def read_messages(stream: Stream, on_message: Callable[[Any], None],
     over from the receive itself: a control connection costs one system call
     per burst, and no task wake-up. Other streams are read one message at a time."""
     decoder = decoder or decode
-    if not stream.partial_receive:
+    if not stream.caps.partial_receive:
         while True:
             on_message(await recv_msg(stream, decoder=decoder))
     framer = _Framer(stream, on_message, size, decoder)

@@ -35,7 +35,7 @@ needs_ucx = pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed"
 def test_byte_streams_have_no_bare_messages():
     async def main():
         async with tc.connected_pair("tcp") as (client, server):
-            assert not client.bare_messages
+            assert not client.caps.bare_messages
             with pytest.raises(NotImplementedError):
                 await client.send_bare(b"x")
             with pytest.raises(NotImplementedError):
@@ -54,7 +54,7 @@ def test_bare_messages_keep_their_order_beside_headed_sends():
 
     async def main():
         async with tc.connected_pair("ucx") as (client, server):
-            assert client.bare_messages
+            assert client.caps.bare_messages
 
             async def sender():
                 async with SendWindow(client, 3) as out:

@@ -59,16 +59,6 @@ class Stream(abc.ABC):
     #: as long as the peer lives.
     send_stall_s: float | None = None
 
-    @property
-    def partial_receive(self) -> bool:
-        """`StreamCaps.partial_receive`."""
-        return self.caps.partial_receive
-
-    @property
-    def bare_messages(self) -> bool:
-        """`StreamCaps.bare_messages`."""
-        return self.caps.bare_messages
-
     def authenticated(self) -> None:
         """The peer proved the cluster token (the handshake's end): from now
         on it may send what makes this side allocate more (see UCXStream)."""

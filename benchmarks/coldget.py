@@ -56,6 +56,7 @@ def _caller(address: str, calls: int, sleep: float, first: int) -> dict:
     import numpy as np
 
     import hoplite_gpu as hg
+    from hoplite_gpu import messages as m
     from hoplite_gpu.direct import DirectLink
     from hoplite_gpu.protocol import pack
     from hoplite_gpu.transports import split_address
@@ -72,8 +73,8 @@ def _caller(address: str, calls: int, sleep: float, first: int) -> dict:
         return hg.get(oid)
 
     def via_link(oid):
-        reply = link.requests([{"op": "locate", "oid": oid.binary}], time.monotonic() + 10)[0]
-        return from_buffer(reply["inline"], Layout.from_wire(reply["layout"]), "numpy")
+        reply = link.requests([m.Locate(rid=0, oid=oid.binary)], time.monotonic() + 10)[0]
+        return from_buffer(reply.inline, Layout.from_wire(reply.layout), "numpy")
 
     def via_bare(oid):
         sock.settimeout(None)

@@ -138,8 +138,8 @@ class WeightChannel:
                 done.append(await node.put(tensors[key], _oid(self.name, version, "t/" + key)))
             # (`held`: the versions this publisher has not freed, which a
             # publisher that restarts takes over, whatever their numbers)
-            manifest = m.encode({"version": version, "keys": keys,
-                                 "held": sorted(self._published)})
+            manifest = m.encode(m.Manifest(version=version, keys=keys,
+                                           held=sorted(self._published)))
             await node.put(manifest, _oid(self.name, version, "manifest"))
         except BaseException:
             # None of this version may stay: a later publish of it would find
@@ -168,11 +168,10 @@ class WeightChannel:
             oid = _oid(self.name, old, "manifest")
             try:
                 if old not in self._published and await _exists(node, oid):
-                    manifest = m.decode_map(
+                    manifest = m.decode_manifest(
                         f"manifest {oid.hex()}", await node.get(oid, node.config.connect_timeout_s))
-                    self._published[old] = manifest["keys"]
-                    candidates.update(v for v in manifest.get("held", ())
-                                      if isinstance(v, int) and 0 <= v < old)
+                    self._published[old] = manifest.keys
+                    candidates.update(v for v in manifest.held if 0 <= v < old)
             except (HopliteError, ValueError, KeyError, TypeError):
                 continue  # (freed meanwhile, or not a manifest of ours: left as it is)
         self._adopted = True  # (only now: a publish cut short here adopts at the next one)
@@ -268,7 +267,7 @@ class WeightChannel:
         manifest = await self._get(node, _oid(self.name, version, "manifest"), version, deadline)
         if manifest is None:
             return None
-        keys = m.decode_map(f"manifest of version {version}", manifest)["keys"]
+        keys = m.decode_manifest(f"manifest of version {version}", manifest).keys
         out: dict[str, Any] = {}
         for key in keys:
             value = await self._get(node, _oid(self.name, version, "t/" + key), version, deadline)

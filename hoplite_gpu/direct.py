@@ -99,7 +99,7 @@ class DirectLink:
             self._send_all([answer], deadline)
             check_verdict(self._recv(deadline), token, s_nonce, c_nonce, self.peer)
             self._send_all([m.Attach(node=node_id)], deadline)
-            raise_for_error(self._recv(deadline))
+            raise_for_error(m.read_reply(m.Attach, self._recv(deadline)))
         except _Expired:
             self.close()
             raise Timeout(f"the directory at {self.peer} did not accept a direct connection "
@@ -108,7 +108,7 @@ class DirectLink:
             self.close()
             raise
 
-    def requests(self, msgs: list[dict[str, Any]], deadline: float) -> list[dict[str, Any]]:
+    def requests(self, msgs: list[m.Request], deadline: float) -> list[m.Body]:
         """Send `msgs` in order, in one write, and return their replies in the
         same order. At `deadline` the unanswered ones are withdrawn and
         `_Expired` raised; the link stays usable. (A locate's answer that
@@ -122,7 +122,7 @@ class DirectLink:
         self._next_rid = first + len(msgs)
         self._send(b"".join(pack(m.with_rid(msg, first + i)) for i, msg in enumerate(msgs)),
                    deadline)
-        replies: list[dict[str, Any] | None] = [None] * len(msgs)
+        replies: list[m.Body | None] = [None] * len(msgs)
         waiting = len(msgs)
         while waiting:
             try:
@@ -136,10 +136,10 @@ class DirectLink:
                     for i, r in enumerate(replies) if r is None),
                     time.monotonic() + _CANCEL_S)
                 raise
-            i = reply.pop("rid", None)
+            i = reply.get("rid")
             i = i - first if type(i) is int else -1
             if 0 <= i < len(replies) and replies[i] is None:
-                replies[i] = reply
+                replies[i] = m.read_reply(type(msgs[i]), reply)
                 waiting -= 1
             # else the late answer to a request withdrawn before: skip it
         return replies  # type: ignore[return-value]
@@ -279,10 +279,7 @@ class DirectCalls:
                             lambda: _not_available([oid], timeout))
         if replies is MISS:
             return MISS
-        reply = replies[0]
-        if "error" in reply:
-            raise_for_error(reply)
-        value = self._value(reply, array_type)
+        value = self._value(raise_for_error(replies[0]), array_type)
         if value is PULL:
             return MISS
         with self._lock:
@@ -392,18 +389,18 @@ class DirectCalls:
             pass
 
     @staticmethod
-    def _value(body: dict[str, Any], array_type: str) -> Any:
+    def _value(body: m.Body, array_type: str) -> Any:
         """An inline host object's value; else PULL: the node pulls it (it
         was told where from, `pushed`), holds or pulls it already (`held`),
         or it is a device object, made on the device by the loop, in its
         stream order."""
-        if "inline" not in body:
+        if not isinstance(body, m.Location) or body.inline is None:
             return PULL
-        layout = Layout.from_wire(body["layout"])
-        return PULL if layout.kind == "device" else from_buffer(body["inline"], layout, array_type)
+        layout = Layout.from_wire(body.layout)
+        return PULL if layout.kind == "device" else from_buffer(body.inline, layout, array_type)
 
     # ------------------------------------------------------------- links ---
-    def _ask(self, msgs: list[dict[str, Any]], timeout: float, expired: Callable[[], str]) -> Any:
+    def _ask(self, msgs: list[m.Request], timeout: float, expired: Callable[[], str]) -> Any:
         """The replies to `msgs`, sent together; Timeout(`expired()`) when they do
         not all come within `timeout` (the rest are withdrawn); MISS when no
         link could carry them (the caller then takes the loop's path)."""

@@ -389,6 +389,17 @@ class Attached(Body, kw_only=True):
     node: str
 
 
+# ----------------------------------------------------- stored, not sent ---
+class Manifest(Struct, kw_only=True):
+    """A weight channel's version, as its manifest object holds it
+    (`hoplite_gpu.channel`): the tensors' keys, and the versions its
+    publisher had not freed (`held`), which a restarted publisher takes over."""
+
+    version: int
+    keys: list[str]
+    held: list[int] = []
+
+
 def answering(body: Body, rid: int) -> Body:
     """`body` sent as the reply to request `rid`."""
     return replace(body, rid=rid)
@@ -400,6 +411,17 @@ ToDirectory = (Ping | Nodes | Put | Locate | Cancel | Progress | Complete | Fail
                | ReduceFailed | StepLost | ReducedInputs | ReduceConfirm)
 #: A connection's first message after the handshake.
 Hello = Register | Attach
+#: What the directory pushes to a node unasked (a node tells them from
+#: replies by their `op`; replies have none).
+Push = Drop | ReduceStep | Located
+#: The body of the reply to each request that succeeds (one that fails is
+#: answered with a `Failure`).
+REPLIES: dict[type, type[Body]] = {
+    Register: Registered, Attach: Attached, Ping: Done, Nodes: NodeList, Put: Done,
+    Locate: Location, Evict: Evicted, Delete: Done, DeleteMany: Done, Query: Description,
+    ChannelPublish: Done, ChannelHead: Head, Reduce: Done, ReducedInputs: Inputs,
+    ReduceConfirm: Current,
+}
 
 
 # ------------------------------------------------------------------- codec ---
@@ -418,26 +440,22 @@ def _codec(kind: Any) -> Any:
     return msgspec.msgpack.Encoder() if kind is None else msgspec.msgpack.Decoder(kind)
 
 
-def op(msg: Message | type[Message] | dict[str, Any]) -> str:
-    """The name a message (or a message type, or a map) travels under."""
-    return str(msg.get("op")) if isinstance(msg, dict) else msg.__struct_config__.tag
+def op(msg: Message | type[Message]) -> str:
+    """The name a message (or a message type) travels under."""
+    return msg.__struct_config__.tag
 
 
 def encode(msg: Message | dict[str, Any]) -> bytes:
     return _codec(None).encode(msg)
 
 
-def as_map(msg: Message | dict[str, Any]) -> dict[str, Any]:
+def as_map(msg: Struct) -> dict[str, Any]:
     """A message as the map a peer decodes it to (for code that reads maps)."""
-    if isinstance(msg, dict):
-        return msg
     return msgspec.to_builtins(msg, builtin_types=(bytes,))
 
 
-def with_rid(msg: Request | dict[str, Any], rid: int) -> Request | dict[str, Any]:
-    """`msg` sent as request `rid` (a map: the node's messages not typed yet)."""
-    if isinstance(msg, dict):
-        return {**msg, "rid": rid}
+def with_rid(msg: Request, rid: int) -> Request:
+    """`msg` sent as request `rid`."""
     return replace(msg, rid=rid)
 
 
@@ -485,6 +503,34 @@ def decode_pull(peer: str, body: bytes | bytearray | memoryview) -> Message | In
 def decode_ack(peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
     """A same-host puller's word after a mapping (`copied` or `kept`)."""
     return _decode(Copied | Kept, peer, body)
+
+
+def decode_manifest(what: str, body: bytes | bytearray | memoryview) -> Manifest:
+    """A channel manifest; ProtocolError naming `what` for bytes that are not one."""
+    try:
+        return _codec(Manifest).decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{what} is not a channel manifest: {exc}") from None
+
+
+def read_reply(request: type, raw: dict[str, Any]) -> Body:
+    """The reply to a request of kind `request`, from the map it was decoded
+    to: a `Failure` or the body `REPLIES` names; ProtocolError naming the
+    field when it is neither."""
+    kind = Failure if "error" in raw else REPLIES[request]
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"bad reply to {op(request)!r}: {exc}") from None
+
+
+def read_push(raw: dict[str, Any]) -> Message:
+    """A push from the map it was decoded to; ProtocolError naming the field
+    (or the unknown op) when it is not a valid one."""
+    try:
+        return msgspec.convert(raw, Push)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"bad push {raw.get('op', '?')!r}: {exc}") from None
 
 
 def from_map(msg: dict[str, Any], kind: Any = ToDirectory) -> Message:

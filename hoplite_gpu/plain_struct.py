@@ -70,6 +70,8 @@ class Struct:
                 value = values[name]
             elif name in self.__struct_defaults__:
                 value = self.__struct_defaults__[name]
+                if type(value) in (list, dict, set):  # (each its own, as msgspec's)
+                    value = type(value)(value)
             else:
                 raise TypeError(f"{type(self).__name__} is missing field {name!r}")
             object.__setattr__(self, name, value)

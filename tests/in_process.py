@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 
 
@@ -141,7 +142,7 @@ async def miss_the_lease(server: Any, node: Any) -> None:
     node.link.start_heartbeat()
     assert await eventually(lambda: node._connected.is_set()
                             and node.node_id in server.state.nodes, 4.0)
-    await node._request({"op": "nodes"}, 2.0)
+    await node._request(m.Nodes(), 2.0)
 
 
 def allreduce_on_threads(name: str, values: list, timeout: float = 20.0,

@@ -12,6 +12,7 @@ import pytest
 import transport_checks as tc
 
 import hoplite_gpu as hg
+from hoplite_gpu import messages as m
 
 
 @pytest.fixture
@@ -318,7 +319,7 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
         obj = await real_fetch(o, timeout, asked)
         calls.append(obj)
         if len(calls) == 1:  # the first time: the copy is dropped for a rebuild
-            node._on_push({"op": "drop", "oid": o.binary, "reason": "rebuilt", "retry": True})
+            node._on_push(m.Drop(oid=o.binary, reason="rebuilt", retry=True))
             hg_put_again.append(True)
         return obj
 
@@ -333,7 +334,7 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
 
         async def fetch_then_delete(o, timeout, asked=None):
             obj = await real_fetch(o, timeout, asked)
-            node._on_push({"op": "drop", "oid": o.binary, "reason": "deleted", "retry": False})
+            node._on_push(m.Drop(oid=o.binary, reason="deleted", retry=False))
             return obj
         node.fetch = fetch_then_delete
         with pytest.raises(hg.ObjectNotFound, match="deleted while this get"):

@@ -18,6 +18,7 @@ from in_process import holders_after_direct_calls, swallow_first_ok
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
 from hoplite_gpu import direct as direct_module
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.direct import MISS, DirectLink
 from hoplite_gpu.directory import state
@@ -213,11 +214,11 @@ def test_the_directory_refuses_what_a_direct_connection_may_not_ask(local):
     _, host, port = split_address(local.address)
     link = DirectLink(host, port, local.token, local.node.node_id, 5)
     try:
-        [reply] = link.requests([{"op": "query", "oid": OID}], time.monotonic() + 5)
-        assert reply["error"] == "ProtocolError"
-        [reply] = link.requests([{"op": "put", "oid": OID, "size": 1 << 20,
-                                  "layout": {"kind": "bytes"}}], time.monotonic() + 5)
-        assert reply["error"] == "ProtocolError"  # a put without its bytes
+        [reply] = link.requests([m.Query(rid=0, oid=OID)], time.monotonic() + 5)
+        assert isinstance(reply, m.Failure) and reply.error == "ProtocolError"
+        [reply] = link.requests([m.Put(rid=0, oid=OID, size=1 << 20,
+                                       layout={"kind": "bytes"})], time.monotonic() + 5)
+        assert reply.error == "ProtocolError"  # a put without its bytes
     finally:
         link.close()
     with pytest.raises(ProtocolError, match="not registered"):
@@ -321,10 +322,10 @@ def test_after_a_fork_calls_take_the_loops_path(local):
 def test_the_nodes_own_connection_cannot_pass_for_a_direct_one(local):
     async def ask():
         node = local.node
-        node.client.start({"op": "locate", "oid": OID, "direct": True})
-        node.client.start({"op": "put", "oid": OID, "size": 1, "layout": {"kind": "bytes"},
-                           "inline": b"z"}, -5)
-        await node.client.request({"op": "nodes"}, 5)  # (after the two, on one connection)
+        node.client.start(m.Locate(rid=0, oid=OID, direct=True))
+        node.client.start(m.Put(rid=0, oid=OID, size=1, layout={"kind": "bytes"},
+                                inline=b"z"), -5)
+        await node.client.request(m.Nodes(), 5)  # (after the two, on one connection)
     local.call(ask(), 5)
     assert _directory_idle(local) and OID not in local.directory.state.objects
 
@@ -347,8 +348,9 @@ def test_a_link_matches_replies_by_id_across_split_receives_and_skips_late_ones(
     link, peer = _bare_link()
     try:
         late = _framed(msgpack.packb({"rid": 0, "ok": "withdrawn earlier"}))
-        second = _framed(msgpack.packb({"rid": 2, "n": 2}))
-        first = _framed(msgpack.packb({"rid": 1, "n": 1, "inline": b"x" * 3000}))
+        second = _framed(msgpack.packb({"rid": 2, "size": 2, "layout": {}}))
+        first = _framed(msgpack.packb({"rid": 1, "size": 3000, "layout": {},
+                                       "inline": b"x" * 3000}))
         stream = late + second + first
 
         def answer():
@@ -358,12 +360,14 @@ def test_a_link_matches_replies_by_id_across_split_receives_and_skips_late_ones(
 
         t = threading.Thread(target=answer)
         t.start()
-        replies = link.requests([{"op": "locate"}, {"op": "locate"}], time.monotonic() + 5)
+        replies = link.requests([m.Locate(rid=0, oid=OID), m.Locate(rid=0, oid=OID)],
+                                time.monotonic() + 5)
         t.join()
-        assert [r["n"] for r in replies] == [1, 2] and replies[0]["inline"] == b"x" * 3000
-        assert all("rid" not in r for r in replies)
+        assert [r.size for r in replies] == [3000, 2] and replies[0].inline == b"x" * 3000
+        assert [r.rid for r in replies] == [1, 2]
         sent = [msgpack.unpackb(b) for b in _split_frames(peer.recv(1 << 16))]
-        assert sent == [{"op": "locate", "rid": 1}, {"op": "locate", "rid": 2}]
+        assert sent == [{"op": "locate", "rid": 1, "oid": OID},
+                        {"op": "locate", "rid": 2, "oid": OID}]
     finally:
         link.close()
         peer.close()
@@ -388,7 +392,7 @@ def test_a_link_refuses_a_bad_reply_with_a_protocol_error(frame, says):
     try:
         peer.sendall(frame)
         with pytest.raises(ProtocolError, match=says):
-            link.requests([{"op": "locate"}], time.monotonic() + 5)
+            link.requests([m.Locate(rid=0, oid=OID)], time.monotonic() + 5)
     finally:
         link.close()
         peer.close()
@@ -398,9 +402,9 @@ def test_a_link_withdraws_what_is_unanswered_at_its_deadline():
     link, peer = _bare_link()
     try:
         with pytest.raises(direct_module._Expired):
-            link.requests([{"op": "locate"}], time.monotonic() + 0.1)
+            link.requests([m.Locate(rid=0, oid=OID)], time.monotonic() + 0.1)
         msgs = [msgpack.unpackb(b) for b in _split_frames(peer.recv(1 << 16))]
-        assert msgs == [{"op": "locate", "rid": 1}, {"op": "cancel", "request": 1}]
+        assert msgs == [{"op": "locate", "rid": 1, "oid": OID}, {"op": "cancel", "request": 1}]
     finally:
         link.close()
         peer.close()

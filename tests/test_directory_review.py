@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # (in_process, as test_control_e
 from in_process import run_nodes
 from raw_directory import TOKEN, authenticated, registered, run
 
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.errors import Timeout, TransportClosed
@@ -49,8 +50,8 @@ def test_a_timed_out_reduced_inputs_is_withdrawn_from_the_directory():
     grows the directory's `task.waiters` and `waits` by one entry per call,
     without bound, and gets all those dead answers at once when it ends."""
     async def body(directory, node):
-        await node._request({"op": "reduce", "target": TARGET, "inputs": [b"a" * 20, b"b" * 20],
-                             "op_name": "sum", "num_objects": 2}, 5)  # inputs never put
+        await node._request(m.Reduce(rid=0, target=TARGET, inputs=[b"a" * 20, b"b" * 20],
+                                     op_name="sum", num_objects=2), 5)  # inputs never put
         for _ in range(10):
             with pytest.raises(Timeout):
                 await node.reduced_inputs(ObjectID(TARGET), 0.05)

@@ -119,6 +119,40 @@ def test_every_reply_kind_is_in_the_protocol_docs_with_its_fields(kind):
     assert not missing, f"docs/protocol.md's {kind.__name__!r} row does not name {missing}"
 
 
+def _all_subclasses(kind: type) -> list[type]:
+    return [sub for direct in kind.__subclasses__() for sub in [direct, *_all_subclasses(direct)]]
+
+
+def test_the_reply_each_request_is_read_as_is_the_one_the_docs_name():
+    """A node reads a reply as the kind `messages.REPLIES` names for its
+    request: the table's "answers" column must say the same."""
+    rows = [row.split("|") for row in _doc_section("Replies, directory -> node").splitlines()
+            if row.startswith("| `")]
+    requests = {m.op(kind) for kind in _all_subclasses(m.Message) if kind.__struct_config__.tag}
+    documented = {cells[1].strip().strip("`"): set(re.findall(r"`([a-z_]+)`", cells[3])) & requests
+                  for cells in rows}
+    for request, kind in m.REPLIES.items():
+        assert m.op(request) in documented[kind.__name__], \
+            f"docs/protocol.md does not say {kind.__name__!r} answers {m.op(request)!r}"
+    read = {m.op(request) for request in m.REPLIES}
+    for name, ops in documented.items():
+        if name not in ("Failure", "Body"):
+            assert ops <= read, f"{name!r} documented to answer {ops - read}, read otherwise"
+
+
+def test_a_reply_or_push_that_fits_no_kind_is_a_protocol_error_naming_the_field():
+    with pytest.raises(ProtocolError, match="reply to 'locate'.*layout"):
+        m.read_reply(m.Locate, {"rid": 3, "size": 1})
+    assert m.read_reply(m.Locate, {"rid": 3, "error": "Timeout", "message": "late"}) == \
+        m.Failure(rid=3, error="Timeout", message="late")
+    with pytest.raises(ProtocolError, match="push 'drop'.*retry"):
+        m.read_push({"op": "drop", "oid": b"o" * 20, "reason": "gone"})
+    with pytest.raises(ProtocolError, match="push 'nope'"):
+        m.read_push({"op": "nope"})
+    assert m.read_push(m.as_map(m.Drop(oid=b"o" * 20, reason="r", retry=True))) == \
+        m.Drop(oid=b"o" * 20, reason="r", retry=True)
+
+
 def _sent(msg) -> bytes:
     """The bytes `msg` travels as (checked to decode to a map, first)."""
     assert isinstance(msgpack.unpackb(m.encode(msg), raw=False), dict)

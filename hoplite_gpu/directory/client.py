@@ -13,7 +13,13 @@ from typing import Any
 
 from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake
-from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, Timeout, TransportError
+from hoplite_gpu.errors import (
+    DirectoryUnavailable,
+    HopliteError,
+    ProtocolError,
+    Timeout,
+    TransportError,
+)
 from hoplite_gpu.protocol import Outbox, read_messages, recv_msg, send_msg
 from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import Stream, get_backend, split_address
@@ -24,12 +30,13 @@ log = logging.getLogger("hoplite_gpu.client")
 
 
 class DirectoryClient:
-    def __init__(self, stream: Stream, on_push: Callable[[dict[str, Any]], None], *,
+    def __init__(self, stream: Stream, on_push: Callable[[m.Message], None], *,
                  stall_s: float | None = None) -> None:
         self._stream = stream
         self._on_push = on_push
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        #: rid -> (the future of its reply, the kind of request it answers)
+        self._pending: dict[int, tuple[asyncio.Future, type]] = {}
         self._lost: BaseException | None = None
         self._closing = False
         self._outbox = Outbox(stream, self._fail, stall_s=stall_s)
@@ -39,7 +46,7 @@ class DirectoryClient:
 
     @classmethod
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
-                      timeout: float, on_push: Callable[[dict[str, Any]], None],
+                      timeout: float, on_push: Callable[[m.Message], None],
                       stall_s: float | None = None) -> DirectoryClient:
         """Connect, authenticate and register within `timeout` seconds in all. A
         directory that then takes no message for `stall_s` seconds is lost."""
@@ -58,7 +65,7 @@ class DirectoryClient:
             async with asyncio.timeout(left):
                 await client_handshake(stream, token, left)
                 await send_msg(stream, m.Register(node=node, address=data_address))
-                answer = raise_for_error(await recv_msg(stream))
+                answer = raise_for_error(m.read_reply(m.Register, await recv_msg(stream)))
         except (TimeoutError, Timeout) as exc:
             await stream.close()
             raise Timeout(
@@ -69,13 +76,13 @@ class DirectoryClient:
             await stream.close()
             raise
         client = cls(stream, on_push, stall_s=stall_s)
-        lease = answer.get("lease_s")
-        if isinstance(lease, int | float) and not isinstance(lease, bool) and lease > 0:
-            client.lease_s = float(lease)
+        if answer.lease_s > 0:
+            client.lease_s = float(answer.lease_s)
         return client
 
-    async def request(self, msg: m.Message | dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send a request and wait for its reply; errors in the reply are raised."""
+    async def request(self, msg: m.Message, timeout: float) -> m.Body:
+        """Send a request and wait for its reply (the body `messages.REPLIES`
+        names for it); errors in the reply are raised."""
         rid = next(self._ids)
         fut = self.start(msg, rid)
         try:
@@ -90,26 +97,27 @@ class DirectoryClient:
             self._pending.pop(rid, None)
         return raise_for_error(body)
 
-    def start(self, msg: m.Message | dict[str, Any], rid: int | None = None) -> asyncio.Future:
-        """Send a request now; return the future of its reply body (unchecked)."""
+    def start(self, msg: m.Message, rid: int | None = None) -> asyncio.Future:
+        """Send a request now; return the future of its reply body (a
+        `Failure` not raised yet)."""
         if self._lost is not None:
             raise DirectoryUnavailable(f"lost the directory connection: {self._lost}")
         rid = next(self._ids) if rid is None else rid
         fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        self._pending[rid] = (fut, type(msg))
         self._outbox.post(m.with_rid(msg, rid))
         return fut
 
     def forget(self, rid: int) -> None:
         """Stop waiting for the reply to request `rid` (its caller gave up)."""
-        fut = self._pending.pop(rid, None)
+        fut, _ = self._pending.pop(rid, (None, None))
         if fut is not None and not fut.done():
             fut.cancel()
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def post(self, msg: m.Message | dict[str, Any]) -> None:
+    def post(self, msg: m.Message) -> None:
         """Send a one-way notice; dropped silently once the directory is gone."""
         if self._lost is None:
             self._outbox.post(msg)
@@ -121,14 +129,18 @@ class DirectoryClient:
             self._fail(exc)
 
     def _received(self, msg: dict[str, Any]) -> None:
-        rid = msg.pop("rid", None)
+        rid = msg.get("rid")
         if rid is not None:
-            fut = self._pending.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            fut, kind = self._pending.pop(rid, (None, None))
+            if fut is None or fut.done():
+                return
+            try:
+                fut.set_result(m.read_reply(kind, msg))
+            except ProtocolError as exc:  # (that request fails; the connection serves on)
+                fut.set_exception(exc)
         else:
             try:
-                self._on_push(msg)
+                self._on_push(m.read_push(msg))
             except Exception:  # one bad push must not cost the node its directory
                 log.warning("ignored a push the node could not take: %.200r", msg,
                             exc_info=True)
@@ -139,12 +151,12 @@ class DirectoryClient:
             if not self._closing:
                 log.warning("lost the directory connection: %s", exc)
         err = DirectoryUnavailable(f"lost the directory connection: {exc}")
-        for fut in self._pending.values():
+        for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)
         self._pending.clear()
         with contextlib.suppress(Exception):
-            self._on_push(m.as_map(m.DirectoryLost(reason=str(exc))))
+            self._on_push(m.DirectoryLost(reason=str(exc)))
 
     async def close(self) -> None:
         self._closing = True

@@ -58,12 +58,18 @@ def to_event(node: str, msg: m.Message | dict[str, Any]) -> state.Event | None:
     return None if make is None else make(node, msg)
 
 
-def raise_for_error(body: dict[str, Any]) -> dict[str, Any]:
-    """Turn an ``{"error": Kind, "message": ...}`` body into the matching HopliteError."""
-    kind = body.get("error")
-    if kind is None:
+def raise_for_error(body: Any) -> Any:
+    """Turn a `Failure` (or an ``{"error": Kind, "message": ...}`` map: a data
+    connection's error frame) into the matching HopliteError; return any
+    other body as it is."""
+    if isinstance(body, m.Failure):
+        kind, message = body.error, body.message
+    elif isinstance(body, dict) and body.get("error") is not None:
+        kind = body["error"]
+        message = body.get("message", str(kind))
+    else:
         return body
     cls = getattr(errors, str(kind), None)
     if not (isinstance(cls, type) and issubclass(cls, errors.HopliteError)):
         cls = errors.HopliteError
-    raise cls(body.get("message", str(kind)))
+    raise cls(message)

@@ -37,14 +37,14 @@ class DirectoryLink:
         #: the task renewing this node's lease (`start_heartbeat`)
         self.heartbeat: asyncio.Task | None = None
         self._reconnector: asyncio.Task | None = None
-        self._handlers: dict[str, Callable[[dict], None]] = {}
+        self._handlers: dict[type, Callable[[m.Message], None]] = {}
         self._data_address = ""
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
 
-    def handle(self, op: str, handler: Callable[[dict], None]) -> None:
-        """Hand the directory's pushes of `op` to `handler`."""
-        self._handlers[op] = handler
+    def handle(self, kind: type[m.Message], handler: Callable[[m.Message], None]) -> None:
+        """Hand the directory's pushes of `kind` to `handler`."""
+        self._handlers[kind] = handler
 
     async def connect(self, data_address: str) -> None:
         """Register this node (its data server at `data_address`) and start beating."""
@@ -90,7 +90,7 @@ class DirectoryLink:
             raise self._closed
 
     # ----------------------------------------------------------- requests ---
-    def post(self, msg: m.Message | dict) -> None:
+    def post(self, msg: m.Message) -> None:
         """A one-way notice to the directory (lost if it is away; holdings are
         re-announced when we reconnect)."""
         if self.client is not None:
@@ -102,7 +102,7 @@ class DirectoryLink:
         assert self.client is not None
         return self.client.start(msg)
 
-    async def request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
+    async def request(self, msg: m.Request | m.Nodes, timeout: float) -> m.Body:
         """A request to the directory; if the directory goes away, wait for the
         reconnection and ask again, all within `timeout`."""
         deadline = time.monotonic() + timeout
@@ -114,7 +114,7 @@ class DirectoryLink:
             except DirectoryUnavailable:
                 await self._wait_connected(deadline)
 
-    async def wait_reply(self, msg: m.Request, deadline: float) -> dict:
+    async def wait_reply(self, msg: m.Request, deadline: float) -> m.Body:
         """A request the directory may answer much later (it waits for something to
         exist). At the deadline the request is withdrawn and Timeout(seconds) raised;
         if the directory goes away meanwhile, the request is asked again of the new one."""
@@ -151,15 +151,14 @@ class DirectoryLink:
         self._check_open()
 
     # ------------------------------------------------------------- pushes ---
-    def on_push(self, msg: dict) -> None:
-        op = msg.get("op")
-        handler = self._handlers.get(op) if isinstance(op, str) else None
+    def on_push(self, msg: m.Message) -> None:
+        handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(msg)
-        elif op == "directory_lost":
-            self._lost(str(msg.get("reason")))
+        elif isinstance(msg, m.DirectoryLost):
+            self._lost(msg.reason)
         else:
-            log.warning("ignoring unknown push %r", op)
+            log.warning("ignoring push %r: nothing here takes it", m.op(msg))
 
     # ------------------------------------------------------- reconnection ---
     def _lost(self, reason: str) -> None:

@@ -168,7 +168,8 @@ class Memory:
                 del self._offered[oid]
         if reply.cancelled() or reply.exception() is not None:
             return  # no answer: the directory kept them, or a new one hears of them
-        for raw in reply.result().get("evicted", ()):
+        body = reply.result()
+        for raw in body.evicted if isinstance(body, m.Evicted) else ():
             oid = ObjectID(raw)
             if self.store.get(oid) is not offered.get(oid):
                 continue  # (made here anew since: not the copy offered)

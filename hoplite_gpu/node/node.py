@@ -123,9 +123,9 @@ class Node:
         #: room in the store under `store_bytes` (evictions, trimming)
         self.memory = Memory(self.store, config, self.node_id,
                              lambda msg: self.link.ask(msg), self._step_reads)
-        self.link.handle("drop", self._on_drop)
-        self.link.handle("reduce_step", self.steps.start)
-        self.link.handle("located", self.pulls.located)
+        self.link.handle(m.Drop, self._on_drop)
+        self.link.handle(m.ReduceStep, self.steps.start)
+        self.link.handle(m.Located, self.pulls.located)
 
     def making(self, oid: ObjectID) -> bool:
         """Whether `oid` is being made here (pulled, reduced or put): a pull
@@ -225,11 +225,11 @@ class Node:
         """A one-way notice to the directory (`DirectoryLink.post`)."""
         self.link.post(msg)
 
-    async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> dict:
+    async def _request(self, msg: m.Request | m.Nodes, timeout: float) -> m.Body:
         """A request to the directory, asked again after a reconnection (`DirectoryLink.request`)."""
         return await self.link.request(msg, timeout)
 
-    async def _wait_reply(self, msg: m.Request, deadline: float) -> dict:
+    async def _wait_reply(self, msg: m.Request, deadline: float) -> m.Body:
         """A request answered when something exists (`DirectoryLink.wait_reply`)."""
         return await self.link.wait_reply(msg, deadline)
 
@@ -309,7 +309,7 @@ class Node:
         self.channel_seen(name, version)
         body = await self._request(m.ChannelPublish(rid=0, name=name, version=version),
                                    self.config.timeout_s)
-        return int(body["head"])
+        return body.head
 
     async def channel_head(self, name: str, newer_than: int, timeout: float,
                            wait: bool = True) -> int:
@@ -319,7 +319,7 @@ class Node:
         except Timeout as exc:
             raise Timeout(f"channel {name!r} had no version newer than {newer_than} "
                           f"within {exc.args[0]:.3g}s") from None
-        return int(body["head"])
+        return body.head
 
     async def pull_plan(self, obj: StoredObject, plan: Plan) -> None:
         """Fill `obj` (in the store) as `plan` says (see `Pulls.pull_plan`)."""
@@ -409,10 +409,14 @@ class Node:
                 "failovers": len(self.pulls.failovers)}
 
     async def query(self, oid: ObjectID) -> dict:
-        return await self._request(m.Query(rid=0, oid=oid.binary), self.config.timeout_s)
+        """What the directory knows of `oid`, as the map `object_info` gives users."""
+        body = await self._request(m.Query(rid=0, oid=oid.binary), self.config.timeout_s)
+        info = m.as_map(body)
+        info.pop("rid", None)
+        return info
 
     async def nodes(self) -> dict[str, str]:
-        return (await self._request(m.Nodes(), self.config.timeout_s))["nodes"]
+        return (await self._request(m.Nodes(), self.config.timeout_s)).nodes
 
     # ------------------------------------------------------------- reduce ---
     async def reduce(self, inputs: list[ObjectID], op: str, num_objects: int,
@@ -447,19 +451,19 @@ class Node:
             client.start(m.ChannelPublish(rid=0, name=name, version=version))
 
     # ------------------------------------------------------------- pushes ---
-    def _on_push(self, msg: dict) -> None:
+    def _on_push(self, msg: m.Message) -> None:
         """A push from the directory (`DirectoryLink.on_push`)."""
         self.link.on_push(msg)
 
-    def _on_drop(self, msg: dict) -> None:
-        oid = ObjectID(msg["oid"])
-        text = msg.get("reason", f"object {oid.hex()} was dropped")
-        if msg.get("retry") and self.puts.making(oid):
+    def _on_drop(self, msg: m.Drop) -> None:
+        oid = ObjectID(msg.oid)
+        text = msg.reason or f"object {oid.hex()} was dropped"
+        if msg.retry and self.puts.making(oid):
             # (a completion of ours that crossed a removal is dropped with
             # `retry`; a put of the id under way here came after it)
             return
-        error = (_Retry(text) if msg.get("retry")
-                 else ReduceFailed(text) if msg.get("kind") == "ReduceFailed"
+        error = (_Retry(text) if msg.retry
+                 else ReduceFailed(text) if msg.kind == "ReduceFailed"
                  else ObjectNotFound(text))
         self._forget(oid, error)
 

@@ -62,7 +62,7 @@ class Pulls:
 
     def __init__(self, store: ChunkStore, pool: PeerPool, config: Config, *,
                  post: Callable[[m.Message], None],
-                 wait_reply: Callable[[m.Request, float], Awaitable[dict]],
+                 wait_reply: Callable[[m.Request, float], Awaitable[m.Body]],
                  room: Callable[[Layout, str], AbstractAsyncContextManager[None]],
                  trim_soon: Callable[[], None],
                  offered: Callable[[ObjectID], asyncio.Future | None],
@@ -175,7 +175,7 @@ class Pulls:
         tag = obj.reduce_tag
         msg = m.ReduceConfirm(rid=0, target=obj.oid.binary, tag=tag)
         try:
-            current = bool((await self._wait_reply(msg, deadline))["current"])
+            current = (await self._wait_reply(msg, deadline)).current
         except Timeout:
             raise Timeout(f"get of object {obj.oid.hex()}: the reduce producing it did not "
                           f"finish within {timeout:g}s") from None
@@ -218,7 +218,7 @@ class Pulls:
                     self.cancel(oid, Retry(
                         f"the pull of object {oid.hex()} was abandoned by its gets"))
 
-    def _start_pull(self, oid: ObjectID, deadline: float, located: dict | None = None) -> None:
+    def _start_pull(self, oid: ObjectID, deadline: float, located: m.Located | None = None) -> None:
         self._pull_errors.pop(oid, None)  # from an earlier pull of this id
         self._pull_deadlines[oid] = deadline
         self._pull_waiters[oid] = []
@@ -226,12 +226,12 @@ class Pulls:
         self._pulls[oid] = task
         task.add_done_callback(lambda t, oid=oid: self._pull_ended(oid, t))
 
-    def located(self, msg: dict) -> None:
+    def located(self, msg: m.Located) -> None:
         """The directory's answer to a locate one of our threads asked
         directly (`hoplite_gpu.direct`): pull now, from the sender it names;
         the thread's get joins this pull. A pull already running asked (or
         will ask) the directory itself, which then superseded this answer."""
-        oid = ObjectID(msg["oid"])
+        oid = ObjectID(msg.oid)
         if self._closed is not None or oid in self._pulls:
             return
         obj = self.store.get(oid)
@@ -241,7 +241,7 @@ class Pulls:
         self._start_pull(oid, time.monotonic() + self.config.timeout_s, msg)
 
     async def _run_pull(self, oid: ObjectID, deadline: float,
-                        located: dict | None = None) -> StoredObject:
+                        located: m.Located | None = None) -> StoredObject:
         """The pull, waking its waiters in the same step it ends in (no extra
         loop iteration for a done-callback)."""
         me = asyncio.current_task()
@@ -286,20 +286,21 @@ class Pulls:
                     waiter.set_result(result)
 
     async def _pull(self, oid: ObjectID, deadline: float,
-                    located: dict | None = None) -> StoredObject:
+                    located: m.Located | None = None) -> StoredObject:
         self._check_open()
         failures = 0
         while True:
             deadline = self._pull_deadlines.get(oid, deadline)  # (a patient get may have joined)
             reply = located if located is not None else await self._locate(oid, deadline)
             located = None
-            log.debug("pull %s: located at %s", oid.hex(), reply.get("address", "(here)"))
-            layout = Layout.from_wire(reply["layout"])
-            if "inline" in reply:
+            log.debug("pull %s: located at %s", oid.hex(), reply.address or "(here)")
+            layout = Layout.from_wire(reply.layout)
+            inline = reply.inline if isinstance(reply, m.Location) else None
+            if inline is not None:
                 self._fresh.add(oid)
-                return self.store_inline(oid, layout, reply["inline"])
+                return self.store_inline(oid, layout, inline)
             obj = self.store.get(oid)
-            if reply.get("local"):
+            if reply.local:
                 if layout.nbytes == 0:
                     obj = obj or self.store.create(oid, layout)
                     return obj
@@ -308,7 +309,7 @@ class Pulls:
                 # The directory thinks we hold it but we do not: correct it, ask again.
                 self._post(m.Dropped(oid=oid.binary))
                 continue
-            sender, address = reply["sender"], reply["address"]
+            sender, address = reply.sender, reply.address
             if obj is not None and obj.own and obj.error is None:
                 # Put here meanwhile: that copy is the object, not one to pull
                 # into; once it is whole, `complete` frees the sender's slot.
@@ -318,10 +319,10 @@ class Pulls:
             if obj is None or obj.error is not None:
                 obj, mapped = await self._buffer_for(oid, layout, address)
                 if mapped:  # the sender's complete copy, mapped: nothing to pull
-                    obj.reduce_tag = reply.get("reduce_tag")
+                    obj.reduce_tag = reply.reduce_tag
                     self._post(complete_msg(obj))
                     return obj
-            obj.reduce_tag = reply.get("reduce_tag")
+            obj.reduce_tag = reply.reduce_tag
             try:
                 await self.pull_plan(obj, plan_for(obj, sender, address))
             except PEER_FAILURES:  # (reported: `_flow_failed`)
@@ -391,7 +392,7 @@ class Pulls:
         obj.advance(obj.size)
         return obj
 
-    async def _locate(self, oid: ObjectID, deadline: float) -> dict:
+    async def _locate(self, oid: ObjectID, deadline: float) -> m.Location:
         since = self._forgets()
         try:
             return await self._wait_reply(m.Locate(rid=0, oid=oid.binary), deadline)

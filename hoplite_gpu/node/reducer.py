@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import numpy as np
 
 from hoplite_gpu import kernels
+from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.device import element_view, is_device_buffer
 from hoplite_gpu.directory.reduce_plan import FOLD_STEP, fold_unit
@@ -27,38 +27,38 @@ from .store import ChunkStore, StoredObject
 from .transfer import PeerPool, fetch_range
 
 
-async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, config: Config,
+async def run_step(step: m.ReduceStep, store: ChunkStore, pool: PeerPool, config: Config,
                    timeout: float) -> StoredObject:
     """Carry out one `reduce_step` command; returns the finished output object."""
-    layout = Layout.from_wire(step["layout"])
+    layout = Layout.from_wire(step.layout)
     dtype = numpy_dtype(layout)
-    own = store.get(ObjectID(step["input"]))
-    if own is None and step.get("early"):
+    own = store.get(ObjectID(step.input))
+    if own is None and step.early:
         # The output of this position's early step, which is starting too
         # (it may still be making room for that output).
-        own = await store.wait_for(ObjectID(step["input"]), timeout)
+        own = await store.wait_for(ObjectID(step.input), timeout)
     if own is None:
-        raise LookupError(f"input {step['input'].hex()} is not held by this node")
-    out_oid = ObjectID(step["output"])
+        raise LookupError(f"input {step.input.hex()} is not held by this node")
+    out_oid = ObjectID(step.output)
     out = store.get(out_oid)
-    if out is None and not step["children"] and not int(step["count"]):
+    if out is None and not step.children and not step.count:
         # A leaf's partial result is its input: share the input's buffer (both
         # are immutable) instead of copying it into a fresh one.
         out = store.create(out_oid, layout, own.buffer, borrowed=True)
         out.own = True
-        if out_oid.binary == step["target"]:
-            out.reduce_tag = step.get("tag")
+        if out_oid.binary == step.target:
+            out.reduce_tag = step.tag
         await _follow(own, out, timeout)
         return out
     if out is None:
         out = store.create(out_oid, layout)
     out.own = True
-    if out_oid.binary == step["target"]:
-        out.reduce_tag = step.get("tag")
+    if out_oid.binary == step.target:
+        out.reduce_tag = step.tag
     kids, pulls, inplace = [], [], None
     loop = asyncio.get_running_loop()
-    for child in step["children"]:
-        oid = ObjectID(child["oid"])
+    for child in step.children:
+        oid = ObjectID(child.oid)
         local = store.get(oid)
         if local is not None:
             kids.append(local)
@@ -74,10 +74,10 @@ async def run_step(step: dict[str, Any], store: ChunkStore, pool: PeerPool, conf
             copy = StoredObject(oid, layout, store.alloc(layout))
         kids.append(copy)
         pulls.append(loop.create_task(
-            fetch_range(pool, child["address"], copy, copy.size, config, lambda _pos: None,
+            fetch_range(pool, child.address, copy, copy.size, config, lambda _pos: None,
                         reduce_input=True)))
     try:
-        await _fold(own, kids, inplace, out, step["reduce_op"], int(step["count"]), dtype,
+        await _fold(own, kids, inplace, out, step.reduce_op, step.count, dtype,
                     config, timeout, pulls)
     finally:
         for task in pulls:

@@ -39,7 +39,7 @@ class _Step(NamedTuple):
     """A reduce step running here: its task and its command."""
 
     task: asyncio.Task
-    msg: dict
+    msg: m.ReduceStep
 
 
 class Steps:
@@ -51,7 +51,7 @@ class Steps:
 
     def __init__(self, store: ChunkStore, pool: PeerPool, config: Config, node_id: str, *,
                  post: Callable[[m.Message], None],
-                 request: Callable[[Any, float], Awaitable[dict]],
+                 request: Callable[[Any, float], Awaitable[m.Body]],
                  make_room: Callable[[int, str], Awaitable[int]],
                  forgot_since: Callable[[ObjectID, int], bool]) -> None:
         self.store, self.pool, self.config, self.node_id = store, pool, config, node_id
@@ -82,8 +82,8 @@ class Steps:
         """Objects the steps running here read or write: none may be evicted."""
         busy = set(self._steps)
         for _, step in self._steps.values():
-            busy.add(ObjectID(step["input"]))
-            busy.update(ObjectID(child["oid"]) for child in step["children"])
+            busy.add(ObjectID(step.input))
+            busy.update(ObjectID(child.oid) for child in step.children)
         return busy
 
     def close(self) -> list[asyncio.Task]:
@@ -156,12 +156,12 @@ class Steps:
         # it need not be asked for again (a non-root rank of a collective
         # reduce never holds the result, and is not the one that deletes it).
         self._my_reduces.pop(target, None)
-        return [ObjectID(i) for i in body["inputs"]]
+        return [ObjectID(i) for i in body.inputs]
 
     # ------------------------------------------------------------ running ---
-    def start(self, msg: dict) -> None:
+    def start(self, msg: m.ReduceStep) -> None:
         """A `reduce_step` push: run it, in place of an older step for its output."""
-        out = ObjectID(msg["output"])
+        out = ObjectID(msg.output)
         old = self._steps.pop(out, None)
         if old is not None:
             old.task.cancel("replaced by a new step")
@@ -172,8 +172,8 @@ class Steps:
         # earlier tree's root step (this node was declared dead meanwhile,
         # and the step finished all the same) holds other inputs, complete
         # or not, and must not be taken for this step's output.
-        earlier = (stale is not None and out.binary == msg["target"]
-                   and stale.reduce_tag is not None and stale.reduce_tag != msg.get("tag"))
+        earlier = (stale is not None and out.binary == msg.target
+                   and stale.reduce_tag is not None and stale.reduce_tag != msg.tag)
         if stale is not None and (not stale.complete or earlier) and not fresh:
             # a partial result of an earlier tree (e.g. before a directory restart)
             # may hold other inputs: start over; its readers ask again
@@ -187,10 +187,10 @@ class Steps:
         if step is not None and step.task is task:
             del self._steps[out]
 
-    async def _run(self, step: dict) -> None:
+    async def _run(self, step: m.ReduceStep) -> None:
         if self._closed:
             return
-        target = step["target"]
+        target = step.target
         try:
             await self._room_for(step)
             out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
@@ -200,53 +200,53 @@ class Steps:
             # a child died or stalled: the directory rebuilds the tree without it
             log.info("reduce step for %s lost a child: %r", target.hex(), exc)
             self._drop_unfinished(step)
-            self._post(m.StepLost(target=target, tag=step.get("tag"),
+            self._post(m.StepLost(target=target, tag=step.tag,
                                   message=f"on node {self.node_id}: {type(exc).__name__}: {exc}"))
             return
         except Exception as exc:  # any other failure must reach every waiter, not vanish here
             log.warning("reduce step for %s failed: %r", target.hex(), exc)
             self._drop_unfinished(step)
-            self._post(m.ReduceFailed(target=target, tag=step.get("tag"),
+            self._post(m.ReduceFailed(target=target, tag=step.tag,
                                       message=f"a reduce step on node {self.node_id} failed: "
                                               f"{type(exc).__name__}: {exc}"))
             return
-        if step.get("early"):
+        if step.early:
             # Its input was this position's early result, read by this step
             # only: free it now rather than when the whole reduce ends.
-            self.store.remove(ObjectID(step["input"]), ObjectNotFound(
-                f"partial result {step['input'].hex()} was folded into the next one"))
+            self.store.remove(ObjectID(step.input), ObjectNotFound(
+                f"partial result {step.input.hex()} was folded into the next one"))
         if out.oid.binary == target:
             self._post(complete_msg(out))
         else:  # an intermediate result: its parent is already pulling it
             self._post(m.Complete(oid=out.oid.binary))
 
-    def _drop_unfinished(self, step: dict) -> None:
+    def _drop_unfinished(self, step: m.ReduceStep) -> None:
         """A failed step's output, if it is half made: nothing will finish it.
         Its readers (a get here waiting on its watermark, a parent pulling
         it) ask again. The directory drops it too when it rebuilds the tree,
         but not on a node it has declared dead meanwhile, whose step may fail
         only after it is back: such a copy would be kept, and taken by this
         node's own gets for a put under way, for good."""
-        out = ObjectID(step["output"])
+        out = ObjectID(step.output)
         obj, mine = self.store.get(out), self._steps.get(out)
         if (obj is not None and not obj.complete and not obj.receiving
                 and mine is not None and mine.msg is step):  # (not a newer step's)
             self.store.remove(out, Retry("its reduce step failed"))
 
-    async def _room_for(self, step: dict) -> None:
+    async def _room_for(self, step: m.ReduceStep) -> None:
         """Evict, as a get would, for the output a reduce step is about to
         make (it makes it as soon as it starts, with no await between).
         Nothing to do for a leaf (its output shares its input's buffer), an
         output already here, or device memory. Where no eviction makes room
         the step goes over the limit: failing would fail the reduce for every
         rank over one node's cache, and later calls evict again."""
-        layout = Layout.from_wire(step["layout"])
-        leaf = not step["children"] and not int(step["count"])
+        layout = Layout.from_wire(step.layout)
+        leaf = not step.children and not step.count
         if (leaf or not self.store.on_host(layout)
-                or self.store.get(ObjectID(step["output"])) is not None):
+                or self.store.get(ObjectID(step.output)) is not None):
             return
         try:
             await self._make_room(layout.nbytes, "a reduce step")
         except StoreFull as exc:
             log.info("reduce step for %s goes over the store limit: %s",
-                     ObjectID(step["output"]).hex(), exc)
+                     ObjectID(step.output).hex(), exc)

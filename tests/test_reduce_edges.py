@@ -150,7 +150,7 @@ def test_a_lost_stream_of_a_superseded_tree_does_not_rebuild_the_new_one(monkeyp
         loop = asyncio.get_running_loop()
 
         def late_drops(msg):  # the directory's drops reach n2 late
-            if msg.get("op") == "drop":
+            if isinstance(msg, messages.Drop):
                 loop.call_later(0.3, handle, msg)
             else:
                 handle(msg)

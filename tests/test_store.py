@@ -165,9 +165,9 @@ def test_a_reduce_leaf_shares_its_input_and_follows_its_watermark():
         own = store.create(ObjectID.random(), lay)
         own.buffer[:] = 7
         out_id = ObjectID.random()
-        step = {"layout": lay.to_wire(), "input": own.oid.binary, "output": out_id.binary,
-                "target": out_id.binary, "children": [], "reduce_op": "sum", "count": 0,
-                "tag": b"t"}
+        step = messages.ReduceStep(layout=lay.to_wire(), input=own.oid.binary,
+                                   output=out_id.binary, target=out_id.binary, children=[],
+                                   reduce_op="sum", count=0, size=lay.nbytes, tag=b"t")
         task = asyncio.ensure_future(run_step(step, store, PeerPool("tok", Config()), Config(), 5))
         await asyncio.sleep(0.01)
         out = store.get(out_id)

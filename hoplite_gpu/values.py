@@ -133,6 +133,26 @@ def to_buffer(value: Any) -> tuple[memoryview, Layout]:
     return _buffer_protocol_to_buffer(view)
 
 
+def host_nbytes(value: Any) -> int | None:
+    """How many bytes `value` puts in host memory, read from its metadata
+    alone (no copy, no conversion): NumPy arrays and scalars, byte buffers
+    and CPU torch tensors; None for anything else (a device array, an object
+    that only exports a buffer), whose size `to_buffer` learns."""
+    if isinstance(value, np.ndarray | np.generic):
+        return int(value.nbytes)
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, memoryview):
+        try:
+            return value.nbytes
+        except ValueError:  # (released: `to_buffer` says so)
+            return None
+    if _is_torch_tensor(value) and getattr(value, "device", None) is not None \
+            and value.device.type == "cpu":
+        return int(value.numel() * value.element_size())
+    return None
+
+
 def from_buffer(buf: Any, layout: Layout, array_type: str = "cupy") -> object:
     """Rebuild the value described by `layout` from `buf`, a flat buffer of layout.nbytes bytes.
 

@@ -201,3 +201,27 @@ def test_small_objects_that_fill_the_store_make_room_in_the_background():
         assert reader.store.held <= 5 * MiB
 
     with_nodes(5 * MiB, body)
+
+
+def test_a_non_contiguous_put_beyond_the_limit_is_refused_before_any_copy(monkeypatch):
+    """Regression: a put of a non-contiguous array larger than the whole
+    store limit first made a contiguous copy of it (4 s for 2 GB under
+    HOPLITE_STORE_BYTES=1GiB), only for the store to refuse it."""
+    from hoplite_gpu import values
+
+    copies = []
+    real = values._copied
+    monkeypatch.setattr(values, "_copied", lambda copy, n: (copies.append(n), real(copy, n))[1])
+
+    async def body(directory, origin, reader):
+        strided = np.zeros(8 * MiB, np.uint8)[::2]  # 4 MiB, not contiguous
+        assert not strided.flags.c_contiguous
+        with pytest.raises(hg.StoreFull, match="whole store limit"):
+            await reader.put(strided, hg.ObjectID.from_name("strided-too-big"))
+        assert copies == [], "the value was copied before the store refused it"
+        assert reader.store.used == 0
+        small = np.zeros(2 * MiB, np.uint8)[::2]  # fits: copied as before
+        await reader.put(small, hg.ObjectID.from_name("strided-fits"))
+        assert copies == [MiB]
+
+    with_nodes(3 * MiB, body)

@@ -23,6 +23,13 @@ from .tasks import TaskSet
 log = logging.getLogger("hoplite_gpu.node")
 
 
+
+def beyond_limit(what: str, need: int, limit: int) -> StoreFull:
+    """The error for an object larger than the whole store limit: no
+    eviction could make room for it."""
+    return StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
+                     f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
+
 class Memory:
     """Makes room in `store` for objects about to be made, and keeps it
     within its limit after objects made without asking. `ask` starts a
@@ -83,8 +90,7 @@ class Memory:
         if self.store.used + need <= limit:
             return need
         if need > limit:
-            raise StoreFull(f"{what}: the object has {need} bytes, more than this node's whole "
-                            f"store limit (HOPLITE_STORE_BYTES={limit}); raise the limit")
+            raise beyond_limit(what, need, limit)
         tried: set[ObjectID] = set()
         give_up = time.monotonic() + self.config.timeout_s
         collected = not collect

@@ -24,9 +24,10 @@ from hoplite_gpu.errors import (
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
-from hoplite_gpu.values import Layout, fingerprint, to_buffer
+from hoplite_gpu.values import Layout, fingerprint, host_nbytes, to_buffer
 
 from .holdings import complete_msg
+from .memory import beyond_limit
 from .retry import Retry
 from .store import ChunkStore, StoredObject
 from .transfer import DataServer
@@ -75,6 +76,7 @@ class Puts:
         ObjectExists, as the directory answers a put from another node. (A
         collective called again under its name returns its first objects.)"""
         self._check_open()
+        self._check_size(value, oid, lend)
         buf, layout = to_buffer(value)
         running = self._puts.get(oid)
         if running is not None:
@@ -116,6 +118,19 @@ class Puts:
         finally:
             del self._puts[oid]
             ended.set_result(None)
+
+    def _check_size(self, value: Any, oid: ObjectID, lend: bool) -> None:
+        """Refuse a host value larger than the whole store limit before any
+        work: `to_buffer` would first make a contiguous copy of a
+        non-contiguous one (seconds for gigabytes), only for the store to
+        refuse it. (A lent value is not copied into the store; an inline one
+        is not counted.)"""
+        limit = self.config.store_bytes
+        if not limit or lend:
+            return
+        need = host_nbytes(value)
+        if need is not None and need > max(limit, self.config.inline_threshold):
+            raise beyond_limit(f"put of object {oid.hex()}", need, limit)
 
     def _put_finds(self, existing: StoredObject, layout: Layout, buf: memoryview,
                    same_bytes: bool) -> bool:

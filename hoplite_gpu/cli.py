@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import platform
@@ -113,15 +114,31 @@ def _simulate_broadcast(args: argparse.Namespace, size: int, chunk: int) -> int:
                          f"receivers is {hops} chunk transfers per schedule; at most "
                          f"{MAX_SIM_HOPS} are simulated (about 30 s each, five schedules). "
                          "Use a larger --chunk or fewer --receivers")
-    print(f"simulated broadcast of {format_size(size)} to {args.receivers} receivers, "
-          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
-          f"{format_size(chunk)} chunks (the real directory state machine decides)")
-    for fanout in [0, *sorted({1, 2, 4, args.receivers})]:
-        r = simulate_broadcast(args.receivers, size, bandwidth=bw, latency=args.latency,
-                               chunk=chunk, max_receivers_per_sender=fanout)
+    n, spread = args.receivers, args.arrival_spread
+    arrivals = [i * spread / max(1, n - 1) for i in range(n)] if spread else None
+    default = Config.from_env().max_receivers_per_sender  # (the settings in force)
+    bound = size / bw
+    if not args.json:
+        print(f"simulated broadcast of {format_size(size)} to {n} receivers"
+              + (f" arriving over {spread:g} s" if spread else "")
+              + f", {bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
+              f"{format_size(chunk)} chunks (the real directory state machine decides)")
+    schedules = []
+    for fanout in [default, *sorted({0, 1, 2, 4, n} - {default})]:
+        r = simulate_broadcast(n, size, bandwidth=bw, latency=args.latency, chunk=chunk,
+                               max_receivers_per_sender=fanout, arrivals=arrivals)
         label = "auto" if fanout == 0 else str(fanout)
-        print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
-              f"{r.makespan / (size / bw):7.3f} x S/B, tree depth {r.depth()}")
+        schedules.append({"max_receivers_per_sender": label, "seconds": r.makespan,
+                          "ratio_to_bound": r.makespan / bound, "depth": r.depth()})
+        if not args.json:
+            mark = "  (the setting in force)" if fanout == default else ""
+            print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
+                  f"{r.makespan / bound:7.3f} x S/B, tree depth {r.depth()}{mark}")
+    if args.json:
+        print(json.dumps({"op": "broadcast", "receivers": n, "size_bytes": size,
+                          "chunk_bytes": chunk, "bandwidth_bytes_per_s": bw,
+                          "latency_s": args.latency, "arrival_spread_s": spread,
+                          **schedules[0], "bound_s": bound, "schedules": schedules}))
     return 0
 
 
@@ -149,18 +166,29 @@ def _simulate_reduce(args: argparse.Namespace, size: int, chunk: int) -> int:
                          f"{MAX_SIM_HOPS} are simulated (about 15 s each, two schedules). "
                          "Use fewer --inputs, or a larger --chunk (a step folds an input in "
                          "pieces of at most --chunk and at most an eighth of it, down to 256 KiB)")
-    print(f"simulated reduce (sum) of {k} float32 inputs of {format_size(size)}, "
-          f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
-          f"{format_size(unit)} pieces (fold step {format_size(chunk)}; the real directory "
-          "state machine decides)")
+    if not args.json:
+        print(f"simulated reduce (sum) of {k} float32 inputs of {format_size(size)}, "
+              f"{bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
+              f"{format_size(unit)} pieces (fold step {format_size(chunk)}; the real directory "
+              "state machine decides)")
+    schedules = []
     for gap in sorted({0.0, args.gap}):
         r = simulate_reduce(k, size, bandwidth=bw, latency=args.latency, chunk=chunk,
                             arrivals=[i * gap for i in range(k)])
+        schedules.append({"gap_s": gap, "seconds": r.makespan,
+                          "after_last_input_s": r.makespan - r.last_arrival,
+                          "ratio_to_bound": r.after_last, "degree": r.degree, "depth": r.depth})
+        if args.json:
+            continue
         label = "all at once" if gap == 0 else f"{gap:g} s apart"
         model = f" (model {_duration(r.model)})" if gap == 0 else ""
         print(f"  inputs {label:<14s} time {_duration(r.makespan)}{model}, after the last input "
               f"{_duration(r.makespan - r.last_arrival)} = {r.after_last:.3f} x S/B; "
               f"degree {r.degree}, depth {r.depth}")
+    if args.json:
+        print(json.dumps({"op": "reduce", "inputs": k, "size_bytes": size, "chunk_bytes": chunk,
+                          "bandwidth_bytes_per_s": bw, "latency_s": args.latency,
+                          **schedules[-1], "bound_s": size / bw, "schedules": schedules}))
     return 0
 
 
@@ -314,6 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=1e-4, help="seconds per message and hop (default 1e-4)")
     s.add_argument("--chunk", type=_positive_size, default="4MiB",
                    help="pipeline chunk size (default 4MiB)")
+    s.add_argument("--arrival-spread", type=_positive(float, "a number of seconds", zero=True),
+                   default=0.0, help="broadcast: receivers arrive evenly over this many "
+                                     "seconds (default 0: all at once)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: the schedule of the settings in force "
+                        "(`seconds`, `bound_s` = S/B, `ratio_to_bound`) and every other one")
     s.set_defaults(func=_simulate)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")

@@ -125,3 +125,29 @@ def test_a_model_that_means_nothing_is_refused(sim, bad, says):
         sim(4, 4096, **bad)
     r = sim(4, 4096, chunk=np.int64(4096))  # (NumPy integers are fine)
     assert (r.makespan if sim is simulate_broadcast else r.done_at) > 0
+
+
+def test_cli_simulate_json_gives_the_setting_in_force_against_the_bound(capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("HOPLITE_MAX_RECEIVERS_PER_SENDER", "2")
+    assert cli.main(["simulate", "--receivers", "7", "--size", "64MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_receivers_per_sender"] == "2" and out["bound_s"] == 64 * 2**20 / 1.25e9
+    assert out["ratio_to_bound"] == pytest.approx(out["seconds"] / out["bound_s"])
+    expected = simulate_broadcast(7, 64 * 2**20, bandwidth=1.25e9, latency=1e-4,
+                                  chunk=4 * 2**20, max_receivers_per_sender=2)
+    assert out["seconds"] == pytest.approx(expected.makespan)
+    assert {s["max_receivers_per_sender"] for s in out["schedules"]} == {"2", "auto", "1", "4", "7"}
+
+
+def test_cli_simulate_spreads_the_arrivals_it_is_told(capsys):
+    import json
+
+    runs = {}
+    for spread in ("0", "0.5"):
+        cli.main(["simulate", "--receivers", "7", "--size", "16MiB", "--json",
+                  "--arrival-spread", spread])
+        runs[spread] = json.loads(capsys.readouterr().out)
+    assert runs["0.5"]["arrival_spread_s"] == 0.5
+    assert runs["0.5"]["seconds"] > 0.5 > runs["0"]["seconds"]  # the last one arrives at 0.5 s

@@ -213,3 +213,18 @@ def test_a_holder_dying_midway_leaves_its_bytes_to_the_others():
         assert b.node_id in holder.failed_from
 
     run_nodes([config] * 4, body, bound=60, max_sources=3, multi_source_bytes=16 * MiB)
+
+
+@pytest.mark.parametrize("nbytes, senders", [(256 * MiB, 3), (256 * MiB, 4), (24 * MiB, 3),
+                                             (1 << 30, 3), (17 * MiB + 5, 2)])
+def test_pieces_are_a_whole_number_per_sender_within_bounds(nbytes, senders):
+    """Regression: 256 MiB over 3 senders went in 16 pieces of 16 MiB, so one
+    sender took 6 and the last piece ran alone: 6/16 of one sender's time
+    at best, where a third was the point."""
+    from hoplite_gpu.node.engine import PIECE_MAX, PIECE_MIN, piece_size
+
+    piece = piece_size(nbytes, senders)
+    pieces = -(-nbytes // piece)
+    assert PIECE_MIN <= piece <= PIECE_MAX
+    assert pieces % senders == 0 or piece == PIECE_MIN
+    assert pieces >= 4 * senders or piece == PIECE_MIN

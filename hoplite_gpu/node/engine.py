@@ -51,11 +51,13 @@ class FlowSink:
             self.obj.advance(prefix)
 
 
-#: A pull from several senders goes in pieces of about a quarter of each
-#: sender's share, within these bounds: enough pieces that a faster sender
-#: takes more of them and a failed one's rest is shared, few enough that
-#: each piece's request (a round trip) costs little.
-PIECE_MIN, PIECE_MAX = 1 << 20, 16 << 20
+#: A pull from several senders goes in equal pieces, a whole number of them
+#: per sender (at least 4, so that a faster sender takes more and a failed
+#: one's rest is shared), of at most PIECE_MAX bytes (each piece's request, a
+#: round trip, costs little) and at least PIECE_MIN. A count that is not a
+#: multiple of the senders would leave the last piece on one sender alone:
+#: 16 pieces over 3 equal senders take 6/16 of one sender's time, not 1/3.
+PIECE_MIN, PIECE_MAX, PIECES_PER_SENDER = 1 << 20, 16 << 20, 4
 
 
 def plan_for(obj: StoredObject, sender: str, address: str,
@@ -68,12 +70,18 @@ def plan_for(obj: StoredObject, sender: str, address: str,
     if also:
         senders = [(sender, address), *also]
         ranges = [(obj.ready, obj.size)] if missing is None else missing
-        share = sum(b - a for a, b in ranges) // (4 * len(senders))
         return Plan.pieces(obj.oid, obj.size, senders, missing=ranges,
-                           piece=min(PIECE_MAX, max(PIECE_MIN, share)))
+                           piece=piece_size(sum(b - a for a, b in ranges), len(senders)))
     if missing is None:
         return Plan.single(obj.oid, obj.size, sender, address, start=obj.ready)
     return Plan(obj.oid, obj.size, tuple(SubFlow(a, b, sender, address) for a, b in missing))
+
+
+def piece_size(nbytes: int, senders: int) -> int:
+    """The piece a pull of `nbytes` from `senders` senders goes in (see
+    PIECES_PER_SENDER): equal pieces, as many per sender, all within bounds."""
+    rounds = max(PIECES_PER_SENDER, -(-nbytes // (senders * PIECE_MAX)))
+    return max(PIECE_MIN, -(-nbytes // (rounds * senders)))
 
 
 async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,

@@ -44,6 +44,7 @@ def test_every_mode_runs_end_to_end_and_the_result_has_its_fields(monkeypatch, c
     for row in rows.values():
         assert row["byte_identical"] and row["crc"] == row["crc_original"]
         assert row["seconds"] > 0 and row["receiver_link_bytes"] >= 4 * MiB
+        assert row["lower_bound_s"] > 0
         assert 0 <= row["cpu"]["busy"] <= 1
     # the directory named every holder for the multi-source pulls, one for the single
     assert sorted(rows["multi"]["senders_named"]) == [1, 2, 3]
@@ -116,6 +117,24 @@ def test_bounds_follow_the_links_and_scale_with_the_unit():
     # two holders at 1 Gbit/s cannot fill a 3 Gbit/s receiver
     two = multisource.bounds(_args("--size", "256M", "--holders", "2"))
     assert two["multi_s"] == pytest.approx(s / 2e9)
+
+
+def test_a_kill_is_bounded_at_the_share_received_when_the_holder_died():
+    args = _args("--size", "256M")
+    s = 256 * MiB * 8
+    row = {"mode": "kill", "killed": {"link_fraction": 0.5}}
+    assert multisource.row_bound(row, args) == pytest.approx(0.5 * s / 3e9 + 0.5 * s / 2e9)
+    # (headers can make the bytes that crossed exceed the object's)
+    row["killed"]["link_fraction"] = 1.02
+    assert multisource.row_bound(row, args) == pytest.approx(s / 3e9)
+    rows = _rows(0.8, 2.2, 1.1)
+    for r in rows:
+        if r["mode"] == "kill":
+            r["killed"] = {"link_fraction": 0.5}
+    summary = multisource.summarize(rows, args)
+    kill = summary["modes"]["kill"]
+    assert kill["bound_s"] == pytest.approx(0.5 * s / 3e9 + 0.5 * s / 2e9)
+    assert summary["ratio_to_bound"]["kill"] == pytest.approx(1.1 / kill["bound_s"])
 
 
 def test_cpu_near_saturation_is_counted():

@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                     "against the simulator's best, per size, inputs and link")
     _module_command(sub, "directory-scale", "directory_scale", "what one event costs the "
                     "directory's state machine at n and 10 n objects, gets, ranks or waits")
+    _module_command(sub, "multisource", "multisource", "one receiver pulling a large object "
+                    "from several holders at once vs from one, and with a holder killed midway, "
+                    "on emulated hosts (network namespaces + tc; root)")
     _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
                     "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                                     *(sys.argv[1:] if argv is None else argv)]),
                   date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                   machine=_machine())
+    if getattr(args, "json", False):  # (one line, for a program to read)
+        print(json.dumps(result), flush=True)
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = result.pop("file_stem", None) or result["benchmark"]

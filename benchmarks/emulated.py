@@ -1,6 +1,7 @@
 """An emulated cluster on one machine: N network namespaces ("hosts") joined by
 a bridge in a namespace of its own, each host's link shaped with `tc tbf` to a
-bandwidth in both directions (host side = uplink, bridge side = downlink).
+bandwidth in both directions (host side = uplink, bridge side = downlink): the
+same for every host, or one rate per host (`rates_bps`).
 
 All traffic stays inside the namespaces this creates (addresses 10.77.x.0/24 that
 exist only there). Needs root and iproute2 (`ip`, `tc`); refuses clearly
@@ -35,12 +36,22 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class EmulatedCluster(Closing):
-    def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77) -> None:
+    def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77,
+                 rates_bps: Sequence[float] | None = None) -> None:
+        """`hosts` hosts, each link shaped to `bandwidth_bps` both ways, or host
+        i's to `rates_bps[i]` (one rate per host) where given."""
         if hosts < 2:
             raise ValueError("an emulated cluster needs at least 2 hosts")
-        if not bandwidth_bps >= 1000:  # (tc reads a negative rate as a huge one: no shaping)
-            raise ValueError(f"link bandwidth must be at least 1000 bit/s; got {bandwidth_bps!r}")
+        rates = [bandwidth_bps] * hosts if rates_bps is None else list(rates_bps)
+        if len(rates) != hosts:
+            raise ValueError(f"EmulatedCluster: rates_bps needs one rate per host ({hosts}); "
+                             f"got {len(rates)}")
+        for rate in (bandwidth_bps, *rates):
+            if not rate >= 1000:  # (tc reads a negative rate as a huge one: no shaping)
+                raise ValueError(f"link bandwidth must be at least 1000 bit/s; got {rate!r}")
         self.hosts, self.bandwidth_bps = hosts, bandwidth_bps
+        #: host i's link rate in bit/s, both directions
+        self.rates_bps = rates
         tag = os.getpid() % 100000
         self.prefix = f"hg{tag}"
         self.switch = f"{self.prefix}sw"
@@ -74,7 +85,6 @@ class EmulatedCluster(Closing):
         self._made.remove(probe)
 
     def _build(self) -> None:
-        rate = f"{int(self.bandwidth_bps)}bit"
         _sh("ip", "netns", "add", self.switch)
         self._made.append(self.switch)
         sw = ("ip", "netns", "exec", self.switch)
@@ -95,6 +105,7 @@ class EmulatedCluster(Closing):
             _sh(*hx, "ip", "link", "set", "lo", "up")
             _sh(*sw, "ip", "link", "set", sw_if, "master", "br0")
             _sh(*sw, "ip", "link", "set", sw_if, "up")
+            rate = f"{int(self.rates_bps[i])}bit"
             for where, dev in ((hx, "eth0"), (sw, sw_if)):  # uplink and downlink
                 _sh(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", "256kb", "latency", "100ms")
@@ -135,20 +146,21 @@ class EmulatedCluster(Closing):
         bridge's namespace while the context runs (`LinkSampler`)."""
         return LinkSampler(self, every)
 
-    def measure_link(self, nbytes: int = 32 << 20) -> float:
-        """Bits per second from host 0 to host 1, measured with a plain TCP stream."""
+    def measure_link(self, nbytes: int = 32 << 20, *, src: int = 0, dst: int = 1) -> float:
+        """Bits per second from host `src` to host `dst`, measured with a plain
+        TCP stream (the slower of the two links bounds it)."""
         started: list[subprocess.Popen] = []
         try:
-            sink = self.popen(1, [PY, "-c", _SINK, self.address(1)], stdout=subprocess.PIPE,
+            sink = self.popen(dst, [PY, "-c", _SINK, self.address(dst)], stdout=subprocess.PIPE,
                               text=True)
             started.append(sink)
             if sink.stdout.readline().strip() != "listening":  # (however slowly it starts)
                 raise RuntimeError("the link measurement's receiver did not start")
-            src = self.popen(0, [PY, "-c", _SOURCE, self.address(1), str(nbytes)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            started.append(src)
-            _, err = src.communicate(timeout=120)
-            if src.returncode != 0:
+            source = self.popen(src, [PY, "-c", _SOURCE, self.address(dst), str(nbytes)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            started.append(source)
+            _, err = source.communicate(timeout=120)
+            if source.returncode != 0:
                 raise RuntimeError(f"the link measurement's sender failed: {err.strip()[-500:]}")
             seconds = float(sink.communicate(timeout=120)[0].strip())
             return nbytes * 8 / seconds

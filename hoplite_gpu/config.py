@@ -90,6 +90,13 @@ class Config:
     #: How many receivers one node serves one object to at a time: the paper uses 1
     #: (a pipelined chain); 0 lets the cost model choose from the number of receivers.
     max_receivers_per_sender: int = 1
+    #: Senders one pull of a large object may have at once: a receiver is
+    #: given, besides its sender, complete copies that serve nobody, and pulls
+    #: pieces from each (docs/design.md, "Pulls from several senders"). 1:
+    #: one sender per pull.
+    max_sources: int = 4
+    #: Objects at least this large may be pulled from several senders.
+    multi_source_bytes: int = 16 * MiB
     #: Default deadline, in seconds, of every blocking call that is given none.
     timeout_s: float = 300.0
     #: Deadline for connecting (and authenticating) to the directory or a peer.
@@ -164,6 +171,10 @@ class Config:
                 f"max_receivers_per_sender must be >= 1, or 0 for automatic; "
                 f"got {self.max_receivers_per_sender}"
             )
+        if not 1 <= self.max_sources <= 64:
+            raise ConfigError(f"max_sources must be between 1 and 64; got {self.max_sources}")
+        if self.multi_source_bytes < 0:
+            raise ConfigError(f"multi_source_bytes must be >= 0; got {self.multi_source_bytes}")
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
                      "allreduce_slicing_window_s", "heartbeat_interval_s", "node_lease_s",
                      "link_latency_s", "link_bytes_per_s"):
@@ -232,6 +243,7 @@ class Config:
         """The settings a directory schedules with."""
         return {"transport": self.control_transport, "handshake_timeout": self.connect_timeout_s,
                 "max_receivers_per_sender": self.max_receivers_per_sender,
+                "max_sources": self.max_sources, "multi_source_bytes": self.multi_source_bytes,
                 "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
                 "chunk_size": self.chunk_size, "lease_s": self.node_lease_s,
                 "heartbeat_interval_s": self.heartbeat_interval_s}

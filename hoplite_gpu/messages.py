@@ -142,6 +142,14 @@ class ReduceStep(Message, tag="reduce_step"):
     early: bool = False
 
 
+class Source(Struct, kw_only=True):
+    """One more sender of a pull from several (`Location.also`): a node
+    with a complete copy, and its data address."""
+
+    sender: str
+    address: str
+
+
 class Located(Message, tag="located"):
     """A push: the answer to a locate of `oid` that a direct connection of
     the node asked (a sender, or `local`), for the node to start the pull."""
@@ -153,6 +161,7 @@ class Located(Message, tag="located"):
     local: bool = False
     sender: str | None = None
     address: str | None = None
+    also: list[Source] = []
 
 
 class DirectoryLost(Message, tag="directory_lost"):
@@ -307,7 +316,8 @@ class Failure(Body, kw_only=True):
 
 class Location(Body, kw_only=True):
     """The answer to a `locate`: `size`, `layout` and one of `inline` /
-    `local` / `sender` with its `address`; `reduce_tag` while the object is
+    `local` / `sender` with its `address`, and with a sender, `also` the
+    other senders of a pull from several; `reduce_tag` while the object is
     an unfinished tree reduce's result. A direct connection's locate may be
     answered `pushed` (the assignment went to the node as `Located`) or
     `held` (the node holds or pulls it already) instead."""
@@ -319,6 +329,7 @@ class Location(Body, kw_only=True):
     local: bool = False
     sender: str | None = None
     address: str | None = None
+    also: list[Source] = []
     pushed: bool = False
     held: bool = False
 

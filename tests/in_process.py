@@ -85,14 +85,15 @@ def holders_after_direct_calls(rt: Any, oid: Any) -> list:
 
 
 def run_nodes(configs: list[Config], body: Callable[..., Awaitable[Any]],
-              bound: float = 60.0) -> None:
+              bound: float = 60.0, **directory_settings: Any) -> None:
     """Run `body(directory, *nodes)`, one node per config, within `bound`
-    seconds; the nodes and the directory are always closed afterwards."""
+    seconds (the directory made with `directory_settings`); the nodes and
+    the directory are always closed afterwards."""
     from hoplite_gpu.directory.server import DirectoryServer
     from hoplite_gpu.node.node import Node
 
     async def main() -> None:
-        directory = DirectoryServer("tok")
+        directory = DirectoryServer("tok", **directory_settings)
         address = await directory.start()
         nodes = [Node(config, "tok", address) for config in configs]
         try:

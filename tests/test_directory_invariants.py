@@ -253,9 +253,13 @@ TI = oid(98)  # an inline reduce's target
 
 class ReduceMachine(RuleBasedStateMachine):
     @initialize(fan=st.integers(1, 2), relay=st.booleans(), k=st.integers(1, 4),
-                root=st.booleans(), latency=st.sampled_from([1e-4, 1.0]))
-    def setup(self, fan: int, relay: bool, k: int, root: bool, latency: float) -> None:
-        self.d = Directory(max_receivers_per_sender=fan, latency_s=latency)
+                root=st.booleans(), latency=st.sampled_from([1e-4, 1.0]),
+                sources=st.integers(1, 3))
+    def setup(self, fan: int, relay: bool, k: int, root: bool, latency: float,
+              sources: int = 1) -> None:
+        # (objects here are 400 bytes: pulls of them may have several senders)
+        self.d = Directory(max_receivers_per_sender=fan, latency_s=latency,
+                           max_sources=sources, multi_source_bytes=300)
         self.alive: set[str] = set()
         self.rid = 0
         self.open: dict[tuple[str, int], str] = {}
@@ -360,10 +364,14 @@ class ReduceMachine(RuleBasedStateMachine):
         self.apply(Completed(*self.pulls()[i % len(self.pulls())]))
 
     @precondition(lambda self: self.pulls())
-    @rule(i=st.integers(0, 30), have=st.integers(0, 400))
-    def fail_pull(self, i: int, have: int) -> None:
+    @rule(i=st.integers(0, 30), have=st.integers(0, 400), j=st.integers(0, 3))
+    def fail_pull(self, i: int, have: int, j: int) -> None:
         n, o = self.pulls()[i % len(self.pulls())]
-        self.apply(TransferFailed(n, o, self.d.objects[o].holders[n].upstream, have))
+        h = self.d.objects[o].holders[n]
+        senders = [h.upstream, *h.also]
+        if len(senders) > 1:
+            event("one of several senders failed")
+        self.apply(TransferFailed(n, o, senders[j % len(senders)], have))
 
     @precondition(lambda self: self.pulls())
     @rule(i=st.integers(0, 30), nbytes=st.integers(0, 400))
@@ -424,9 +432,15 @@ class ReduceMachine(RuleBasedStateMachine):
                 if not e.relay:  # (a relay's node before serves its next one beyond the fan-out)
                     assert len(h.serving) <= self.d.max_receivers_per_sender
                 for receiver in h.serving:
-                    assert receiver in e.holders and e.holders[receiver].upstream == n
+                    assert receiver in e.holders and (e.holders[receiver].upstream == n
+                                                      or n in e.holders[receiver].also)
                 if h.upstream is not None:
                     assert h.upstream in e.holders and n in e.holders[h.upstream].serving
+                assert not h.also or h.upstream is not None
+                for sender in h.also:  # (complete copies pull from nobody: no cycle)
+                    assert sender in e.holders and n in e.holders[sender].serving
+                    assert e.holders[sender].complete and e.holders[sender].upstream is None
+                    assert sender != h.upstream and h.also.count(sender) == 1
 
     @invariant()
     def no_waiter_could_be_served_now(self) -> None:

@@ -42,10 +42,13 @@ TINY = bytes([9]) * 20  # put inline
 
 
 class ObjectsMachine(RuleBasedStateMachine):
-    @initialize(fan=st.sampled_from([1, 2, 3]))
-    def setup(self, fan: int) -> None:
+    @initialize(fan=st.sampled_from([1, 2, 3]), sources=st.sampled_from([1, 3]))
+    def setup(self, fan: int, sources: int) -> None:
         self.fan = fan
-        self.d = Directory(max_receivers_per_sender=fan)
+        # (BIG objects are 1000 bytes: with `sources`, pulls of them may
+        # have several senders)
+        self.d = Directory(max_receivers_per_sender=fan, max_sources=sources,
+                           multi_source_bytes=1000)
         self.alive: list[str] = []
         self.rid = 0
         for node in NODES[:4]:
@@ -107,15 +110,17 @@ class ObjectsMachine(RuleBasedStateMachine):
         self.d.handle(Progress(node, oid, nbytes))
 
     @precondition(lambda self: self.holders(lambda h: h.upstream is not None))
-    @rule(i=st.integers(0, 30), ok=st.booleans(), have=st.integers(0, 1000))
-    def pull_ends(self, i: int, ok: bool, have: int) -> None:
+    @rule(i=st.integers(0, 30), ok=st.booleans(), have=st.integers(0, 1000),
+          j=st.integers(0, 2))
+    def pull_ends(self, i: int, ok: bool, have: int, j: int) -> None:
         found = self.holders(lambda h: h.upstream is not None)
         node, oid = found[i % len(found)]
         if ok:
             self.d.handle(Completed(node, oid))
-        else:
-            sender = self.d.objects[oid].holders[node].upstream
-            self.d.handle(TransferFailed(node, oid, sender, have))
+        else:  # (one of several senders, the pull going on with the others)
+            h = self.d.objects[oid].holders[node]
+            senders = [h.upstream, *h.also]
+            self.d.handle(TransferFailed(node, oid, senders[j % len(senders)], have))
 
     @precondition(lambda self: self.holders(lambda h: True))
     @rule(i=st.integers(0, 30))
@@ -159,7 +164,12 @@ class ObjectsMachine(RuleBasedStateMachine):
                     assert h.upstream in e.holders, (oid, node)
                     assert node in e.holders[h.upstream].serving, (oid, node)
                 for receiver in h.serving:
-                    assert e.holders[receiver].upstream == node, (oid, node, receiver)
+                    assert node in (e.holders[receiver].upstream, *e.holders[receiver].also), \
+                        (oid, node, receiver)
+                for sender in h.also:  # complete copies, serving it, each once
+                    assert e.holders[sender].complete and node in e.holders[sender].serving
+                    assert sender != h.upstream and h.also.count(sender) == 1
+                assert not h.also or h.upstream is not None
                 assert len(h.serving) <= self.fan, (oid, node, h.serving)
                 seen, at = set(), node
                 while at is not None:

@@ -37,6 +37,20 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
     assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
 
 
+@pytest.mark.timeout(120)
+def test_each_host_link_is_shaped_to_its_own_rate():
+    try:
+        cluster = EmulatedCluster(3, 75e6, rates_bps=[300e6, 75e6, 300e6])
+        with cluster:
+            slow = cluster.measure_link(2 << 20, src=0, dst=1)
+            fast = cluster.measure_link(4 << 20, src=0, dst=2)
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    # 4 x apart as shaped; a busy machine can slow the fast link, never speed the slow one
+    assert slow < 130e6, f"host 1 not shaped to its own rate: {slow / 1e6:.0f} Mbit/s"
+    assert fast > 2 * slow, f"host 2: {fast / 1e6:.0f} Mbit/s against {slow / 1e6:.0f}"
+
+
 @pytest.mark.timeout(60)
 def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
     dead = next(t for t in range(99999, 0, -1) if not _alive(t))

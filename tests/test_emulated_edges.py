@@ -205,6 +205,15 @@ def test_non_positive_bandwidth_is_refused(bandwidth_bps):
         pytest.skip(str(exc))
 
 
+@pytest.mark.parametrize("rates, why", [([1e9], "one rate per host"),
+                                        ([1e9, 0.0], "at least 1000 bit/s"),
+                                        ([1e9, -1e9], "at least 1000 bit/s")])
+def test_per_host_rates_are_checked_before_anything_is_made(rates, why):
+    # (refused in the constructor: no namespace is made, so no skip is needed)
+    with pytest.raises(ValueError, match=why):
+        EmulatedCluster(2, 1e9, rates_bps=rates)
+
+
 # ------------------------------------------------- emurun with stand-in hosts ---
 _DIRECTORY = "import sys, time; print('listening', flush=True); time.sleep(60)"
 _NODE_OK = ("import json, sys; print(json.dumps({'ready': True}), flush=True); "

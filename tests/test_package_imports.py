@@ -110,7 +110,8 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
         "print(json.dumps({c.__name__: [m.op(c), list(c.__struct_fields__), "
         "{k: repr(v) for k, v in c.__struct_defaults__.items()}] "
         "for c in m.Message.__subclasses__() + m.Request.__subclasses__() + m.Body.__subclasses__()"
-        " + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]"
+        " + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.Challenge, m.Proof,"
+        " m.Verdict]"
         " if c is not m.Request}))"
     )
     r = _bare(listing)
@@ -118,12 +119,16 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
     bare = json.loads(r.stdout)
     classes = [c for c in m.Message.__subclasses__() + m.Request.__subclasses__()
                + m.Body.__subclasses__()
-               + [m.Body, m.StepChild, m.HolderInfo, m.Challenge, m.Proof, m.Verdict]
+               + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.Challenge, m.Proof,
+                  m.Verdict]
                if c is not m.Request]
     assert {"Done", "Failure", "Location", "ReduceStep", "Located", "Registered"} <= {
         c.__name__ for c in classes}
     assert set(bare) == {c.__name__ for c in classes}
     for c in classes:
         fields = msgspec.structs.fields(c)
-        defaults = {f.name: repr(f.default) for f in fields if f.default is not msgspec.NODEFAULT}
+        # (msgspec keeps an empty list default as a factory; the stand-in as the list)
+        defaults = {f.name: repr(f.default if f.default is not msgspec.NODEFAULT
+                                 else f.default_factory())
+                    for f in fields if (f.default, f.default_factory) != (msgspec.NODEFAULT,) * 2}
         assert bare[c.__name__] == [m.op(c), [f.name for f in fields], defaults], c.__name__

@@ -69,6 +69,10 @@ class Holder:
     complete: bool = False
     origin: bool = False                 # got its bytes from a put, not a pull
     upstream: NodeId | None = None       # whom it pulls from now
+    #: complete copies it pulls from too (a pull from several senders)
+    also: tuple[NodeId, ...] = ()
+    #: its pull has several senders: one failing, the pull goes on without it
+    several: bool = False
     serving: set[NodeId] = field(default_factory=set)
     failed_from: set[NodeId] = field(default_factory=set)
     #: order of becoming a holder (ties between senders go to the earliest)
@@ -191,14 +195,35 @@ class Entry:
     senders: EarliestFirst = field(default_factory=EarliestFirst)
 
     def detach(self, node: NodeId) -> None:
-        """`node` stops pulling: free the slot it used at its sender."""
+        """`node` stops pulling: free the slots it used at its senders."""
         holder = self.holders[node]
-        if holder.upstream is not None and holder.upstream in self.holders:
-            self.holders[holder.upstream].serving.discard(node)
-            self.reopen(holder.upstream)  # (a slot of it is free again)
+        for sender in holder.also:
+            self._free_slot(sender, node)
+        holder.also, holder.several = (), False
         if holder.upstream is not None:
+            self._free_slot(holder.upstream, node)
             self.epoch += 1  # (a link breaks: chains through it are anchored no more)
         holder.upstream = None
+
+    def lose_source(self, node: NodeId, sender: NodeId) -> None:
+        """`node` pulls from `sender` no more (it failed, or left), but goes
+        on with its other senders, if it pulls from several: one of those
+        (complete copies) becomes its upstream if `sender` was."""
+        holder = self.holders[node]
+        if sender in holder.also:
+            self._free_slot(sender, node)
+            holder.also = tuple(s for s in holder.also if s != sender)
+        elif holder.upstream == sender:
+            self._free_slot(sender, node)
+            self.epoch += 1
+            holder.upstream, holder.also = (holder.also[0], holder.also[1:]) if holder.also \
+                else (None, ())
+        holder.several = holder.upstream is not None
+
+    def _free_slot(self, sender: NodeId, node: NodeId) -> None:
+        if sender in self.holders:
+            self.holders[sender].serving.discard(node)
+            self.reopen(sender)  # (a slot of it is free again)
 
     def set_relay(self, nodes: Any) -> None:
         self.relay = tuple(nodes)

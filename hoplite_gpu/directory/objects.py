@@ -255,7 +255,10 @@ class Objects:
             return
         holder.nbytes = max(holder.nbytes, min(ev.have, entry.size))
         holder.failed_from.add(ev.sender)
-        entry.detach(ev.node)
+        if holder.several:  # one of several senders: the pull goes on with the others
+            entry.lose_source(ev.node, ev.sender)
+        else:
+            entry.detach(ev.node)
         self._senders.serve_waiting(ev.oid, entry, out)
 
     # ---------------------------------------------------- copies going ---
@@ -456,7 +459,7 @@ class Objects:
             self.holdings.let_go(node, oid)
         for receiver in gone.serving:
             if receiver in entry.holders:
-                entry.holders[receiver].upstream = None
+                entry.lose_source(receiver, node)
         if any(receiver == node for receiver, _ in entry.edges):  # (its pulls are history now)
             entry.edges = deque((e for e in entry.edges if e[0] != node), maxlen=EDGES_KEPT)
 

@@ -86,7 +86,7 @@ class Senders:
         if (node, request) in self._direct and body.inline is None:
             out.append(PushLocated(node, oid, m.Located(
                 oid=oid, size=body.size, layout=body.layout, reduce_tag=body.reduce_tag,
-                local=body.local, sender=body.sender, address=body.address)))
+                local=body.local, sender=body.sender, address=body.address, also=body.also)))
             body = m.Location(size=entry.size, layout=entry.layout, pushed=True)
         out.append(Reply(node, request, body))
         return True
@@ -142,8 +142,38 @@ class Senders:
         mine.upstream = sender
         entry.holders[sender].serving.add(receiver)
         entry.edges.append((receiver, sender))
+        also = self.more_sources(entry, receiver, sender)
+        for node in also:
+            entry.holders[node].serving.add(receiver)
+            entry.edges.append((receiver, node))
+        mine.also, mine.several = tuple(also), bool(also)
         return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, sender=sender,
-                          address=self._nodes[sender])
+                          address=self._nodes[sender],
+                          also=[m.Source(sender=n, address=self._nodes[n]) for n in also])
+
+    def more_sources(self, entry: Entry, receiver: NodeId, sender: NodeId) -> list[NodeId]:
+        """Other senders for a pull from `sender`, when the object is large
+        (`multi_source_bytes`) and `sender` a complete copy: complete copies
+        that serve nobody (so no other pull is slowed), up to `max_sources`
+        in all, the earliest first. Complete copies pull from nobody, so no
+        cycle can come of them. A scan of at most a few times that many of
+        the open complete copies: a hot object's many idle copies cost no
+        more than that per receiver."""
+        settings = self.settings
+        want = settings.max_sources - 1
+        if (want < 1 or entry.size < settings.multi_source_bytes
+                or not entry.holders[sender].complete):
+            return []
+        mine, nodes = entry.holders[receiver], self._nodes
+        found: list[NodeId] = []
+        for _, node in sorted(entry.senders.items[:4 * want + 4]):
+            holder = entry.holders[node]
+            if (node != sender and node != receiver and node in nodes and not holder.serving
+                    and node not in mine.failed_from):
+                found.append(node)
+                if len(found) == want:
+                    break
+        return found
 
     # ------------------------------------------------------------- choice ---
     def fanout(self, entry: Entry) -> int:

@@ -114,14 +114,17 @@ class DirectoryServer:
                  transport: str = "tcp", handshake_timeout: float = 10.0,
                  max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
-                 lease_s: float = 5.0, heartbeat_interval_s: float = 1.0) -> None:
+                 lease_s: float = 5.0, heartbeat_interval_s: float = 1.0,
+                 max_sources: int = 1, multi_source_bytes: int = 16 << 20) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
         self.handshake_timeout = handshake_timeout
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency_s, bytes_per_s=bytes_per_s,
                                      chunk_size=chunk_size, lease_s=lease_s,
-                                     instance=os.urandom(8), tick_s=heartbeat_interval_s / 2)
+                                     instance=os.urandom(8), tick_s=heartbeat_interval_s / 2,
+                                     max_sources=max_sources,
+                                     multi_source_bytes=multi_source_bytes)
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}

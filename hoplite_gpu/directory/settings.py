@@ -19,3 +19,8 @@ class Settings:
     #: the pieces a host reduce step folds and hands on in (nodes fold in
     #: `reduce_plan.FOLD_STEP`s; a simulator passes its own chunk)
     fold_step: int = FOLD_STEP
+    #: senders one pull may have at once: a receiver of an object of at
+    #: least `multi_source_bytes` is given, besides its sender, complete
+    #: copies that serve nobody (1: one sender per pull)
+    max_sources: int = 1
+    multi_source_bytes: int = 16 << 20

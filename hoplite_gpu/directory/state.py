@@ -136,9 +136,10 @@ class Directory:
     def __init__(self, *, max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, instance: bytes = b"",
-                 tick_s: float | None = None, fold_step: int = FOLD_STEP) -> None:
+                 tick_s: float | None = None, fold_step: int = FOLD_STEP,
+                 max_sources: int = 1, multi_source_bytes: int = 16 << 20) -> None:
         self._settings = Settings(max_receivers_per_sender, latency_s, bytes_per_s, chunk_size,
-                                  fold_step)
+                                  fold_step, max_sources, multi_source_bytes)
         self._leases = Leases(lease_s, tick_s)
         self._requests = Requests()
         self._channels = Channels(self._requests)
@@ -259,6 +260,8 @@ class Directory:
     bytes_per_s = _setting("bytes_per_s")
     chunk_size = _setting("chunk_size")
     fold_step = _setting("fold_step")
+    max_sources = _setting("max_sources")
+    multi_source_bytes = _setting("multi_source_bytes")
 
     # --------------------------- the sender choice, for tests that probe it ---
     def _pick_sender(self, entry: Entry, receiver: NodeId) -> NodeId | None:

@@ -2,22 +2,24 @@
 
 Each sub-flow writes its range in place. A plan of one sub-flow that starts
 at the object's watermark (today's pull) records its bytes in the watermark
-itself, as it always did: no ledger, no task. A plan of several runs one task
-per sub-flow in a task group and records every piece in the object's
-`Ledger`, whose prefix moves the watermark (so a partial copy is relayed as
-it fills). A sub-flow that fails is reported, and what it had not written yet
-moves to another of the plan's senders; with none left the failure is the
-pull's, and the caller asks the directory again (the ledger stays with the
-object, so the next plan pulls only what is missing).
+itself, as it always did: no ledger, no task. A plan of several records
+every piece in the object's `Ledger`, whose prefix moves the watermark (so a
+partial copy is relayed as it fills), and runs as a queue: one worker per sender takes the
+next sub-flow whenever it is done with one. A sub-flow that fails is
+reported, its sender is out, and what it had not written yet goes back to
+the queue for the others; with none left the failure is the pull's, and the
+caller asks the directory again (the ledger stays with the object, so the
+next plan pulls only what is missing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from .plan import Ledger, Plan, SubFlow, next_sender
+from .plan import Ledger, Plan, SubFlow
 from .pull_modes import Sink
 from .store import StoredObject
 
@@ -49,14 +51,37 @@ class FlowSink:
             self.obj.advance(prefix)
 
 
-def plan_for(obj: StoredObject, sender: str, address: str) -> Plan:
-    """The plan that fills what `obj` still misses from one sender: today's
+#: A pull from several senders goes in equal pieces, a whole number of them
+#: per sender (at least 4, so that a faster sender takes more and a failed
+#: one's rest is shared), of at most PIECE_MAX bytes (each piece's request, a
+#: round trip, costs little) and at least PIECE_MIN. A count that is not a
+#: multiple of the senders would leave the last piece on one sender alone:
+#: 16 pieces over 3 equal senders take 6/16 of one sender's time, not 1/3.
+PIECE_MIN, PIECE_MAX, PIECES_PER_SENDER = 1 << 20, 16 << 20, 4
+
+
+def plan_for(obj: StoredObject, sender: str, address: str,
+             also: Sequence[tuple[str, str]] = ()) -> Plan:
+    """The plan that fills what `obj` still misses: from one sender, today's
     pull (from the watermark on), or, after a plan of several sub-flows
-    failed, each range its ledger lacks."""
-    if obj.ledger is None:
+    failed, each range its ledger lacks; with `also` other senders, pieces
+    that the senders take in turn (`Plan.pieces`)."""
+    missing = None if obj.ledger is None else obj.ledger.missing()
+    if also:
+        senders = [(sender, address), *also]
+        ranges = [(obj.ready, obj.size)] if missing is None else missing
+        return Plan.pieces(obj.oid, obj.size, senders, missing=ranges,
+                           piece=piece_size(sum(b - a for a, b in ranges), len(senders)))
+    if missing is None:
         return Plan.single(obj.oid, obj.size, sender, address, start=obj.ready)
-    return Plan(obj.oid, obj.size, tuple(SubFlow(a, b, sender, address)
-                                         for a, b in obj.ledger.missing()))
+    return Plan(obj.oid, obj.size, tuple(SubFlow(a, b, sender, address) for a, b in missing))
+
+
+def piece_size(nbytes: int, senders: int) -> int:
+    """The piece a pull of `nbytes` from `senders` senders goes in (see
+    PIECES_PER_SENDER): equal pieces, as many per sender, all within bounds."""
+    rounds = max(PIECES_PER_SENDER, -(-nbytes // (senders * PIECE_MAX)))
+    return max(PIECE_MIN, -(-nbytes // (rounds * senders)))
 
 
 async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
@@ -65,7 +90,8 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
     `retry_on` type is a sub-flow's failure (`failed` hears of it), others
     end the pull at once. Raises the failure that left a sub-flow no sender."""
     flows = plan.flows
-    if len(flows) == 1 and obj.ledger is None and flows[0].start == obj.ready:
+    if (len(flows) == 1 and obj.ledger is None and flows[0].start == obj.ready
+            and len(plan.senders) == 1):
         # Today's pull: the watermark is the only record, no task in between.
         try:
             await fetch(flows[0], obj)
@@ -75,40 +101,60 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
         return
     if obj.ledger is None:
         obj.ledger = Ledger(obj.size, obj.ready)
-    ledger, lost = obj.ledger, set()
+    queue = _Queue(plan, obj, obj.ledger, fetch, failed, retry_on)
     try:
         async with asyncio.TaskGroup() as tasks:
-            for flow in flows:
-                tasks.create_task(_run_flow(plan, flow, obj, ledger, fetch, failed, retry_on, lost))
+            for sender, address in plan.senders:
+                tasks.create_task(queue.work(sender, address))
     except BaseExceptionGroup as group:
         # (one sub-flow's error is the pull's; the others were cancelled for it)
         raise _first(group) from None
-    if ledger.complete:
-        obj.ledger = None
+    if not obj.ledger.complete:
+        assert queue.error is not None  # (the queue is empty only once every byte is in)
+        raise queue.error
+    obj.ledger = None
 
 
-async def _run_flow(plan: Plan, flow: SubFlow, obj: StoredObject, ledger: Ledger, fetch: Fetch,
-                    failed: Failed, retry_on: tuple[type[BaseException], ...],
-                    lost: set[str]) -> None:
-    """One sub-flow, and whatever of it fails over to other senders."""
-    pending = [flow]
-    while pending:
-        flow = pending.pop(0)
-        try:
-            await fetch(flow, FlowSink(obj, ledger, flow.start))
-            continue
-        except retry_on as exc:
-            failed(flow, exc)
-            lost.add(flow.sender)
-            rest = ledger.rest(flow)
-            if not rest:
-                continue  # (it failed after its last byte was in)
-            to = next_sender(plan, lost)
-            if to is None:
-                raise
-            log.info("pull %s: bytes %d to %d move from %s to %s", obj.oid.hex(),
-                     rest[0].start, rest[-1].end, flow.sender, to[0])
-            pending[:0] = [piece.moved(*to) for piece in rest]
+class _Queue:
+    """A plan's sub-flows as a queue that one worker per sender takes from,
+    the next one whenever it is done with one: a faster sender takes more.
+    A sender that fails is out; what its sub-flow had not written goes back
+    to the front of the queue for the others. The workers end when the
+    queue is empty and none is pulling; `error` is the last failure, the
+    pull's if some bytes were left with no sender to take them."""
+
+    def __init__(self, plan: Plan, obj: StoredObject, ledger: Ledger, fetch: Fetch,
+                 failed: Failed, retry_on: tuple[type[BaseException], ...]) -> None:
+        self.flows = collections.deque(plan.flows)
+        self.obj, self.ledger, self.fetch, self.failed = obj, ledger, fetch, failed
+        self.retry_on = retry_on
+        self.busy = 0
+        self.error: BaseException | None = None
+        self.changed = asyncio.Condition()
+
+    async def work(self, sender: str, address: str) -> None:
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.flows or not self.busy)
+                if not self.flows:
+                    return  # (nothing left, and nobody pulling may hand back any)
+                flow = self.flows.popleft().moved(sender, address)
+                self.busy += 1
+            try:
+                await self.fetch(flow, FlowSink(self.obj, self.ledger, flow.start))
+            except self.retry_on as exc:
+                self.failed(flow, exc)
+                self.error = exc
+                rest = self.ledger.rest(flow)
+                if rest:
+                    log.info("pull %s: bytes %d to %d of %s go back to the other senders",
+                             self.obj.oid.hex(), rest[0].start, rest[-1].end, sender)
+                self.flows.extendleft(reversed(rest))
+                return
+            finally:
+                async with self.changed:
+                    self.busy -= 1
+                    self.changed.notify_all()
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -2,10 +2,12 @@
 
 A `Plan` splits one object's missing bytes into `SubFlow`s: each a byte range
 with the sender to pull it from and the address (a path to that sender) to
-use. Today's pull is `Plan.single`: one sub-flow from one sender. The pull
-engine (`hoplite_gpu.node.engine`) runs the sub-flows concurrently; when one
-fails, the `Ledger` says which of its bytes are still missing, and those move
-to another sender as a new sub-flow. The ledger refuses to record a byte
+use. A pull from one sender is `Plan.single`: one sub-flow. A pull from
+several (`Plan.pieces`) cuts the bytes into pieces that the pull engine
+(`hoplite_gpu.node.engine`) hands to its senders as a queue, so each takes
+the next piece when done with one (a faster sender takes more); when one
+fails, the `Ledger` says which of its bytes are still missing, and those go
+back to the queue for the others. The ledger refuses to record a byte
 twice, and its `prefix` is the watermark the store exposes for relaying.
 
 Pure: no I/O, no clocks, no asyncio.
@@ -51,6 +53,9 @@ class Plan:
     oid: Any
     size: int
     flows: tuple[SubFlow, ...]
+    #: every sender the plan may use, with its address (by default those its
+    #: sub-flows name): one named for no sub-flow takes over failed ones' bytes
+    sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         last = 0
@@ -86,12 +91,30 @@ class Plan:
                     sender, address = senders[i % len(senders)]
                     flows.append(SubFlow(lo, hi, sender, address))
             done += b - a
-        return cls(oid, size, tuple(flows))
+        return cls(oid, size, tuple(flows), tuple(senders))
+
+    @classmethod
+    def pieces(cls, oid: Any, size: int, senders: Sequence[tuple[str, str]],
+               missing: Iterable[tuple[int, int]] | None = None, piece: int = 1) -> Plan:
+        """The `missing` ranges (all of [0, size) by default) cut into pieces
+        of at most `piece` bytes, in order, the senders named in turn: a plan
+        the engine runs as a queue, each sender taking the next piece when
+        it is done with one, so a faster sender takes more of them."""
+        if not senders:
+            raise ValueError("a plan needs at least one sender")
+        if piece < 1:
+            raise ValueError(f"a piece has at least one byte; got {piece}")
+        ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
+        flows = [SubFlow(lo, min(lo + piece, b), *senders[i % len(senders)])
+                 for i, (lo, b) in enumerate((lo, b) for a, b in ranges
+                                             for lo in range(a, b, piece))]
+        return cls(oid, size, tuple(flows), tuple(senders))
 
     @property
     def senders(self) -> list[tuple[str, str]]:
-        """Its senders with their addresses, each once, in order of first use."""
-        seen: dict[tuple[str, str], None] = {}
+        """Its senders with their addresses, each once: its `sources`, or
+        those its sub-flows name, in order of first use."""
+        seen: dict[tuple[str, str], None] = dict.fromkeys(self.sources)
         for flow in self.flows:
             seen.setdefault((flow.sender, flow.address), None)
         return list(seen)
@@ -172,12 +195,3 @@ class Ledger:
         """What `flow` has not written yet, as sub-flows of the same sender
         (to be `moved` to another)."""
         return [flow.moved(flow.sender, flow.address, a, b) for a, b in self.missing(flow.start, flow.end)]
-
-
-def next_sender(plan: Plan, failed: set[str]) -> tuple[str, str] | None:
-    """Where a failed sub-flow's rest goes: the plan's first sender that has
-    not failed, or None (then the pull asks the directory again)."""
-    for sender, address in plan.senders:
-        if sender not in failed:
-            return sender, address
-    return None

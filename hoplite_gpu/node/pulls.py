@@ -324,7 +324,8 @@ class Pulls:
                     return obj
             obj.reduce_tag = reply.reduce_tag
             try:
-                await self.pull_plan(obj, plan_for(obj, sender, address))
+                also = [(s.sender, s.address) for s in reply.also]
+                await self.pull_plan(obj, plan_for(obj, sender, address, also))
             except PEER_FAILURES:  # (reported: `_flow_failed`)
                 failures += 1
                 if not await self._retry_after(obj, failures, deadline):

@@ -23,6 +23,7 @@ def _bare(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("module", [
     "hoplite_gpu", "hoplite_gpu.directory", "hoplite_gpu.directory.state",
     "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator", "hoplite_gpu.messages",
+    "hoplite_gpu.topology",
 ])
 def test_pure_modules_import_with_the_standard_library_alone(module):
     r = _bare(f"import {module}; print('ok')")

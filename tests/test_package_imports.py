@@ -23,7 +23,7 @@ def _bare(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("module", [
     "hoplite_gpu", "hoplite_gpu.directory", "hoplite_gpu.directory.state",
     "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator", "hoplite_gpu.messages",
-    "hoplite_gpu.topology", "hoplite_gpu.trees",
+    "hoplite_gpu.topology", "hoplite_gpu.trees", "hoplite_gpu.topology_cli",
 ])
 def test_pure_modules_import_with_the_standard_library_alone(module):
     r = _bare(f"import {module}; print('ok')")
@@ -69,7 +69,7 @@ def test_topologies_read_and_plans_split_with_the_standard_library_alone():
 def test_importing_the_planners_loads_no_solver():
     r = subprocess.run(
         [sys.executable, "-c",
-         "import sys, hoplite_gpu.topology, hoplite_gpu.trees; "
+         "import sys, hoplite_gpu.topology, hoplite_gpu.trees, hoplite_gpu.cli; "
          "print(sorted(m for m in ('networkx', 'scipy', 'numpy', 'matplotlib') "
          "if m in sys.modules))"],
         capture_output=True, text=True, timeout=60,

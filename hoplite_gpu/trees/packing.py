@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..topology.deps import networkx, scipy_optimize
+from .plan import PlanError
 from .routing import Network, Oracle, TreeKey
 from .widest import seeds
 
@@ -26,6 +27,8 @@ from .widest import seeds
 EPS = 0.2
 #: Rounds of multiplicative weights between two exact solves.
 LP_EVERY = 4
+#: Seconds an exact solve may take (milliseconds at these sizes).
+LP_TIME_LIMIT_S = 10.0
 
 
 @dataclass
@@ -135,8 +138,9 @@ def solve_lp(columns: list[dict[int, int]], caps: list[float]) -> tuple[list[flo
             vals.append(float(n))
     a = csr_array((vals, (rows, cols)), shape=(len(caps), len(columns)))
     res = opt.linprog([-1.0] * len(columns), A_ub=a, b_ub=caps, bounds=(0, None),
-                      method="highs")
-    if res.status != 0:
-        raise RuntimeError(f"HiGHS could not solve the packing LP: {res.message}")
+                      method="highs", options={"time_limit": LP_TIME_LIMIT_S})
+    if res.status != 0:  # (x = 0 is feasible and the rates are bounded: not expected)
+        raise PlanError(f"pack: HiGHS did not solve the packing LP of {len(columns)} trees "
+                        f"within {LP_TIME_LIMIT_S} s: {res.message}")
     duals = [max(0.0, -y) for y in res.ineqlin.marginals]
     return [max(0.0, x) for x in res.x], duals

@@ -84,23 +84,13 @@ def _check_question(t, root, members) -> int:
     return 1
 
 
-@pytest.mark.slow
 def test_every_root_and_member_subset_of_a_dgx1v_reaches_r_star():
     """Acceptance: all 1,016 (root, members) questions of at least two GPUs
     (247 subsets, each root among them): 864 connected over NVLink, packed
-    at >= 0.99 R*. About 10 s of CPU."""
+    at >= 0.99 R*. About 7 s of CPU, the longest test here: the sweep is the
+    acceptance, and every plan in it is checked."""
     packed = sum(_check_question(*q) for q in _dgx1v_questions())
     assert packed == 864
-
-
-@pytest.mark.parametrize("root, members", [
-    (0, (0, 1)), (3, (0, 3)), (5, (1, 2, 5)), (0, (0, 5, 6)), (2, (0, 1, 2, 3)),
-    (6, (1, 2, 4, 6, 7)), (4, (0, 1, 3, 4, 5, 7)), (1, (0, 1, 2, 3, 4, 5, 7)),
-])
-def test_representative_dgx1v_subsets_reach_r_star(root, members):
-    """The fast stand-in for the sweep above: pairs, a disconnected set, a
-    half, odd sets that need the packing's rounds (not just wide trees)."""
-    _check_question(fixture("dgx1v"), root, members)
 
 
 def test_every_root_and_member_subset_of_an_nvswitch_board_reaches_r_star():

@@ -45,6 +45,7 @@ def test_undirected_links_go_both_ways_and_unknown_pairs_have_no_capacity():
     ({"nodes": [0, 1], "links": [Link(0, 1, True)]}, "positive finite"),
     ({"nodes": [0, 1], "links": [Link(0, 1, 1.0), Link(0, 1, 2.0)]}, "given twice"),
     ({"nodes": [0, None], "links": []}, "int or a non-empty string"),
+    ({"nodes": [0, 1], "links": [(0, 1, 5.0)]}, r"links are Link\(src, dst, capacity, kind\)"),
 ])
 def test_a_malformed_topology_is_refused_with_the_cause(kwargs, match):
     with pytest.raises(TopologyError, match=match):

@@ -86,6 +86,9 @@ class Topology:
                      unit_bytes_per_s)
 
     def _add(self, link: Link) -> None:
+        if not isinstance(link, Link):
+            raise TopologyError(f"{self.name}: links are Link(src, dst, capacity, kind); "
+                                f"got {link!r}")
         where = f"{self.name}: link {link.src!r} -> {link.dst!r}"
         for end in (link.src, link.dst):
             if str(end) not in self._by_text or self._by_text[str(end)] != end:

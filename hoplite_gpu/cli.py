@@ -1,4 +1,4 @@
-"""The hoplite-gpu command line: directory, demo, calibrate, simulate, info."""
+"""The hoplite-gpu command line: directory, demo, calibrate, simulate, info, topology."""
 
 from __future__ import annotations
 
@@ -352,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
     i.set_defaults(func=_info)
+
+    from .topology_cli import add_parser as add_topology_parser
+
+    add_topology_parser(sub)
 
     b = sub.add_parser("bench", add_help=False,
                        help="run the benchmarks of a source checkout (python -m benchmarks ...; "

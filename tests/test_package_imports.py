@@ -23,6 +23,7 @@ def _bare(code: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("module", [
     "hoplite_gpu", "hoplite_gpu.directory", "hoplite_gpu.directory.state",
     "hoplite_gpu.directory.reduce_plan", "hoplite_gpu.simulator", "hoplite_gpu.messages",
+    "hoplite_gpu.topology", "hoplite_gpu.trees", "hoplite_gpu.topology_cli",
 ])
 def test_pure_modules_import_with_the_standard_library_alone(module):
     r = _bare(f"import {module}; print('ok')")
@@ -47,6 +48,33 @@ def test_typed_messages_build_and_compare_with_the_standard_library_alone():
         "print(m.msgspec is None)"
     )
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+
+
+def test_topologies_read_and_plans_split_with_the_standard_library_alone():
+    """Reading a topology and splitting a plan's bytes need no networkx or
+    SciPy; packing says which package it lacks."""
+    r = _bare(
+        "from hoplite_gpu.topology import fixture; "
+        "from hoplite_gpu.trees import Tree, TreePlan, pack; "
+        "t = fixture('dgx1v'); assert t.capacity(0, 3) == 50; "
+        "p = TreePlan(root=0, members=(0, 1), flow='broadcast', bound=2.0, upper=2.0, "
+        "packed=2.0, rate=2.0, trees=(Tree(1.0, ((0, 1),), ((0, 1),)),) * 2); "
+        "assert p.split(5) == [(0, 3), (3, 5)]\n"
+        "try:\n    pack(t, 0)\nexcept ImportError as exc:\n    print(exc)"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "need networkx: pip install 'hoplite-gpu[plan]'" in r.stdout
+
+
+def test_importing_the_planners_loads_no_solver():
+    r = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, hoplite_gpu.topology, hoplite_gpu.trees, hoplite_gpu.cli; "
+         "print(sorted(m for m in ('networkx', 'scipy', 'numpy', 'matplotlib') "
+         "if m in sys.modules))"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
 def test_importing_the_package_loads_no_runtime():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from in_process import run_nodes
 
 import hoplite_gpu as hg
-from hoplite_gpu.errors import PeerLost
+from hoplite_gpu.errors import PeerLost, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node import engine, pull_modes, shm
 from hoplite_gpu.node.plan import Ledger, Plan, SubFlow
@@ -419,3 +419,43 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monke
         assert obj.complete and obj.ledger is None
 
     run_nodes([_config(how)] * 3, body, bound=30)
+
+
+def test_a_range_past_the_watermark_is_served_as_soon_as_it_is_written():
+    """A copy filled by a plan of several sub-flows (one per tree of a
+    multi-tree broadcast) relays each range as it lands, not only once the
+    bytes before it are in: `ready_from` and `wait_range`."""
+    obj = _object(300)
+    ledger = Ledger(300)
+    obj.ledger = ledger
+
+    async def main():
+        waiting = asyncio.ensure_future(obj.wait_range(200, 260, 5))
+        early = asyncio.ensure_future(obj.wait_range(0, 50, 5))
+        engine.FlowSink(obj, ledger, 200).advance(240)
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and obj.ready_from(200) == 240 and obj.ready_from(250) == 250
+        engine.FlowSink(obj, ledger, 240).advance(300)
+        await asyncio.wait_for(waiting, 1)
+        assert obj.ready == 0 and not early.done()  # (the watermark waits for byte 0)
+        engine.FlowSink(obj, ledger, 0).advance(200)
+        await asyncio.wait_for(early, 1)
+        assert obj.ready == 300 and obj.ready_from(0) == 300
+        with pytest.raises(Timeout):
+            await _object(10).wait_range(5, 10, 0.01)
+
+    asyncio.run(main())
+
+
+def test_a_failed_object_fails_its_range_waits_too():
+    obj = _object(300)
+    obj.ledger = Ledger(300)
+
+    async def main():
+        waiting = asyncio.ensure_future(obj.wait_range(100, 200, 5))
+        await asyncio.sleep(0)
+        obj.fail(PeerLost("gone (test)"))
+        with pytest.raises(PeerLost):
+            await waiting
+
+    asyncio.run(main())

@@ -48,7 +48,9 @@ class FlowSink:
         self.pos = ready
         prefix = self.ledger.prefix
         if prefix > self.obj.ready:
-            self.obj.advance(prefix)
+            self.obj.advance(prefix)  # (which wakes the range waits too)
+        else:
+            self.obj.landed()
 
 
 #: A pull from several senders goes in equal pieces, a whole number of them

@@ -176,6 +176,11 @@ class Ledger:
             self._starts.insert(i, start)
             self._ends.insert(i, end)
 
+    def run_end(self, pos: int) -> int:
+        """Where the written run holding byte `pos` ends (`pos` if none holds it)."""
+        i = bisect.bisect_right(self._starts, pos) - 1
+        return self._ends[i] if i >= 0 and self._ends[i] > pos else pos
+
     def missing(self, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
         """The ranges of [start, end) (all of the object by default) not written yet."""
         end = self.size if end is None else end

@@ -56,6 +56,8 @@ class StoredObject:
     #: sub-flows fills it (`engine.run_plan`); None: only [0, ready) is.
     ledger: Ledger | None = None
     _waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
+    #: waits for bytes past the watermark: (start, need, future) (`wait_range`)
+    _range_waiters: list[tuple[int, int, asyncio.Future]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -78,14 +80,62 @@ class StoredObject:
             else:
                 keep.append((need, fut))
         self._waiters = keep
+        if self._range_waiters:
+            self.landed()
+
+    def ready_from(self, start: int) -> int:
+        """Where the bytes written from `start` on end: the watermark for a
+        start below it, else the end of the ledger's run that holds `start`
+        (`start` itself if none does). A relay of one range of a plan-filled
+        copy (a tree of a multi-tree broadcast) serves up to there."""
+        if start <= self.ready:
+            return self.ready
+        return start if self.ledger is None else self.ledger.run_end(start)
+
+    def landed(self) -> None:
+        """Bytes past the watermark were written (a plan's sub-flow): wake
+        the waits of ranges now written."""
+        if not self._range_waiters:
+            return
+        keep = []
+        for start, need, fut in self._range_waiters:
+            if self.ready_from(start) >= need:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((start, need, fut))
+        self._range_waiters = keep
+
+    async def wait_range(self, start: int, need: int, timeout: float) -> None:
+        """Wait until bytes [start, need) are written (`wait_ready` where
+        `start` is under the watermark)."""
+        if start <= self.ready:
+            return await self.wait_ready(need, timeout)
+        need = min(need, self.size)
+        if self.error is not None:
+            raise self.error
+        if self.ready_from(start) >= need:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._range_waiters.append((start, need, fut))
+        try:
+            await until(fut, time.monotonic() + timeout)
+        except Expired:
+            raise Timeout(
+                f"object {self.oid.hex()}: waited {timeout:g}s for bytes {start} to {need}, "
+                f"only up to {self.ready_from(start)} arrived") from None
+        finally:
+            if not fut.done():
+                fut.cancel()
+            self._range_waiters = [w for w in self._range_waiters if w[2] is not fut]
 
     def fail(self, exc: BaseException) -> None:
         """The object will never fill: every waiter gets `exc`."""
         self.error = exc
-        for _, fut in self._waiters:
+        for fut in [f for _, f in self._waiters] + [f for _, _, f in self._range_waiters]:
             if not fut.done():
                 fut.set_exception(exc)
-        self._waiters = []
+        self._waiters, self._range_waiters = [], []
 
     def reset(self, ready: int = 0) -> None:
         """Roll the watermark back (a partial result is being rebuilt)."""

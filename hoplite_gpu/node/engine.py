@@ -106,8 +106,16 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
     queue = _Queue(plan, obj, obj.ledger, fetch, failed, retry_on)
     try:
         async with asyncio.TaskGroup() as tasks:
-            for sender, address in plan.senders:
-                tasks.create_task(queue.work(sender, address))
+            if plan.pinned:  # each sub-flow from its own sender, all at once
+                named = {(f.sender, f.address) for f in plan.flows}
+                for flow in queue.take_all():
+                    tasks.create_task(queue.work(flow.sender, flow.address, flow))
+                for sender, address in plan.senders:  # spares: only for what fails
+                    if (sender, address) not in named:
+                        tasks.create_task(queue.work(sender, address))
+            else:
+                for sender, address in plan.senders:
+                    tasks.create_task(queue.work(sender, address))
     except BaseExceptionGroup as group:
         # (one sub-flow's error is the pull's; the others were cancelled for it)
         raise _first(group) from None
@@ -120,10 +128,12 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
 class _Queue:
     """A plan's sub-flows as a queue that one worker per sender takes from,
     the next one whenever it is done with one: a faster sender takes more.
-    A sender that fails is out; what its sub-flow had not written goes back
-    to the front of the queue for the others. The workers end when the
-    queue is empty and none is pulling; `error` is the last failure, the
-    pull's if some bytes were left with no sender to take them."""
+    (A pinned plan's workers start with a sub-flow each, from its own
+    sender, and take from the queue only what failed ones left.) A sender
+    that fails is out; what its sub-flow had not written goes back to the
+    front of the queue for the others. The workers end when the queue is
+    empty and none is pulling; `error` is the last failure, the pull's if
+    some bytes were left with no sender to take them."""
 
     def __init__(self, plan: Plan, obj: StoredObject, ledger: Ledger, fetch: Fetch,
                  failed: Failed, retry_on: tuple[type[BaseException], ...]) -> None:
@@ -132,21 +142,33 @@ class _Queue:
         self.retry_on = retry_on
         self.busy = 0
         self.error: BaseException | None = None
+        self.lost: set[str] = set()
         self.changed = asyncio.Condition()
 
-    async def work(self, sender: str, address: str) -> None:
+    def take_all(self) -> list[SubFlow]:
+        """Every sub-flow, now each worker's own (a pinned plan): the queue
+        keeps only what failed ones leave, and counts them as pulling."""
+        flows, self.flows = list(self.flows), collections.deque()
+        self.busy = len(flows)
+        return flows
+
+    async def work(self, sender: str, address: str, own: SubFlow | None = None) -> None:
         while True:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.flows or not self.busy)
-                if not self.flows:
-                    return  # (nothing left, and nobody pulling may hand back any)
-                flow = self.flows.popleft().moved(sender, address)
-                self.busy += 1
+            if own is not None:  # (counted as pulling by `take_all`)
+                flow, own = own, None
+            else:
+                async with self.changed:
+                    await self.changed.wait_for(lambda: self.flows or not self.busy)
+                    if not self.flows or sender in self.lost:
+                        return  # (nothing left, and nobody pulling may hand back any)
+                    flow = self.flows.popleft().moved(sender, address)
+                    self.busy += 1
             try:
                 await self.fetch(flow, FlowSink(self.obj, self.ledger, flow.start))
             except self.retry_on as exc:
                 self.failed(flow, exc)
                 self.error = exc
+                self.lost.add(sender)
                 rest = self.ledger.rest(flow)
                 if rest:
                     log.info("pull %s: bytes %d to %d of %s go back to the other senders",

@@ -56,6 +56,10 @@ class Plan:
     #: every sender the plan may use, with its address (by default those its
     #: sub-flows name): one named for no sub-flow takes over failed ones' bytes
     sources: tuple[tuple[str, str], ...] = ()
+    #: each sub-flow comes from the sender it names, all at once (a tree's
+    #: range from that tree's parent); only what a failed one left moves to
+    #: another. Else the sub-flows are a queue for whichever sender is free.
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         last = 0

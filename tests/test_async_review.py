@@ -45,7 +45,7 @@ def short():
 
 
 def test_publish_async_timeout_bounds_the_call_when_the_directory_goes_away(short, monkeypatch):
-    """README: "`publish(..., timeout=t)` bounds the whole call". When the
+    """docs/guide-weight-channel.md: "`publish(..., timeout=t)` bounds the whole call". When the
     deadline passes, the failure cleanup (`_publish_steps`' except) deletes
     each array put so far and the claim one after another, each waiting up to
     `timeout_s` for the lost directory (300 s by default), outside the
@@ -126,7 +126,7 @@ def test_a_publish_timing_out_while_freeing_an_old_version_does_not_leak_it():
 
 
 def test_a_restarted_publisher_whose_first_publish_times_out_still_adopts(short, monkeypatch):
-    """README: "a restarted publisher frees its predecessor's too". `_adopt`
+    """docs/guide-weight-channel.md: "a restarted publisher frees its predecessor's too". `_adopt`
     sets `_adopted` before it looks; cut off by the publish's deadline (a
     directory slow to answer, or a cancelled publish_async), it never looks
     again, so the predecessor's versions are never freed."""
@@ -153,7 +153,7 @@ def test_a_restarted_publisher_whose_first_publish_times_out_still_adopts(short,
 
 def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_it_put(
         short, monkeypatch):
-    """README: "A publish that fails part-way (a full store, a deadline)
+    """docs/guide-weight-channel.md: "A publish that fails part-way (a full store, a deadline)
     deletes what it put". The cleanup runs inside the whole-call deadline
     (`asyncio.timeout` in `_publish`): a put failing near the deadline starts
     it, the deadline cancels its first delete, and the CancelledError (not a
@@ -187,7 +187,7 @@ def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_i
 
 
 def test_a_cancelled_broadcast_async_stops_reading_the_callers_array(monkeypatch):
-    """README: cancelling a twin "gives the call up as its timeout would ...
+    """docs/api.md: cancelling a twin "gives the call up as its timeout would ...
     before the cancellation completes" (runtime.py: "the caller's memory must
     be its own again when the call has returned"). The root's put is
     shielded (`collectives._finish`) and goes on copying the caller's array

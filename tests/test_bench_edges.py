@@ -64,7 +64,7 @@ def test_bad_size_argument_is_a_usage_error(capsys):
 
 
 def test_small_sizes_time_the_number_of_calls_asked_for(monkeypatch):
-    # README: sizes up to --latency-max are timed as --iters calls (fewer only to
+    # benchmarks/README.md: sizes up to --latency-max are timed as --iters calls (fewer only to
     # fit --latency-budget); --iters 3 must not become 5.
     seen = {}
 

@@ -25,7 +25,7 @@ def _Directory(port: int = 0) -> ThreadedDirectory:
 
 @pytest.mark.timeout(60)
 def test_a_broadcast_root_called_twice_in_a_row_returns_the_first_calls_value():
-    """README "Collectives": "a second call under the same name returns the
+    """docs/api.md "Collectives": "a second call under the same name returns the
     first call's objects, on every rank (a broadcast's root included)".
     `collectives._held_here` decides that from the node's store, but a small
     root value goes through a direct put, whose copy the thread only hands
@@ -57,7 +57,7 @@ def test_a_broadcast_root_called_twice_in_a_row_returns_the_first_calls_value():
 
 
 def test_two_gets_making_room_at_once_both_get_it_when_enough_copies_may_go():
-    """README "Memory": a get past HOPLITE_STORE_BYTES evicts pulled copies
+    """docs/guide-memory.md: a get past HOPLITE_STORE_BYTES evicts pulled copies
     held elsewhere, and fails with StoreFull only when it cannot make room.
     A node with a 4 MiB limit holds two pulled 2 MiB copies (a, b), both also
     on their origin; two gets (c, d, 2 MiB each) run at once, e.g. an async
@@ -89,7 +89,7 @@ def test_two_gets_making_room_at_once_both_get_it_when_enough_copies_may_go():
 
 
 def test_an_inline_object_a_get_just_pulled_is_not_evicted_under_its_result():
-    """README "Memory": "The node offers only copies that no `get` result of
+    """docs/guide-memory.md: "The node offers only copies that no `get` result of
     this process still views" (docs/fault-tolerance.md: "a copy a `get`
     result still views is kept"). A node with a 100 KiB limit holds the
     result of a get of z1 (60 KiB, inline) and gets z2 (60 KiB, inline):

@@ -89,7 +89,7 @@ def test_keep_counts_published_versions_not_version_numbers(local):
     """keep=2 frees every version more than 2 *numbers* below the head: with
     explicit versions (a training step, say) publish(version=0) then
     publish(version=10) frees version 0 at once, so only one version is
-    kept, and a reader still fetching it loses it (README: "the publisher
+    kept, and a reader still fetching it loses it (docs/guide-weight-channel.md: "the publisher
     frees versions older than its last `keep` (2)")."""
     ch = WeightChannel("steps", keep=2)
     ch.publish({"w": np.zeros(8, dtype=np.float32)}, version=0)

@@ -34,7 +34,7 @@ def fetch_value(channel: str) -> tuple[int, float, float]:
 
 # -------------------------------------------------------------- in-process ---
 def test_a_restarted_publisher_frees_its_predecessors_versions_with_explicit_numbers():
-    """README: "the publisher frees versions older than its last `keep` (2)
+    """docs/guide-weight-channel.md: "the publisher frees versions older than its last `keep` (2)
     published ones, and a restarted publisher frees its predecessor's too"
     (architecture.md: "adopts the last `keep` versions an earlier one
     left"). `_adopt` (channel.py:157) looks only at the version *numbers*

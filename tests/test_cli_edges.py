@@ -136,7 +136,7 @@ def test_demo_error_in_a_worker_is_one_line_not_a_traceback():
 def test_demo_size_beyond_memory_is_a_clear_error():
     """`--size 1TiB` is accepted, and the sender's data generation dies of a raw
     NumPy MemoryError (`_ArrayMemoryError: Unable to allocate 1.00 TiB`),
-    shown with its traceback; the README promises memory the machine cannot
+    shown with its traceback; docs/guide-memory.md promises memory the machine cannot
     give is StoreFull, not an error from deep inside NumPy."""
     res = _run("demo", "--workers", "2", "--size", "1TiB")
     assert res.returncode != 0

@@ -134,7 +134,7 @@ def test_put_of_a_dlpack_object_whose_device_query_fails_is_unsupported_value():
 def test_non_cpu_torch_tensor_refusal_does_not_say_the_gpu_path_is_missing():
     """A torch tensor on a device other than the CPU or CUDA (here `meta`) is
     refused with "device tensors need the GPU path, which is not built yet",
-    but the GPU path is built (README "GPUs and UCX": torch CUDA tensors are
+    but the GPU path is built (docs/guide-gpus-and-ucx.md: torch CUDA tensors are
     stored on the GPU): the message sends users looking for a missing feature."""
     torch = pytest.importorskip("torch")
     with pytest.raises(UnsupportedValue) as info:
@@ -169,9 +169,9 @@ def test_gpu_extras_install_what_bfloat16_device_objects_need():
     """A torch CUDA bfloat16 tensor is put as a device layout with dtype
     "bfloat16"; every node that receives or reduces it parses that layout
     with values._wire_numpy_dtype, which needs ml_dtypes (ProtocolError "needs
-    ml_dtypes" otherwise). README's GPU install, `pip install '.[gpu]'` (or
+    ml_dtypes" otherwise). docs/guide-gpus-and-ucx.md's install, `pip install '.[gpu]'` (or
     `.[gpu-cu13]`), does not bring ml_dtypes (only the `test` extra does), so
-    bfloat16 device objects, which README's Status reports as working, fail
+    bfloat16 device objects, which the GPU guide reports as working, fail
     on a GPU node installed as documented."""
     if not _bfloat16_device_layout_needs_ml_dtypes():
         return  # (device bfloat16 layouts no longer need ml_dtypes: nothing to install)

@@ -1,5 +1,5 @@
 """Claims the docs make that the code does not keep (docs/architecture.md,
-docs/protocol.md, docs/fault-tolerance.md, README.md). Each test encodes
+docs/protocol.md, docs/fault-tolerance.md, docs/command-line.md). Each test encodes
 what the docs say; mismatches that are only wrong text have no test."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class _NoCluster:
 
 
 def test_calibrate_accepts_a_size_of_1_mib(monkeypatch):
-    """README "Command line": `hoplite-gpu calibrate [--size 64MiB]` ... "(the
+    """docs/command-line.md: `hoplite-gpu calibrate [--size 64MiB]` ... "(the
     size must be at least 1 MiB)". With the default inline threshold the
     code asks for 16 x (64 KiB + 1) = 1,048,592 bytes, so `--size 1MiB` is
     refused with InvalidArgument."""
@@ -31,4 +31,4 @@ def test_calibrate_accepts_a_size_of_1_mib(monkeypatch):
     except _Reached:
         return
     except InvalidArgument as exc:
-        pytest.fail(f"a 1 MiB calibration was refused although the README allows it: {exc}")
+        pytest.fail(f"a 1 MiB calibration was refused although docs/command-line.md allows it: {exc}")

@@ -1,4 +1,4 @@
-"""Claims the recently changed docs make (README.md's put row,
+"""Claims the recently changed docs make (docs/api.md's put row,
 docs/cost-model.md's reduce model and degree sweep, docs/architecture.md's
 put rule) checked against what the code and the saved results produce.
 Each test reads the doc text it checks."""
@@ -113,20 +113,20 @@ def test_cost_model_walk_range_on_trees_that_are_not_complete(monkeypatch):
     assert ratio < 0.9  # (not a tree the model picks: outside the stated range, as said)
 
 
-# ------------------------------------------- README / architecture: put ---
+# --------------------------------------------- api / architecture: put ---
 @pytest.mark.parametrize("n", [16, 1 << 18], ids=["inline", "large"])
-def test_readme_put_of_other_bytes_raises_object_exists_in_one_process(n):
-    """README.md's `put` row: "Objects are immutable: a put of an existing id
-    with the same bytes (a retried task) adds a copy; with another dtype,
+def test_documented_put_of_other_bytes_raises_object_exists_in_one_process(n):
+    """docs/api.md's `put` row: "Objects are immutable: a put of an existing
+    id with the same bytes (a retried task) adds a copy; with another dtype,
     shape or other bytes it raises `ObjectExists`". In one process (local
     mode, the README's quick start) the second put of other bytes returns
     the id without a word (node.py `put`: `existing.own ... return oid`,
     checking the layout only; direct.py sends no put for an id held here),
     and `get` keeps returning the first value: the user's new bytes are
     silently dropped. (docs/architecture.md does say a node's own re-put is
-    checked by layout only; the README, which users read, does not.)"""
-    readme = _doc("README.md")
-    assert "with another dtype, shape or other bytes it raises `ObjectExists`" in readme
+    checked by layout only; the API page, which users read, does not.)"""
+    api = _doc("docs/api.md")
+    assert "with another dtype, shape or other bytes it raises `ObjectExists`" in api
     oid = ObjectID.from_name(f"docs-recent-review/same-node/{n}")
     with local_mode(timeout_s=10):
         hg.put(np.zeros(n, np.float32), oid)
@@ -135,7 +135,7 @@ def test_readme_put_of_other_bytes_raises_object_exists_in_one_process(n):
         except ObjectExists:
             return
         seen = np.asarray(hg.get(oid, timeout=5))
-        pytest.fail("a second put of other bytes under the id returned normally, as README "
+        pytest.fail("a second put of other bytes under the id returned normally, as docs/api.md "
                     f"says it raises ObjectExists; get now returns {seen[:3]}...")
 
 

@@ -25,7 +25,7 @@ def test_sliced_allreduce_slices_are_reduced_on_chains_with_the_default_cost_mod
     """docs/cost-model.md "Sliced allreduce": "slice j (1/N of the array) is
     reduced on a chain rooted at rank j ... so every slice, partial sum or
     result, moves from rank r to rank r+1 only, as in a ring"; likewise
-    docs/architecture.md ("Reduce") and README "Configuration"
+    docs/architecture.md ("Reduce") and docs/configuration.md
     (HOPLITE_ALLREDUCE_SLICING: "reduced on a chain rooted at that rank").
 
     The directory picks each slice's tree degree with `choose_degree` like any
@@ -64,7 +64,7 @@ def test_sliced_allreduce_slices_are_reduced_on_chains_with_the_default_cost_mod
 
 
 def test_a_directory_address_is_dialled_over_its_scheme_or_else_the_nodes_setting():
-    """README "Configuration" and docs/protocol.md: nodes dial the scheme of
+    """docs/configuration.md and docs/protocol.md: nodes dial the scheme of
     the directory's address, and a bare "host:port" over their own
     HOPLITE_CONTROL_TRANSPORT (the docs once said tcp, whatever the node's)."""
     def dialled(setting: str, address: str) -> str:

@@ -51,7 +51,7 @@ def test_channel_reader_does_not_hang_on_a_version_freed_by_a_keep1_publisher(lo
     complete version is there."""
     name = "keep-mismatch"
     publisher = WeightChannel(name, keep=1)
-    reader = WeightChannel(name)  # every actor: the README's WeightChannel("policy")
+    reader = WeightChannel(name)  # every actor: docs/guide-weight-channel.md's WeightChannel("policy")
     publisher.publish({"w": np.full(8, 0, dtype=np.float32)})
     original = reader._fetch_version
     raced = []

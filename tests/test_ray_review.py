@@ -148,8 +148,8 @@ def test_an_object_put_by_a_gpu_task_that_ended_is_reported_lost_at_once(ray_ses
 
 
 def test_directory_on_every_interface_keeps_its_control_transport(ray_session):
-    """README: on a multi-node Ray cluster pass host="0.0.0.0" to
-    start_directory; README (HOPLITE_CONTROL_TRANSPORT): "nodes dial the
+    """docs/guide-ray.md: on a multi-node Ray cluster pass host="0.0.0.0" to
+    start_directory; docs/configuration.md (HOPLITE_CONTROL_TRANSPORT): "nodes dial the
     scheme of the directory's address". DirectoryActor rewrites the address
     of a 0.0.0.0 directory as f"tcp://{ip}:{port}", dropping its scheme, so a
     directory serving UCX is announced as tcp://...; every join() then dials

@@ -37,7 +37,7 @@ def test_readme_names_every_dependency_the_demo_installs():
 
 
 def test_a_second_broadcast_under_one_name_gives_every_rank_the_first_calls_value():
-    """README "Using it": "A name serves one call: objects are immutable, so
+    """docs/api.md "Collectives": "A name serves one call: objects are immutable, so
     a second call under the same name returns the first call's objects until
     `collectives.delete` frees them". Non-roots do get the first call's
     value, but the root returns the value it was just given
@@ -53,15 +53,15 @@ def test_a_second_broadcast_under_one_name_gives_every_rank_the_first_calls_valu
         assert np.array_equal(at_other, np.arange(4)), "a non-root got a new value"
         assert np.array_equal(at_root, at_other), (
             f"second broadcast under one name: the root returned {at_root}, the other rank "
-            f"{at_other}; the README says both get the first call's objects")
+            f"{at_other}; docs/api.md says both get the first call's objects")
 
 
 def test_a_get_waiting_for_an_id_not_put_yet_keeps_waiting_through_its_delete():
-    """README API table, `delete(object_id)`: gets waiting on the object's
+    """docs/api.md, the `delete(object_id)` row: gets waiting on the object's
     copies get `ObjectNotFound`, but "a get waiting for an id not put yet
     keeps waiting: deleting an id that does not exist changes nothing" (a
     writer that deletes an id before putting it anew must not fail its
-    readers). The README used to promise every waiter `ObjectNotFound`."""
+    readers). The API table used to promise every waiter `ObjectNotFound`."""
     outcome: dict[str, object] = {}
     with local_mode():
         oid = hg.ObjectID.random()

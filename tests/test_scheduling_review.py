@@ -73,7 +73,7 @@ def test_a_relay_node_that_came_back_and_left_again_still_frees_its_successor():
 
 # ---------------------------------------------------------- fingerprint ---
 def test_a_put_of_other_bytes_is_refused_after_a_directory_restart_too():
-    """a404ac1 refuses a second put of an id with other bytes (README: "with
+    """a404ac1 refuses a second put of an id with other bytes (docs/api.md: "with
     ... other bytes it raises ObjectExists"), because a reader failing over
     between the two copies resumes mid-object and returns a mix. The
     fingerprint lives only in the directory's entry, taken from the first

@@ -39,7 +39,7 @@ def _machine_bytes() -> int:
 
 
 def test_an_object_larger_than_the_machine_is_store_full_with_shared_memory_on():
-    """README ("Memory"): "With or without a limit, memory the machine ... cannot
+    """docs/guide-memory.md: "With or without a limit, memory the machine ... cannot
     give also raises `StoreFull`". Without shared memory it does: the plain
     anonymous map of a store buffer is refused up front by the kernel's
     overcommit check. With shared memory on (the Linux default) a large store
@@ -108,7 +108,7 @@ def test_an_idle_transport_connection_does_not_carry_same_host_host_objects():
     and leaves such a connection idle; on a GPU host every later pull of a
     host object from that peer then takes it: `map_object` sees a non-local
     stream and gives up, and the bytes go over TCP/UCX instead of shared
-    memory, though README says host objects between such processes "go
+    memory, though docs/guide-gpus-and-ucx.md says host objects between such processes "go
     through HOPLITE_SHARED_MEMORY". Here the device pull's leftover is made
     as `fetch_range` makes it (acquire with local=False, then release)."""
 

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def test_a_get_that_cannot_get_room_evicts_nothing_when_the_directory_keeps_a_copy():
-    """README "Memory": a call that cannot make room "fails with StoreFull ...
+    """docs/guide-memory.md: a call that cannot make room "fails with StoreFull ...
     and changes nothing"; `Memory.make_room`: "Nothing is evicted for a call
     that cannot get room". The node only checks that all its candidates
     together would do, then offers them; the directory frees the ones it may
@@ -46,7 +46,7 @@ def test_a_get_that_cannot_get_room_evicts_nothing_when_the_directory_keeps_a_co
 
 
 def test_a_copy_read_while_its_eviction_is_asked_is_kept_or_read_anew():
-    """README "Memory": "The node offers only copies that no get result of
+    """docs/guide-memory.md: "The node offers only copies that no get result of
     this process still views." The refcount check is made when the copy is
     offered, but the copy is freed when the directory's answer comes, without
     looking again. A get of x that returns in between (another thread or

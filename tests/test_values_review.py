@@ -58,7 +58,7 @@ def test_a_large_unsupported_allreduce_input_sends_no_reduce_request(local):
 
 
 def test_put_of_a_strided_array_with_no_memory_for_its_copy_raises_store_full(local):
-    """README ("Memory"): memory the machine cannot give raises StoreFull, not
+    """docs/guide-memory.md: memory the machine cannot give raises StoreFull, not
     an error from deep inside NumPy. A non-contiguous array is copied by
     `to_buffer` first, and NumPy's own _ArrayMemoryError escapes from put()."""
     value = np.broadcast_to(np.float64(1.0), (2**50,))  # 8 PiB once contiguous

@@ -411,6 +411,16 @@ class Manifest(Struct, kw_only=True):
     held: list[int] = []
 
 
+class TreeMember(Struct, kw_only=True):
+    """A rank's card in a multi-tree broadcast (`hoplite_gpu.multitree`): its
+    node and data address; the root's also the object's size and layout."""
+
+    node: str
+    address: str
+    size: int = 0
+    layout: dict[str, Any] | None = None
+
+
 def answering(body: Body, rid: int) -> Body:
     """`body` sent as the reply to request `rid`."""
     return replace(body, rid=rid)
@@ -522,6 +532,14 @@ def decode_manifest(what: str, body: bytes | bytearray | memoryview) -> Manifest
         return _codec(Manifest).decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{what} is not a channel manifest: {exc}") from None
+
+
+def decode_tree_member(what: str, body: bytes | bytearray | memoryview) -> TreeMember:
+    """A multi-tree broadcast's card; ProtocolError naming `what` otherwise."""
+    try:
+        return _codec(TreeMember).decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{what} is not a multi-tree broadcast's card: {exc}") from None
 
 
 def read_reply(request: type, raw: dict[str, Any]) -> Body:

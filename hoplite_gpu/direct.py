@@ -217,7 +217,7 @@ class DirectCalls:
     """The direct path of one runtime: a few open links, lent to calling threads."""
 
     def __init__(self, node: Node, loop: asyncio.AbstractEventLoop, token: str) -> None:
-        scheme, self._host, self._port = split_address(node.directory_address)
+        scheme, _, _ = split_address(node.directory_address)
         # A plain socket speaks only the TCP transport.
         self.enabled = node.config.direct_calls and scheme == "tcp"
         self._node, self._loop, self._token = node, loop, token
@@ -445,7 +445,9 @@ class DirectCalls:
         if link is not None or retry:
             return link
         try:  # (within the call's deadline, which then covers the request too)
-            link = DirectLink(self._host, self._port, self._token, self._node.node_id,
+            # (the directory in use now: the node may have moved to a standby)
+            _, host, port = split_address(self._node.directory_address)
+            link = DirectLink(host, port, self._token, self._node.node_id,
                               max(0.001, min(self._connect_timeout, deadline - time.monotonic())))
         except HopliteError as exc:  # e.g. a restarted directory that has not met our node yet
             log.info("no direct connection to the directory (%s): calls take the loop's path "

@@ -1,6 +1,7 @@
 """A node's link to the directory: the client, the heartbeat that renews the
-node's lease, reconnection after the directory is lost, and the pushes the
-directory sends, handed to whichever part of the node registered for them."""
+node's lease, reconnection after the directory is lost (to it again, or to
+a standby directory), and the pushes the directory sends, handed to
+whichever part of the node registered for them."""
 
 from __future__ import annotations
 
@@ -22,14 +23,22 @@ log = logging.getLogger("hoplite_gpu.node")
 
 
 class DirectoryLink:
-    """`announce(client)` tells a new directory what this node holds (the
-    directory keeps only soft state); `gone(error)` runs when the directory
-    stayed away until the reconnection's deadline."""
+    """`address` names one directory, or several comma-separated: standbys,
+    each just another `hoplite-gpu directory` with the same token. The link
+    uses one at a time (`address`); when it is gone, reconnection tries it
+    and the others in turn. `announce(client)` tells a new directory (or the
+    one restarted) what this node holds (the directory keeps only soft
+    state); `gone(error)` runs when none came back before the
+    reconnection's deadline."""
 
     def __init__(self, address: str, token: str, node_id: str, config: Config, *,
                  announce: Callable[[DirectoryClient], None],
                  gone: Callable[[BaseException], None]) -> None:
-        self.address, self.token, self.node_id, self.config = address, token, node_id, config
+        #: every directory this link may use, in the order they are tried
+        self.addresses = address.split(",")
+        #: the one in use (or tried last)
+        self.address = self.addresses[0]
+        self.token, self.node_id, self.config = token, node_id, config
         self._announce, self._gone = announce, gone
         self.client: DirectoryClient | None = None
         #: set while a client is connected (cleared from a loss to the reconnection)
@@ -47,9 +56,19 @@ class DirectoryLink:
         self._handlers[kind] = handler
 
     async def connect(self, data_address: str) -> None:
-        """Register this node (its data server at `data_address`) and start beating."""
+        """Register this node (its data server at `data_address`) with the
+        first directory that answers, and start beating."""
         self._data_address = data_address
-        self.client = await self._connect()
+        for i, address in enumerate(self.addresses):
+            self.address = address
+            try:
+                self.client = await self._connect()
+                break
+            except DirectoryUnavailable:
+                if i == len(self.addresses) - 1:
+                    raise
+                log.warning("the directory at %s is unreachable; trying %s", address,
+                            self.addresses[i + 1])
         self.connected.set()
         self.start_heartbeat()
 
@@ -169,18 +188,23 @@ class DirectoryLink:
         self._reconnector = self._tasks.spawn(self._reconnect())
 
     async def _reconnect(self) -> None:
-        """Reconnect with backoff, then tell the new directory what we hold: the
-        directory keeps only soft state, so nodes rebuild it."""
+        """Reconnect with backoff, to the directory in use or, failing that,
+        the next of `addresses` in turn; then tell the new directory what we
+        hold: the directory keeps only soft state, so nodes rebuild it."""
         deadline = time.monotonic() + self.config.timeout_s
         delay = 0.05
         old = self.client
+        at = self.addresses.index(self.address) if self.address in self.addresses else 0
         while self._closed is None and time.monotonic() < deadline:
             try:
                 client = await self._connect()
             except HopliteError as exc:
                 log.info("reconnect to %s failed: %s", self.address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                at = (at + 1) % len(self.addresses)
+                if at == 0 or len(self.addresses) == 1:  # (a round of them all: wait)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                self.address = self.addresses[at]
                 continue
             self.client = client
             if old is not None:
@@ -189,4 +213,4 @@ class DirectoryLink:
             self.connected.set()
             log.warning("reconnected to the directory at %s", self.address)
             return
-        self._gone(PeerLost(f"the directory at {self.address} stayed unreachable"))
+        self._gone(PeerLost(f"the directory at {', '.join(self.addresses)} stayed unreachable"))

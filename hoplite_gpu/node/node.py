@@ -18,6 +18,7 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.errors import (
+    InvalidArgument,
     ObjectNotFound,
     ReduceFailed,
     RuntimeClosed,
@@ -59,9 +60,11 @@ class Node:
     def __init__(self, config: Config, token: str, directory_address: str) -> None:
         self.config = config
         self.token = token
-        # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT).
-        scheme, host, port = split_address(directory_address, config.control_transport)
-        address = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+        # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT);
+        # several, comma-separated: standby directories, dialled in turn when
+        # the one in use is gone (`DirectoryLink`).
+        address = ",".join(full_address(one, config.control_transport)
+                           for one in directory_addresses(directory_address))
         self.node_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
         if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
             config = self.config = config.replace(shared_memory=False)
@@ -144,7 +147,8 @@ class Node:
 
     @directory_address.setter
     def directory_address(self, address: str) -> None:  # (where a reconnection dials)
-        self.link.address = address
+        self.link.addresses = address.split(",")
+        self.link.address = self.link.addresses[0]
 
     # (read only, for tests: the link's state)
     @property
@@ -469,6 +473,26 @@ class Node:
 
     def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
         self.pulls.cancel(oid, reason)
+
+
+def directory_addresses(address: str) -> list[str]:
+    """The directories of an `init` address: one, or several comma-separated
+    (standbys, in the order they are tried); InvalidArgument naming the bad one."""
+    if not isinstance(address, str) or not address.strip():
+        raise InvalidArgument(f"a directory address is a str like 'host:port' or several "
+                              f"comma-separated; got {address!r}")
+    parts = [part.strip() for part in address.split(",")]
+    if not all(parts):
+        raise InvalidArgument(f"an empty directory address in {address!r}")
+    for part in parts:
+        split_address(part)  # (raises InvalidArgument naming it)
+    return parts
+
+
+def full_address(address: str, default_scheme: str) -> str:
+    """`address` with its scheme (`default_scheme` for a bare host:port)."""
+    scheme, host, port = split_address(address, default_scheme)
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def advertised(address: str, directory_address: str) -> str:

@@ -1,0 +1,92 @@
+"""Standby directories: a node given several directory addresses
+(`init("hostA:7777,hostB:7777")`) uses the first that answers and, when the
+one in use is gone, moves to the next and re-announces what it holds, as
+after a restart. Nodes and two directories on one loop, over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from in_process import eventually
+
+import hoplite_gpu as hg
+from hoplite_gpu.config import Config
+from hoplite_gpu.directory.server import DirectoryServer
+from hoplite_gpu.errors import InvalidArgument
+from hoplite_gpu.node.node import Node, directory_addresses
+
+MiB = 1 << 20
+CONFIG = Config(shared_memory=False, chunk_size=MiB, timeout_s=20.0, stall_timeout_s=2.0,
+                heartbeat_interval_s=0.2, node_lease_s=1.0)
+
+
+def test_a_list_of_directories_is_checked_naming_the_bad_one():
+    assert directory_addresses("a:1, tcp://b:2") == ["a:1", "tcp://b:2"]
+    with pytest.raises(InvalidArgument, match="empty"):
+        directory_addresses("a:1,,b:2")
+    with pytest.raises(InvalidArgument, match="'b:x'"):
+        directory_addresses("a:1,b:x")
+
+
+def _run(body, nodes: int = 3, first_up: bool = True) -> None:
+    async def main() -> None:
+        first = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
+        second = DirectoryServer("tok", lease_s=1.0, heartbeat_interval_s=0.2)
+        a1, a2 = await first.start(), await second.start()
+        if not first_up:
+            await first.close()
+        started = []
+        try:
+            for _ in range(nodes):
+                node = Node(CONFIG, "tok", f"{a1},{a2}")
+                await node.start()
+                started.append(node)
+            await asyncio.wait_for(body(first, second, *started), 60)
+        finally:
+            for node in reversed(started):
+                await node.close()
+            await first.close()
+            await second.close()
+
+    asyncio.run(main())
+
+
+def test_a_node_starts_with_the_first_directory_that_answers():
+    async def body(first, second, a, b, c):
+        assert a.directory_address == b.directory_address == second.address
+        oid = await a.put(np.arange(1000), hg.ObjectID.from_name("standby-first"))
+        np.testing.assert_array_equal(await b.get(oid, 5.0, "numpy"), np.arange(1000))
+
+    _run(body, first_up=False)
+
+
+def test_nodes_move_to_the_standby_when_the_directory_goes_during_a_broadcast():
+    """The first directory closes while two receivers pull a 32 MiB object
+    in a chain: every node moves to the second and re-announces what it
+    holds, and both receivers end with byte-identical copies."""
+    value = (np.arange(32 * MiB) % 233).astype(np.uint8)
+
+    async def body(first, second, origin, r1, r2):
+        oid = await origin.put(value, hg.ObjectID.from_name("standby-broadcast"))
+        gets = [asyncio.ensure_future(r.get(oid, 30.0, "numpy")) for r in (r1, r2)]
+        assert await eventually(lambda: any(
+            0 < h.nbytes < value.nbytes for h in first.state.objects[oid.binary].holders.values()
+            if not h.origin), 5.0), "no receiver was seen part-way"
+        await first.close()
+        for got in await asyncio.gather(*gets):
+            np.testing.assert_array_equal(got, value)
+        assert all(n.directory_address == second.address for n in (origin, r1, r2))
+        assert await eventually(lambda: oid.binary in second.state.objects
+                                and second.state.objects[oid.binary].holders[
+                                    origin.node_id].complete, 5.0)
+        # the standby serves new requests: a reduce of the three nodes' inputs
+        ids = [hg.ObjectID.from_name(f"standby-in-{i}") for i in range(3)]
+        for node, i in ((origin, 0), (r1, 1), (r2, 2)):
+            await node.put(np.full(1000, i + 1, np.float32), ids[i])
+        target = await r1.reduce(ids, "sum", 3, hg.ObjectID.from_name("standby-sum"))
+        np.testing.assert_array_equal(await r2.get(target, 10.0, "numpy"),
+                                      np.full(1000, 6, np.float32))
+
+    _run(body)

@@ -480,9 +480,19 @@ def with_rid(msg: Request, rid: int) -> Request:
     return replace(msg, rid=rid)
 
 
+def _too_deep(peer: str) -> ProtocolError:
+    """msgspec recurses once per level of nesting and raises RecursionError
+    past Python's limit: a few kilobytes of ``0x91`` bytes (arrays of one)
+    reach it, so a peer that has proved nothing could end the task reading
+    it with an exception that is no HopliteError."""
+    return ProtocolError(f"undecodable message from {peer}: nested too deeply")
+
+
 def _decode(kind: Any, peer: str, body: bytes | bytearray | memoryview) -> Message | Invalid:
     try:
         return _codec(kind).decode(body)
+    except RecursionError:
+        raise _too_deep(peer) from None
     except msgspec.ValidationError as exc:
         raw = decode_map(peer, body)
         op, rid = raw.get("op"), raw.get("rid")
@@ -499,6 +509,8 @@ def decode_map(peer: str, body: bytes | bytearray | memoryview) -> dict[str, Any
     `peer` for bytes that are no map."""
     try:
         raw = _codec(Any).decode(body)
+    except RecursionError:
+        raise _too_deep(peer) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable message from {peer}: {exc}") from exc
     if not isinstance(raw, dict):

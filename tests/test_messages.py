@@ -255,3 +255,18 @@ def test_the_handshake_and_error_frames_travel_as_the_maps_they_always_were():
     asyncio.run(protocol.send_error_frame(window, "ObjectNotFound", "x" * 300))
     assert window.body == msgpack.packb({"error": "ObjectNotFound", "message": "x" * 300},
                                         use_bin_type=True)
+
+
+@pytest.mark.parametrize("decode", [m.decode_map, m.decode_hello, m.decode_to_directory,
+                                    m.decode_pull, m.decode_ack], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("under", [None, "layout"])
+def test_a_deeply_nested_message_is_refused_as_a_protocol_error(decode, under):
+    """Bug: msgspec recurses once per level of nesting and raises
+    RecursionError past Python's limit, which the decoders let through: a
+    4 KiB body of arrays of one (``0x91`` bytes), sent as a handshake's
+    proof by a peer without the token, ended the server's connection task
+    with an exception that is no HopliteError (logged as never retrieved)."""
+    body = (b"\x82\xa2op\xa3put\xa6layout" if under else b"") + b"\x91" * 4000 + b"\xc0"
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        decode("peer", body)
+

@@ -542,6 +542,8 @@ def decode_manifest(what: str, body: bytes | bytearray | memoryview) -> Manifest
     """A channel manifest; ProtocolError naming `what` for bytes that are not one."""
     try:
         return _codec(Manifest).decode(body)
+    except RecursionError:  # (`_too_deep`: an unknown field is skipped level by level)
+        raise ProtocolError(f"{what} is not a channel manifest: nested too deeply") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{what} is not a channel manifest: {exc}") from None
 

@@ -270,3 +270,12 @@ def test_a_deeply_nested_message_is_refused_as_a_protocol_error(decode, under):
     with pytest.raises(ProtocolError, match="nested too deeply"):
         decode("peer", body)
 
+
+
+def test_a_deeply_nested_field_of_a_channel_manifest_is_refused_by_name():
+    """Bug: as above for a manifest object's bytes: msgspec skips a field a
+    Manifest does not have level by level, so a deeply nested one raised
+    RecursionError instead of the ProtocolError that names the manifest."""
+    body = b"\x82\xa7version\x01\xa5extra" + b"\x91" * 4000 + b"\xc0"
+    with pytest.raises(ProtocolError, match="channel 'w' is not a channel manifest: nested"):
+        m.decode_manifest("channel 'w'", body)

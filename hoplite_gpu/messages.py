@@ -241,7 +241,7 @@ class Query(Request, tag="query"):
 
 class ChannelPublish(Request, tag="channel_publish"):
     name: str
-    version: int
+    version: NonNegative  # (-1 is a head's "none yet", never a version)
 
 
 class ChannelHead(Request, tag="channel_head"):

@@ -279,3 +279,11 @@ def test_a_deeply_nested_field_of_a_channel_manifest_is_refused_by_name():
     body = b"\x82\xa7version\x01\xa5extra" + b"\x91" * 4000 + b"\xc0"
     with pytest.raises(ProtocolError, match="channel 'w' is not a channel manifest: nested"):
         m.decode_manifest("channel 'w'", body)
+
+
+def test_a_channel_publish_of_a_negative_version_is_invalid():
+    """Bug: a version below 0 was taken, and the directory's state machine
+    raised KeyError on it for a channel with no head yet (-1 means "none
+    yet" there); it is now refused where it is decoded."""
+    msg = m.decode_to_directory("peer", m.encode(m.ChannelPublish(rid=3, name="c", version=-1)))
+    assert isinstance(msg, m.Invalid) and msg.rid == 3 and "version" in msg.message, msg

@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     _module_command(sub, "multisource", "multisource", "one receiver pulling a large object "
                     "from several holders at once vs from one, and with a holder killed midway, "
                     "on emulated hosts (network namespaces + tc; root)")
+    _module_command(sub, "fuzz", "fuzz", "hostile bytes against the directory, the data "
+                    "server and their decoders: crashes, hangs, memory per unproven peer")
     _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
                     "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             out = RESULTS / f"{stem}-{dt.date.today().isoformat()}-{n}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
-    return 0 if result.get("byte_identical", True) and all(
+    return 0 if result.get("byte_identical", True) and result.get("ok", True) and all(
         r.get("byte_identical", True) for r in result["rows"]) else 1
 
 

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import traceback
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,8 @@ class Outcome:
 
     kind: str
     detail: str = ""
+    #: the peer's local port (the server names the connection by it)
+    port: int = 0
 
     @property
     def bad(self) -> bool:
@@ -158,10 +161,24 @@ def _until_closed(peer: RawPeer, seen: list[Any]) -> None:
 
 
 # ------------------------------------------------------ one input per phase ---
+def _connected(address: str, deadline_s: float, run: Callable[[RawPeer], Outcome]) -> Outcome:
+    """`run(peer)` on a new connection, its outcome tagged with the peer's port."""
+    peer = RawPeer(address, time.monotonic() + deadline_s)
+    try:
+        outcome = run(peer)
+    finally:
+        peer.close()
+    outcome.port = peer.port
+    return outcome
+
+
 def before_handshake(address: str, pieces: list[bytes], hold: bool, deadline_s: float) -> Outcome:
     """`pieces` instead of the handshake's proof; with `hold` the connection
     is left open (the server's handshake deadline must end it)."""
-    peer = RawPeer(address, time.monotonic() + deadline_s)
+    return _connected(address, deadline_s, lambda peer: _before_handshake(peer, pieces, hold))
+
+
+def _before_handshake(peer: RawPeer, pieces: list[bytes], hold: bool) -> Outcome:
     try:
         peer.recv_message()  # the challenge
         peer.send(pieces)
@@ -173,8 +190,6 @@ def before_handshake(address: str, pieces: list[bytes], hold: bool, deadline_s: 
         return Outcome("hang", str(exc))
     except HopliteError as exc:  # (the server's own bytes: never expected to be bad)
         return Outcome("unclear", f"{type(exc).__name__}: {exc}")
-    finally:
-        peer.close()
     if any(isinstance(v, dict) and v.get("ok") for v in seen):
         return Outcome("breach", f"accepted without the token: {seen!r:.200}")
     if any(isinstance(v, dict) and v.get("ok") is False for v in seen):
@@ -188,7 +203,12 @@ def after_handshake(address: str, token: str, pieces: list[bytes], finish: str,
     message (`node` None) or after registering as `node`. `finish`: ``close``
     (stop writing), ``hold`` (stay silent) or ``ping`` (then ask for
     request `SENTINEL`, which a connection still open must answer)."""
-    peer = RawPeer(address, time.monotonic() + deadline_s)
+    return _connected(address, deadline_s,
+                      lambda peer: _after_handshake(peer, token, pieces, finish, node))
+
+
+def _after_handshake(peer: RawPeer, token: str, pieces: list[bytes], finish: str,
+                     node: str | None) -> Outcome:
     seen: list[Any] = []
     try:
         peer.handshake(token)
@@ -214,8 +234,6 @@ def after_handshake(address: str, token: str, pieces: list[bytes], finish: str,
         return Outcome("hang", f"{exc}; seen {seen!r:.300}")
     except HopliteError as exc:
         return Outcome("unclear", f"{type(exc).__name__}: {exc}")
-    finally:
-        peer.close()
     refusals = [s for s in seen if "error" in s]
     return Outcome("refused", refusals[-1]["message"]) if refusals else Outcome("closed")
 
@@ -226,7 +244,12 @@ def data_request(address: str, token: str, pieces: list[bytes], finish: str,
     ``ping``) the pull `sentinel`; the first frame back (data, a keepalive
     or an error frame) or the close ends it. (An empty range is answered
     with no frame at all: the sentinel's frame answers then.)"""
-    peer = RawPeer(address, time.monotonic() + deadline_s)
+    return _connected(address, deadline_s,
+                      lambda peer: _data_request(peer, token, pieces, finish, sentinel))
+
+
+def _data_request(peer: RawPeer, token: str, pieces: list[bytes], finish: str,
+                  sentinel: m.Pull | None) -> Outcome:
     try:
         peer.handshake(token)
         peer.send(pieces)
@@ -239,8 +262,6 @@ def data_request(address: str, token: str, pieces: list[bytes], finish: str,
         return Outcome("hang", str(exc))
     except HopliteError as exc:
         return Outcome("unclear", f"{type(exc).__name__}: {exc}")
-    finally:
-        peer.close()
     if got is None:
         return Outcome("closed")
     kind, body = got
@@ -425,5 +446,33 @@ def peer_name(port: int) -> str:
     return f"127.0.0.1:{port}"
 
 
+def held_per_unproven_peer(served: Served, peers: int, announce: int) -> tuple[float, int]:
+    """Bytes this process holds per connection (tracemalloc: the server's
+    side, and the peers' own sockets too, so an upper bound) once `peers`
+    connections each read the challenge, announced a proof of `announce`
+    bytes and sent one byte of it; and how many connections the server
+    then still serves. The server's handshake deadline must be longer than
+    this takes."""
+    before_handshake(served.address, [b"warm"], False, 5.0)  # (first-use allocations)
+    opened: list[RawPeer] = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(peers):
+            peer = RawPeer(served.address, time.monotonic() + 5.0)
+            opened.append(peer)
+            peer.recv_message()
+            peer.send([LENGTH.pack(announce) + b"\x82"])
+        time.sleep(0.3)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        serving = served.connections()
+    finally:
+        tracemalloc.stop()
+        for peer in opened:
+            peer.close()
+    return grown / peers, serving
+
+
 __all__ = ["SENTINEL", "Crash", "Hang", "Outcome", "RawPeer", "Served", "after_handshake",
-           "before_handshake", "data_alive", "data_request", "directory_alive", "peer_name"]
+           "before_handshake", "data_alive", "data_request", "directory_alive",
+           "held_per_unproven_peer", "peer_name"]

@@ -18,6 +18,7 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.errors import (
+    HopliteError,
     ObjectNotFound,
     ReduceFailed,
     RuntimeClosed,
@@ -200,6 +201,50 @@ class Node:
         if self.config.shared_memory:
             self.server.listen_local(address)  # pullers on this host find it by that address
         await self.link.connect(address)
+
+    async def drain(self, grace: float) -> int:
+        """Wait, at most `grace` seconds, until no peer needs this node to stay:
+        none pulls from it, and no object of which it holds the only complete
+        copy has a holder still filling its own (a receiver the directory sent
+        here that has not connected yet counts). Returns how many objects were
+        waited for. Nothing needed: it returns at once."""
+        deadline = time.monotonic() + grace
+        limit = self.config.inline_threshold  # (inline copies live in the directory)
+        needed = [obj.oid for obj in self.store.objects()
+                  if obj.complete and not obj.lent and obj.size > limit]
+        if grace <= 0 or not needed or self._closed is not None:
+            return 0
+        needed = await self._needed(needed, deadline)
+        waited = len(needed)
+        if needed:
+            log.info("shutdown: waiting up to %.3gs for peers pulling %d objects only this "
+                     "node holds whole", grace, len(needed))
+        asked = time.monotonic()
+        while needed and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() - asked >= 0.1:  # (the directory's view, every 100 ms)
+                needed, asked = await self._needed(needed, deadline), time.monotonic()
+            else:
+                needed = [oid for oid in needed if self.store.get(oid) is not None]
+        return waited
+
+    async def _needed(self, oids: list[ObjectID], deadline: float) -> list[ObjectID]:
+        """Those of `oids` a peer still needs from this node: pulled from it
+        now, or held nowhere else whole while another holder is filling it."""
+        async def needed(oid: ObjectID) -> bool:
+            if self.server.serving(oid):
+                return True
+            try:
+                body = await self._request(m.Query(rid=0, oid=oid.binary),
+                                           max(0.001, min(1.0, deadline - time.monotonic())))
+            except HopliteError:  # (unknown, or no directory: nobody is sent here)
+                return False
+            others = [h for h in getattr(body, "holders", ()) if h.node != self.node_id]
+            return (self.store.get(oid) is not None and not any(h.complete for h in others)
+                    and any(not h.complete for h in others))
+
+        flags = await asyncio.gather(*[needed(oid) for oid in oids])
+        return [oid for oid, flag in zip(oids, flags, strict=True) if flag]
 
     async def close(self) -> None:
         if self._closed is not None:

@@ -5,6 +5,17 @@ collective call (e.g. ``f"grads-step-{step}"``), their `rank` and the `size`.
 Object ids are derived from the name, so nobody has to exchange ids. A name must
 be used for one call only (objects are immutable); `delete` frees its objects.
 Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module.
+
+Migration: `hoplite_gpu.Group` holds the name, rank and size instead, numbers
+its calls, refuses a call the ranks disagree on (op, root, size, dtype,
+shape) on every rank, names missing ranks in its timeouts and frees each
+call's objects once every rank is past it, so a loop needs no names per step
+and no `delete`: ``g = hg.Group("grads", rank=r, size=n)`` once, then
+``g.allreduce(x, op="avg")`` where this module's call was
+``allreduce(x, name=f"grads-{step}", rank=r, size=n, op="avg")`` plus a
+`delete` of the step before (docs/collectives.md, "Migration"). These calls
+stay for what a Group does not do: `num_objects` (the first k inputs), a
+non-root `reduce(wait=True)`, and ranks that do not all make every call.
 """
 
 from __future__ import annotations

@@ -371,3 +371,19 @@ def broadcast_receive(name: str, rank: int, size: int) -> int:
     from hoplite_gpu import collectives
 
     return zlib.crc32(collectives.broadcast(None, name=name, rank=rank, size=size, timeout=60))
+
+
+def group_allreduce_loop(name: str, rank: int, size: int, calls: int, nbytes: int) -> dict:
+    """`calls` allreduces of `nbytes` through one Group, with no delete:
+    this node's held bytes after the loop and after `close`, and whether every
+    result was right."""
+    group = hg.Group(name, rank=rank, size=size, timeout=120)
+    value = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+    right = True
+    for _ in range(calls):
+        out = group.allreduce(value)
+        right = right and float(out[0]) == float(out[-1]) == size * (size + 1) / 2
+    del out  # (a view of the node's copy)
+    held = hg.node_stats()["held_bytes"]
+    group.close()
+    return {"held": held, "after_close": hg.node_stats()["held_bytes"], "right": right}

@@ -310,6 +310,16 @@ class Node:
                 f"the call receiving object {oid.hex()} into its own array gave up"))
             self._post(m.Dropped(oid=oid.binary))
 
+    def forget_copy(self, oid: ObjectID) -> None:
+        """Drop this node's copy of `oid` if it was fetched from elsewhere (not
+        put or made here), and the directory hears so: a later get fetches
+        the object anew (a small object read before it was deleted and put
+        again under its id)."""
+        obj = self.store.get(oid)
+        if obj is not None and not obj.own and obj.complete and not self.making(oid):
+            self._forget(oid, ObjectNotFound(f"object {oid.hex()} was let go by this node"))
+            self._post(m.Dropped(oid=oid.binary))
+
     def is_lent(self, oid: ObjectID) -> bool:
         """Whether `oid` is here as a `put(lend=True)` of a caller's memory."""
         return self.puts.is_lent(oid)

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import api
 from .directory.reduce_plan import allreduce_slices
-from .errors import HopliteError, InvalidArgument, Timeout
+from .errors import HopliteError, InvalidArgument, ObjectNotFound, Timeout
 from .ids import ObjectID
 from .values import encode, is_masked, to_buffer
 
@@ -72,18 +72,20 @@ def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
 
 
 def _names_its_timeout(fn: Callable) -> Callable:
-    """A Timeout out of a collective names the call's own timeout: a step that
-    ran out reports only the time that was left to it (after the put, after a
-    direct try that fell back), which alone reads as a setting never made."""
-    def renamed(exc: Timeout, kw: dict) -> Timeout:
+    """A Timeout out of a collective names the call, its rank and size, and
+    the call's own timeout (a step that ran out reports only the time that was
+    left to it, which alone reads as a setting never made, or only object
+    ids); a gather's, an allgather's or a broadcast's also names the ranks
+    whose value the directory never saw (`_missing`)."""
+    call = fn.__name__.removesuffix("_async")
+
+    def renamed(exc: Timeout, kw: dict, missing: str) -> Timeout:
         try:
             limit = api._timeout(api.runtime(), kw.get("timeout"))
         except HopliteError:
             return exc
-        if f"{limit:g}s" in str(exc):
-            return exc
-        return Timeout(f"{fn.__name__.removesuffix('_async')} {kw.get('name')!r} did not finish "
-                       f"within its timeout of {limit:g}s: {exc}")
+        return Timeout(f"{call} {kw.get('name')!r} (rank {kw.get('rank')} of {kw.get('size')}) "
+                       f"did not finish within its timeout of {limit:g}s{missing}: {exc}")
 
     if asyncio.iscoroutinefunction(fn):
         @functools.wraps(fn)
@@ -91,7 +93,8 @@ def _names_its_timeout(fn: Callable) -> Callable:
             try:
                 return await fn(value, **kw)
             except Timeout as exc:
-                raise renamed(exc, kw) from None
+                known = await _known_async(_inputs_of(call, kw))
+                raise renamed(exc, kw, _missing(call, kw, known)) from None
         return awaited
 
     @functools.wraps(fn)
@@ -99,8 +102,66 @@ def _names_its_timeout(fn: Callable) -> Callable:
         try:
             return fn(value, **kw)
         except Timeout as exc:
-            raise renamed(exc, kw) from None
+            known = _known(_inputs_of(call, kw))
+            raise renamed(exc, kw, _missing(call, kw, known)) from None
     return called
+
+
+def _inputs_of(call: str, kw: dict) -> list[ObjectID]:
+    """The objects whose absence says which ranks a timed-out call waited
+    for: a gather's inputs, a broadcast's value. (A reduce's inputs are lent
+    and leave as each rank's call ends, so they cannot say.)"""
+    name, size = kw.get("name"), kw.get("size")
+    if not isinstance(name, str) or not _int(size) or size > 4096:
+        return []
+    if call in ("gather", "allgather"):
+        return [input_id(name, r) for r in range(size)]
+    if call == "broadcast":
+        return [ObjectID.from_name(f"{name}/bcast")]
+    return []
+
+
+def _missing(call: str, kw: dict, known: list[bool | None]) -> str:
+    if call == "broadcast":
+        return f" (the root, rank {kw.get('root', 0)}, never put its value)" \
+            if known == [False] else ""
+    absent = [r for r, there in enumerate(known) if there is False]
+    if not absent:
+        return ""
+    return f" (no value came from rank{'s' if len(absent) > 1 else ''} " \
+        f"{', '.join(map(str, absent))})"
+
+
+#: How long a timed-out collective asks the directory which ranks' objects it knows.
+_ASK_S = 0.5
+
+
+def _asks(ids: list[ObjectID]) -> Callable[[Any, float], list[Coroutine]]:
+    async def known(node: Any, oid: ObjectID) -> bool | None:
+        try:
+            await node.query(oid)
+        except ObjectNotFound:
+            return False
+        except HopliteError:
+            return None
+        return True
+    return lambda node, _limit: [known(node, oid) for oid in ids]
+
+
+def _known(ids: list[ObjectID]) -> list[bool | None]:
+    """Whether the directory knows each of `ids` (None: it could not say
+    within `_ASK_S`)."""
+    try:
+        return api.runtime().together(_asks(ids), _ASK_S) if ids else []
+    except HopliteError:
+        return [None] * len(ids)
+
+
+async def _known_async(ids: list[ObjectID]) -> list[bool | None]:
+    try:
+        return await api.runtime().together_async(_asks(ids), _ASK_S) if ids else []
+    except HopliteError:
+        return [None] * len(ids)
 
 
 @_names_its_timeout

@@ -156,15 +156,16 @@ class GroupIds:
 
 
 async def collect(node: Any, ids: list[ObjectID], deadline: float,
-                   decode: Callable[[int, Any], Any],
-                   wrong: Callable[[dict[int, Any]], bool] = lambda got: False) -> dict[int, Any]:
+                  decode: Callable[[int, Any], Any],
+                  wrong: Callable[[dict[int, Any]], bool] = lambda got: False) -> dict[int, Any]:
     """Each object of `ids` that comes by `deadline`, decoded, by index (those
     missing are left out). Once `wrong(got)` holds, the rest get only
     `_PICTURE_S` more, so that an error can name every rank it concerns."""
     tasks = {asyncio.ensure_future(node.get(oid, time_left(deadline), "numpy")): i
              for i, oid in enumerate(ids)}
     got: dict[int, Any] = {}
-    pending, until = set(tasks), deadline
+    pending = set(tasks)
+    until = min(deadline, time.monotonic() + _PICTURE_S) if wrong(got) else deadline
     try:
         while pending and time.monotonic() < until:
             done, pending = await asyncio.wait(pending, timeout=until - time.monotonic(),
@@ -212,8 +213,8 @@ class Roster:
                           dtype, shape)
 
     async def descriptors(self, node: Any, ids: list[ObjectID], k: int, kind: str,
-                           deadline: float, have: dict[int, Descriptor] | None = None,
-                           ) -> dict[int, Descriptor]:
+                          deadline: float,
+                          have: dict[int, Descriptor] | None = None) -> dict[int, Descriptor]:
         """The descriptors of call `k` that come by `deadline`, by rank: those
         of `ids` (rank r's at ids[r], None for ranks in `have`) and `have`'s.
         Once they disagree, the rest get only a moment more."""
@@ -230,7 +231,7 @@ class Roster:
         return {**have, **{wanted[i]: d for i, d in got.items()}}
 
     def check(self, got: dict[int, Descriptor], k: int, kind: str, limit: float,
-               left_over: list[int] | tuple = (), hint: str | None = None) -> None:
+              left_over: list[int] | tuple = (), hint: str | None = None) -> None:
         """Raise the error that says which ranks disagree on what, or which did
         not come (`left_over`: ranks whose only claim was a stale one)."""
         wrong = disagreement(got)
@@ -249,7 +250,7 @@ class Roster:
                           f"come within {limit:g}s{came}{stale}")
 
     async def agree(self, node: Any, mine: Descriptor, deadline: float, limit: float,
-                     put: bool = True) -> None:
+                    put: bool = True) -> None:
         """Put our descriptor of call k >= 1 (unless `put` is False: it is), and
         read every rank's."""
         k, ids = mine.call, self.ids
@@ -262,8 +263,8 @@ class Roster:
         strangers = [r for r, d in got.items() if d.token != self.members[r]]
         if strangers:
             raise GroupConflict(
-                f"{self.label(k, mine.kind)}: the call of {ranks_text(strangers)} comes from another "
-                f"Group object than the one that joined as that rank (node "
+                f"{self.label(k, mine.kind)}: the call of {ranks_text(strangers)} comes from "
+                f"another Group object than the one that joined as that rank (node "
                 f"{got[strangers[0]].node}); each rank keeps its one Group object")
 
     async def join(self, node: Any, mine: Descriptor, deadline: float, limit: float) -> None:
@@ -294,7 +295,7 @@ class Roster:
         self.joined = time.monotonic()
 
     async def claim(self, node: Any, mine: Descriptor, deadline: float,
-                     closed: set[str]) -> None:
+                    closed: set[str]) -> None:
         """Put our claim of this rank; a stale one (of a Group of this process
         that failed or closed, or of a node that died) is taken over."""
         oid = self.ids.claim(self.rank)
@@ -321,7 +322,7 @@ class Roster:
                             f"{self.name!r} could not be claimed: other Groups took it in turn")
 
     async def stale(self, node: Any, claims: dict[int, Descriptor],
-                     closed: set[str]) -> list[int]:
+                    closed: set[str]) -> list[int]:
         """The ranks whose claim is left by a Group of this process that was
         `closed`, or by a node that is not alive."""
         others = {r: d for r, d in claims.items() if d.token != self.token}

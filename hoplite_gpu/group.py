@@ -407,8 +407,6 @@ class Group:
                                                      timeout=left)
         return None  # a barrier: the agreement was all of it
 
-    # ------------------------------------------------------------ agreement ---
-
     async def _close(self, node: Any, mine: Descriptor, deadline: float, limit: float) -> None:
         """`close`'s work: rank 0 frees the last call's objects, the claims and
         every close descriptor; the others wait until theirs is freed (they do

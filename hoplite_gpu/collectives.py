@@ -290,13 +290,19 @@ def _sliceable(value: np.ndarray) -> np.ndarray:
     return value
 
 
+def _ready_ids(name: str, size: int) -> list[ObjectID]:
+    """ready[r]: rank r's barrier marker of an allreduce named `name` (sliced,
+    or not sliced with ``allreduce_slicing="auto"``)."""
+    return [ObjectID.from_name(f"{name}/slice/ready/{r}") for r in range(size)]
+
+
 def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
                                                         list[ObjectID]]:
     """(inputs[j][r], results[j], ready[r]) of a sliced allreduce named `name`."""
     inputs = [[ObjectID.from_name(f"{name}/slice/{j}/in/{r}") for r in range(size)]
               for j in range(size)]
     results = [ObjectID.from_name(f"{name}/slice/{j}/reduce/{op}") for j in range(size)]
-    ready = [ObjectID.from_name(f"{name}/slice/ready/{r}") for r in range(size)]
+    ready = _ready_ids(name, size)
     return inputs, results, ready
 
 

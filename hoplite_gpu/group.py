@@ -132,8 +132,8 @@ class Group:
         self._ids = self._roster.ids
         #: calls made so far (the next call's number)
         self.calls = 0
-        #: (kind, op) of the last call made: rank 0 frees its objects at the next
-        self._last: tuple[str, str | None] = ("barrier", None)
+        #: (kind, op, sliced) of the last call made: rank 0 frees its objects at the next
+        self._last: tuple[str, str | None, bool] = ("barrier", None, False)
         self._broken: BaseException | None = None
         self._closed = False
         self._busy = threading.Lock()
@@ -359,7 +359,10 @@ class Group:
         result = await self._work(node, kind, value, op, root, k, deadline, limit, spent)
         if k == 0:
             await roster.seal(node, deadline, limit)
-        self.calls, self._last = k + 1, (kind, op)
+        # (every rank decides alike whether an allreduce is sliced: by the
+        # dtype and shape they agreed on)
+        sliced = kind == "allreduce" and collectives._slices(value, self.size, None) > 1
+        self.calls, self._last = k + 1, (kind, op, sliced)
         return result
 
     async def _work(self, node: Any, kind: str, value: Any, op: str | None, root: int | None,

@@ -138,15 +138,21 @@ class GroupIds:
                  for j in range(size)],
                 [ObjectID.from_name(f"{name}/scatter/{j}/{op}") for j in range(size)])
 
-    def spent(self, k: int, kind: str, op: str | None) -> list[ObjectID]:
-        """Every object call `k` (of `kind`, `op`) may have made; its descriptors
-        too (the first call's are the claims, kept until `close`: `held`)."""
+    def spent(self, k: int, kind: str, op: str | None, sliced: bool = False) -> list[ObjectID]:
+        """Every object call `k` (of `kind`, `op`; an allreduce `sliced` or not)
+        may have made; its descriptors too (the first call's are the claims,
+        kept until `close`: `held`)."""
         size, name = self.size, self.call(k)
         ids = [] if k == 0 else [self.descriptor(k, r) for r in range(size)]
         if kind == "broadcast":
             ids.append(ObjectID.from_name(f"{name}/bcast"))
-        elif kind in ("reduce", "allreduce"):
+        elif kind in ("reduce", "allreduce") and sliced:
             ids += collectives._doomed(name, size, op or "sum", None)
+        elif kind in ("reduce", "allreduce"):
+            inputs, target = collectives._reduce_ids(name, size, op or "sum", None)
+            ids += [target, *inputs]
+            if kind == "allreduce" and size > 1:  # (its barrier markers, with "auto")
+                ids += collectives._ready_ids(name, size)
         elif kind in ("gather", "allgather"):
             ids += [collectives.input_id(name, r) for r in range(size)]
         elif kind == "reduce_scatter":

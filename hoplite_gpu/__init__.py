@@ -109,7 +109,8 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "AuthenticationFailed", "Config", "ConfigError", "ConnectionRefused", "DirectoryUnavailable",
-    "Group", "GroupBroken", "GroupConflict", "GroupMismatch", "HopliteError", "InvalidArgument", "NotInitialized", "ObjectExists", "ObjectID",
+    "Group", "GroupBroken", "GroupConflict", "GroupMismatch", "HopliteError", "InvalidArgument",
+    "NotInitialized", "ObjectExists", "ObjectID",
     "ObjectNotFound", "PeerLost", "ProtocolError", "ReduceFailed", "RuntimeClosed", "StoreFull",
     "Timeout", "TransportClosed", "TransportError", "UnsupportedValue", "delete",
     "delete_async", "get", "get_async", "init", "node_id", "node_stats", "object_info", "object_info_async", "put",

@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -304,17 +305,18 @@ def test_bad_arguments_are_refused_before_the_call_and_leave_the_group_usable(lo
 
 def test_one_group_makes_one_call_at_a_time(local):
     group = hg.Group("busy", rank=0, size=2, timeout=1)
-    waiting = threading.Thread(target=lambda: pytest.raises(hg.Timeout, group.barrier))
+    outcome: list = []
+    waiting = threading.Thread(target=lambda: outcome.append(on_threads([group.barrier])[0]))
     waiting.start()
     try:
-        for _ in range(200):
-            if group._busy.locked():
-                break
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + 5
+        while not group._busy.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
         with pytest.raises(hg.InvalidArgument, match="one call at a time"):
             group.allreduce(np.ones(2))
     finally:
         waiting.join(15)
+    assert isinstance(outcome[0], hg.Timeout)  # (the barrier itself: rank 1 never came)
 
 
 def test_group_is_exported_lazily():

@@ -20,6 +20,9 @@ from .errors import (
     ConfigError,
     ConnectionRefused,
     DirectoryUnavailable,
+    GroupBroken,
+    GroupConflict,
+    GroupMismatch,
     HopliteError,
     InvalidArgument,
     NotInitialized,
@@ -57,6 +60,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         runtime,
         shutdown,
     )
+    from .group import Group
 
 __version__ = "0.1.0"
 
@@ -66,18 +70,21 @@ _API = frozenset({
     "object_info", "object_info_async", "put", "put_async", "reduce", "reduce_async",
     "reduced_inputs", "reduced_inputs_async", "runtime", "shutdown",
 })
+#: Other names loaded on first access, and the module each lives in.
+_LAZY = {"Group": ".group"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
-        value = getattr(importlib.import_module(".api", __name__), name)
+    module = ".api" if name in _API else _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
         globals()[name] = value  # later lookups skip this hook
         return value
     raise AttributeError(f"module 'hoplite_gpu' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _API)
+    return sorted(set(globals()) | _API | set(_LAZY))
 
 
 class _Package(types.ModuleType):
@@ -102,7 +109,8 @@ sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "AuthenticationFailed", "Config", "ConfigError", "ConnectionRefused", "DirectoryUnavailable",
-    "HopliteError", "InvalidArgument", "NotInitialized", "ObjectExists", "ObjectID",
+    "Group", "GroupBroken", "GroupConflict", "GroupMismatch", "HopliteError", "InvalidArgument",
+    "NotInitialized", "ObjectExists", "ObjectID",
     "ObjectNotFound", "PeerLost", "ProtocolError", "ReduceFailed", "RuntimeClosed", "StoreFull",
     "Timeout", "TransportClosed", "TransportError", "UnsupportedValue", "delete",
     "delete_async", "get", "get_async", "init", "node_id", "node_stats", "object_info", "object_info_async", "put",

@@ -291,13 +291,24 @@ def _positive(kind: type, what: str, *, zero: bool = False):
 _at_least_one = _positive(int, "a whole number")
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be from 0 (any free port) to 65535; got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hoplite-gpu", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("directory", help="run the directory service (the control plane)")
     d.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
-    d.add_argument("--port", type=int, default=7777, help="port (0 picks a free one; default 7777)")
+    d.add_argument("--port", type=_port, default=7777, help="port (0 picks a free one; default 7777)")
     d.add_argument("--token", default=None, help="cluster token (default: $HOPLITE_TOKEN, else generated)")
     d.add_argument("--log-level", default=None, type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],

@@ -5,6 +5,17 @@ collective call (e.g. ``f"grads-step-{step}"``), their `rank` and the `size`.
 Object ids are derived from the name, so nobody has to exchange ids. A name must
 be used for one call only (objects are immutable); `delete` frees its objects.
 Every call has an asyncio twin (`allreduce_async`, ...) at the end of the module.
+
+Migration: `hoplite_gpu.Group` holds the name, rank and size instead, numbers
+its calls, refuses a call the ranks disagree on (op, root, size, dtype,
+shape) on every rank, names missing ranks in its timeouts and frees each
+call's objects once every rank is past it, so a loop needs no names per step
+and no `delete`: ``g = hg.Group("grads", rank=r, size=n)`` once, then
+``g.allreduce(x, op="avg")`` where this module's call was
+``allreduce(x, name=f"grads-{step}", rank=r, size=n, op="avg")`` plus a
+`delete` of the step before (docs/collectives.md, "Migration"). These calls
+stay for what a Group does not do: `num_objects` (the first k inputs), a
+non-root `reduce(wait=True)`, and ranks that do not all make every call.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import numpy as np
 
 from . import api
 from .directory.reduce_plan import allreduce_slices
-from .errors import HopliteError, InvalidArgument, Timeout
+from .errors import HopliteError, InvalidArgument, ObjectNotFound, Timeout
 from .ids import ObjectID
 from .values import encode, is_masked, to_buffer
 
@@ -61,18 +72,20 @@ def _put(value: Any, oid: ObjectID, timeout: float | None) -> float:
 
 
 def _names_its_timeout(fn: Callable) -> Callable:
-    """A Timeout out of a collective names the call's own timeout: a step that
-    ran out reports only the time that was left to it (after the put, after a
-    direct try that fell back), which alone reads as a setting never made."""
-    def renamed(exc: Timeout, kw: dict) -> Timeout:
+    """A Timeout out of a collective names the call, its rank and size, and
+    the call's own timeout (a step that ran out reports only the time that was
+    left to it, which alone reads as a setting never made, or only object
+    ids); a gather's, an allgather's or a broadcast's also names the ranks
+    whose value the directory never saw (`_missing`)."""
+    call = fn.__name__.removesuffix("_async")
+
+    def renamed(exc: Timeout, kw: dict, missing: str) -> Timeout:
         try:
             limit = api._timeout(api.runtime(), kw.get("timeout"))
         except HopliteError:
             return exc
-        if f"{limit:g}s" in str(exc):
-            return exc
-        return Timeout(f"{fn.__name__.removesuffix('_async')} {kw.get('name')!r} did not finish "
-                       f"within its timeout of {limit:g}s: {exc}")
+        return Timeout(f"{call} {kw.get('name')!r} (rank {kw.get('rank')} of {kw.get('size')}) "
+                       f"did not finish within its timeout of {limit:g}s{missing}: {exc}")
 
     if asyncio.iscoroutinefunction(fn):
         @functools.wraps(fn)
@@ -80,7 +93,8 @@ def _names_its_timeout(fn: Callable) -> Callable:
             try:
                 return await fn(value, **kw)
             except Timeout as exc:
-                raise renamed(exc, kw) from None
+                known = await _known_async(_inputs_of(call, kw))
+                raise renamed(exc, kw, _missing(call, kw, known)) from None
         return awaited
 
     @functools.wraps(fn)
@@ -88,8 +102,66 @@ def _names_its_timeout(fn: Callable) -> Callable:
         try:
             return fn(value, **kw)
         except Timeout as exc:
-            raise renamed(exc, kw) from None
+            known = _known(_inputs_of(call, kw))
+            raise renamed(exc, kw, _missing(call, kw, known)) from None
     return called
+
+
+def _inputs_of(call: str, kw: dict) -> list[ObjectID]:
+    """The objects whose absence says which ranks a timed-out call waited
+    for: a gather's inputs, a broadcast's value. (A reduce's inputs are lent
+    and leave as each rank's call ends, so they cannot say.)"""
+    name, size = kw.get("name"), kw.get("size")
+    if not isinstance(name, str) or not _int(size) or size > 4096:
+        return []
+    if call in ("gather", "allgather"):
+        return [input_id(name, r) for r in range(size)]
+    if call == "broadcast":
+        return [ObjectID.from_name(f"{name}/bcast")]
+    return []
+
+
+def _missing(call: str, kw: dict, known: list[bool | None]) -> str:
+    if call == "broadcast":
+        return f" (the root, rank {kw.get('root', 0)}, never put its value)" \
+            if known == [False] else ""
+    absent = [r for r, there in enumerate(known) if there is False]
+    if not absent:
+        return ""
+    return f" (no value came from rank{'s' if len(absent) > 1 else ''} " \
+        f"{', '.join(map(str, absent))})"
+
+
+#: How long a timed-out collective asks the directory which ranks' objects it knows.
+_ASK_S = 0.5
+
+
+def _asks(ids: list[ObjectID]) -> Callable[[Any, float], list[Coroutine]]:
+    async def known(node: Any, oid: ObjectID) -> bool | None:
+        try:
+            await node.query(oid)
+        except ObjectNotFound:
+            return False
+        except HopliteError:
+            return None
+        return True
+    return lambda node, _limit: [known(node, oid) for oid in ids]
+
+
+def _known(ids: list[ObjectID]) -> list[bool | None]:
+    """Whether the directory knows each of `ids` (None: it could not say
+    within `_ASK_S`)."""
+    try:
+        return api.runtime().together(_asks(ids), _ASK_S) if ids else []
+    except HopliteError:
+        return [None] * len(ids)
+
+
+async def _known_async(ids: list[ObjectID]) -> list[bool | None]:
+    try:
+        return await api.runtime().together_async(_asks(ids), _ASK_S) if ids else []
+    except HopliteError:
+        return [None] * len(ids)
 
 
 @_names_its_timeout
@@ -218,13 +290,19 @@ def _sliceable(value: np.ndarray) -> np.ndarray:
     return value
 
 
+def _ready_ids(name: str, size: int) -> list[ObjectID]:
+    """ready[r]: rank r's barrier marker of an allreduce named `name` (sliced,
+    or not sliced with ``allreduce_slicing="auto"``)."""
+    return [ObjectID.from_name(f"{name}/slice/ready/{r}") for r in range(size)]
+
+
 def _slice_ids(name: str, size: int, op: str) -> tuple[list[list[ObjectID]], list[ObjectID],
                                                         list[ObjectID]]:
     """(inputs[j][r], results[j], ready[r]) of a sliced allreduce named `name`."""
     inputs = [[ObjectID.from_name(f"{name}/slice/{j}/in/{r}") for r in range(size)]
               for j in range(size)]
     results = [ObjectID.from_name(f"{name}/slice/{j}/reduce/{op}") for j in range(size)]
-    ready = [ObjectID.from_name(f"{name}/slice/ready/{r}") for r in range(size)]
+    ready = _ready_ids(name, size)
     return inputs, results, ready
 
 

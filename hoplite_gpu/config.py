@@ -103,6 +103,11 @@ class Config:
     connect_timeout_s: float = 10.0
     #: A transfer that moves no byte for this long counts as failed.
     stall_timeout_s: float = 10.0
+    #: How long, in seconds, `shutdown()` waits for peers still pulling an
+    #: object of which this node holds the only complete copy (a broadcast's
+    #: root that leaves right after its put): they finish instead of losing
+    #: the object. Ctrl-C cuts the wait short; 0: no wait. Nobody pulling: no wait.
+    shutdown_grace_s: float = 5.0
     #: How often a node renews its lease with the directory.
     heartbeat_interval_s: float = 1.0
     #: A node whose lease is not renewed for this long is declared dead.
@@ -173,6 +178,9 @@ class Config:
             )
         if not 1 <= self.max_sources <= 64:
             raise ConfigError(f"max_sources must be between 1 and 64; got {self.max_sources}")
+        if not 0 <= self.shutdown_grace_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"shutdown_grace_s must be >= 0 and at most {MAX_TIMEOUT_S:g}; "
+                              f"got {self.shutdown_grace_s}")
         if self.multi_source_bytes < 0:
             raise ConfigError(f"multi_source_bytes must be >= 0; got {self.multi_source_bytes}")
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",

@@ -78,3 +78,19 @@ class StoreFull(HopliteError, MemoryError):
     """No room for a new object on this node: its objects would exceed its
     `store_bytes` limit and evicting copies held elsewhere did not make room,
     or the machine (or GPU) could not allocate the memory."""
+
+
+class GroupMismatch(InvalidArgument):
+    """The ranks of a `Group` made different calls, or one call with arguments
+    that must agree and do not (size, op, root, an array's dtype or shape);
+    every rank that reads the others' descriptors refuses the call."""
+
+
+class GroupConflict(HopliteError):
+    """Two `Group` objects claimed one rank of a group name at once (two groups
+    forming under one name): the group is refused, never mixed."""
+
+
+class GroupBroken(HopliteError):
+    """A `Group` call after an earlier call of the group failed, or after
+    `close`: its ranks may be at different calls, so it cannot go on."""

@@ -278,6 +278,7 @@ class StepLost(Message, tag="step_lost"):
 
 class ReducedInputs(Request, tag="reduced_inputs"):
     target: Id
+    wait: bool = True
 
 
 class ReduceConfirm(Request, tag="reduce_confirm"):

@@ -348,7 +348,9 @@ class Runtime:
             self.direct.close()
         if self.closed and not self._thread.is_alive():
             return
+        interrupted = None
         if self._loop.is_running():
+            interrupted = self._drain()
             fut = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
             try:
                 fut.result(15)
@@ -364,6 +366,26 @@ class Runtime:
             left, self._waiting = list(self._waiting), set()
         for fut in left:
             fut.cancel()
+        if interrupted is not None:
+            raise interrupted  # (once closed: Ctrl-C only cut the wait for pulls short)
+
+    def _drain(self) -> KeyboardInterrupt | None:
+        """Let peers finish pulling what only this node holds whole, for at most
+        `shutdown_grace_s` (`Node.drain`); Ctrl-C cuts the wait short, and is
+        returned to be raised once the runtime is closed."""
+        grace = self.config.shutdown_grace_s
+        if self.node is None or grace <= 0 or self.on_loop_thread():
+            return None
+        fut = asyncio.run_coroutine_threadsafe(self.node.drain(grace), self._loop)
+        try:
+            fut.result(grace + _GRACE_S)
+        except KeyboardInterrupt as exc:
+            fut.cancel()
+            return exc
+        except Exception as exc:  # (shutting down: report, never raise)
+            fut.cancel()
+            log.warning("shutdown did not wait for peers' pulls: %r", exc)
+        return None
 
     def _settled(self, fut: concurrent.futures.Future) -> None:
         with self._waiting_lock:

@@ -344,3 +344,46 @@ def get_error_text(name: str, timeout: float = 30.0) -> str:
     except hg.HopliteError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def broadcast_and_leave(name: str, size: int, receivers: int) -> tuple[int, int]:
+    """A broadcast's root that shuts down as soon as its put returns, once the
+    directory has sent `receivers` peers to pull the object (bounded wait):
+    the value's checksum, and how many receivers were still filling their copy
+    when it left."""
+    from hoplite_gpu import collectives
+
+    data = pattern(size, seed=7)
+    collectives.broadcast(data, name=name, rank=0, size=receivers + 1)
+    oid = hg.ObjectID.from_name(f"{name}/bcast")
+    deadline = time.monotonic() + 30
+    while True:
+        others = [h for h in hg.object_info(oid)["holders"] if h["node"] != hg.node_id()]
+        if len(others) >= receivers or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    filling = sum(not h["complete"] for h in others)
+    hg.shutdown()
+    return zlib.crc32(data), filling
+
+
+def broadcast_receive(name: str, rank: int, size: int) -> int:
+    from hoplite_gpu import collectives
+
+    return zlib.crc32(collectives.broadcast(None, name=name, rank=rank, size=size, timeout=60))
+
+
+def group_allreduce_loop(name: str, rank: int, size: int, calls: int, nbytes: int) -> dict:
+    """`calls` allreduces of `nbytes` through one Group, with no delete:
+    this node's held bytes after the loop and after `close`, and whether every
+    result was right."""
+    group = hg.Group(name, rank=rank, size=size, timeout=120)
+    value = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+    right = True
+    for _ in range(calls):
+        out = group.allreduce(value)
+        right = right and float(out[0]) == float(out[-1]) == size * (size + 1) / 2
+    del out  # (a view of the node's copy)
+    held = hg.node_stats()["held_bytes"]
+    group.close()
+    return {"held": held, "after_close": hg.node_stats()["held_bytes"], "right": right}

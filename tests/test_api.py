@@ -423,3 +423,21 @@ def test_a_failed_reduce_asked_again_says_so_at_once_and_how_to_ask_anew(local):
     c = hg.put(np.full(4, 2, np.float32))
     again = hg.reduce([a, c], op="sum", num_objects=2, object_id=target)
     np.testing.assert_array_equal(hg.get(again, timeout=5), np.full(4, 3, np.float32))
+
+
+def test_reduced_inputs_of_an_id_no_reduce_makes_says_no_such_reduce(local):
+    """`reduced_inputs(unknown_id, timeout=1)` said the directory "did not
+    answer 'reduced_inputs' within 0.999999s" while it was healthy: the
+    timeout now says that no reduce produces the id."""
+    with pytest.raises(hg.Timeout, match="no such reduce") as err:
+        hg.reduced_inputs(hg.ObjectID.from_name("no reduce makes this"), timeout=1)
+    assert "did not answer" not in str(err.value) and "timeout=1)" in str(err.value)
+
+
+def test_reduced_inputs_of_an_unfinished_reduce_says_how_many_inputs_came(local):
+    one = hg.put(np.ones(4))
+    rid = hg.reduce([one, hg.ObjectID.from_name("never put")], "sum")
+    with pytest.raises(hg.Timeout, match="not done: 1 of its 2 inputs have come"):
+        hg.reduced_inputs(rid, timeout=0.5)
+    hg.put(np.ones(4), hg.ObjectID.from_name("never put"))
+    assert set(hg.reduced_inputs(rid, timeout=10)) == {one, hg.ObjectID.from_name("never put")}

@@ -196,3 +196,14 @@ def test_bench_runs_the_source_trees_benchmarks_and_says_where_they_are(tmp_path
                           timeout=60, cwd=tmp_path)
     assert away.returncode == 2
     assert "source checkout" in away.stderr and "Traceback" not in away.stderr
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_directory_port_out_of_range_is_an_argument_error(port):
+    """`hoplite-gpu directory --port 70000` printed a generated token and then
+    a ConnectionRefused traceback: a port outside 0-65535 is refused by the
+    argument parser, before anything starts."""
+    r = subprocess.run([sys.executable, "-m", "hoplite_gpu", "directory", "--port", port],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "argument --port" in r.stderr, r.stderr
+    assert "token" not in r.stdout and "Traceback" not in r.stderr

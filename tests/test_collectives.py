@@ -422,3 +422,20 @@ def test_a_collectives_delete_is_one_message_per_4096_ids(monkeypatch):
                 hg.object_info(oid)
     finally:
         hg.shutdown()
+
+
+@pytest.mark.parametrize("op", ["gather", "allgather"])
+def test_a_gathers_timeout_names_the_call_and_the_ranks_that_never_came(local, op):
+    """A rank that never arrives made everyone's timeout name only hex object
+    ids ("4 objects were not all available within 0.5s"): it names the call,
+    this rank, the group's size and the ranks whose values never came."""
+    _put_rank(f"late-{op}", 2, np.ones(3))
+    with pytest.raises(hg.Timeout) as err:
+        getattr(collectives, op)(np.ones(3), name=f"late-{op}", rank=0, size=4, timeout=0.5)
+    assert str(err.value).startswith(f"{op} 'late-{op}' (rank 0 of 4) did not finish within "
+                                     "its timeout of 0.5s (no value came from ranks 1, 3)")
+
+
+def test_a_broadcasts_timeout_says_the_root_never_put(local):
+    with pytest.raises(hg.Timeout, match=r"\(the root, rank 2, never put its value\)"):
+        collectives.broadcast(None, name="no-root", rank=0, size=3, root=2, timeout=0.5)

@@ -241,11 +241,13 @@ class InlineReduced:
 
 @dataclass(frozen=True)
 class ReducedInputs:
-    """Which inputs went into `target`? Answered once they are all chosen."""
+    """Which inputs went into `target`? Answered once they are all chosen
+    (without `wait`: at once, with what stands in the way if they are not)."""
 
     node: NodeId
     request: int
     target: Key
+    wait: bool = True
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,10 @@ class Reduces:
                 "ObjectNotFound", f"no reduce produces {ev.target.hex()}"
                 + (" (it was deleted or lost)" if removed else
                    " (it is an object that was put)"))))
+        elif task is None and not ev.wait:
+            out.append(Reply(ev.node, ev.request, error_body(
+                "ObjectNotFound", f"no such reduce: nobody asked for a reduce producing "
+                f"{ev.target.hex()}")))
         elif task is None:  # (its reduce not asked for yet: waits for it, as a get does)
             self.reduce_pending.setdefault(ev.target, []).append((ev.node, ev.request))
             self._requests.wait(ev.node, ev.request, "reduce", ev.target)
@@ -132,6 +136,10 @@ class Reduces:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
         elif task.done:
             out.append(Reply(ev.node, ev.request, m.Inputs(inputs=task.chosen)))
+        elif not ev.wait:
+            out.append(Reply(ev.node, ev.request, error_body(
+                "Timeout", f"the reduce producing {ev.target.hex()} is not done: "
+                f"{min(len(task.slots), task.k)} of its {task.k} inputs have come")))
         else:  # answered when the result is complete: a failover may still change the set
             task.waiters.append((ev.node, ev.request))
             self._requests.wait(ev.node, ev.request, "reduce", ev.target)

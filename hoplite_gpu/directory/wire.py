@@ -44,7 +44,7 @@ EVENTS: dict[type, Callable[[str, Any], state.Event]] = {
     m.Reduce: _reduce,
     m.ReduceFailed: lambda node, msg: state.ReduceFailed(node, msg.target, msg.message, msg.tag),
     m.StepLost: lambda node, msg: state.StepLost(node, msg.target, msg.message, msg.tag),
-    m.ReducedInputs: lambda node, msg: state.ReducedInputs(node, msg.rid, msg.target),
+    m.ReducedInputs: lambda node, msg: state.ReducedInputs(node, msg.rid, msg.target, msg.wait),
     m.ReduceConfirm: lambda node, msg: state.ReduceConfirm(node, msg.rid, msg.target, msg.tag),
 }
 

@@ -18,6 +18,7 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.errors import (
+    HopliteError,
     InvalidArgument,
     ObjectNotFound,
     ReduceFailed,
@@ -205,6 +206,50 @@ class Node:
             self.server.listen_local(address)  # pullers on this host find it by that address
         await self.link.connect(address)
 
+    async def drain(self, grace: float) -> int:
+        """Wait, at most `grace` seconds, until no peer needs this node to stay:
+        none pulls from it, and no object of which it holds the only complete
+        copy has a holder still filling its own (a receiver the directory sent
+        here that has not connected yet counts). Returns how many objects were
+        waited for. Nothing needed: it returns at once."""
+        deadline = time.monotonic() + grace
+        limit = self.config.inline_threshold  # (inline copies live in the directory)
+        needed = [obj.oid for obj in self.store.objects()
+                  if obj.complete and not obj.lent and obj.size > limit]
+        if grace <= 0 or not needed or self._closed is not None:
+            return 0
+        needed = await self._needed(needed, deadline)
+        waited = len(needed)
+        if needed:
+            log.info("shutdown: waiting up to %.3gs for peers pulling %d objects only this "
+                     "node holds whole", grace, len(needed))
+        asked = time.monotonic()
+        while needed and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() - asked >= 0.1:  # (the directory's view, every 100 ms)
+                needed, asked = await self._needed(needed, deadline), time.monotonic()
+            else:
+                needed = [oid for oid in needed if self.store.get(oid) is not None]
+        return waited
+
+    async def _needed(self, oids: list[ObjectID], deadline: float) -> list[ObjectID]:
+        """Those of `oids` a peer still needs from this node: pulled from it
+        now, or held nowhere else whole while another holder is filling it."""
+        async def needed(oid: ObjectID) -> bool:
+            if self.server.serving(oid):
+                return True
+            try:
+                body = await self._request(m.Query(rid=0, oid=oid.binary),
+                                           max(0.001, min(1.0, deadline - time.monotonic())))
+            except HopliteError:  # (unknown, or no directory: nobody is sent here)
+                return False
+            others = [h for h in getattr(body, "holders", ()) if h.node != self.node_id]
+            return (self.store.get(oid) is not None and not any(h.complete for h in others)
+                    and any(not h.complete for h in others))
+
+        flags = await asyncio.gather(*[needed(oid) for oid in oids])
+        return [oid for oid, flag in zip(oids, flags, strict=True) if flag]
+
     async def close(self) -> None:
         if self._closed is not None:
             return
@@ -267,6 +312,16 @@ class Node:
             # Everything a drop does (`_forget`), and the directory hears.
             self._forget(oid, ObjectNotFound(
                 f"the call receiving object {oid.hex()} into its own array gave up"))
+            self._post(m.Dropped(oid=oid.binary))
+
+    def forget_copy(self, oid: ObjectID) -> None:
+        """Drop this node's copy of `oid` if it was fetched from elsewhere (not
+        put or made here), and the directory hears so: a later get fetches
+        the object anew (a small object read before it was deleted and put
+        again under its id)."""
+        obj = self.store.get(oid)
+        if obj is not None and not obj.own and obj.complete and not self.making(oid):
+            self._forget(oid, ObjectNotFound(f"object {oid.hex()} was let go by this node"))
             self._post(m.Dropped(oid=oid.binary))
 
     def is_lent(self, oid: ObjectID) -> bool:

@@ -151,12 +151,27 @@ class Steps:
             del self._my_reduces[next(iter(self._my_reduces))]
 
     async def reduced_inputs(self, target: ObjectID, timeout: float) -> list[ObjectID]:
-        body = await self._request(m.ReducedInputs(rid=0, target=target.binary), timeout)
+        try:
+            body = await self._request(m.ReducedInputs(rid=0, target=target.binary), timeout)
+        except Timeout:
+            body = await self._why_not_done(target, timeout)
         # Done: its result's holder announces it to a restarted directory, so
         # it need not be asked for again (a non-root rank of a collective
         # reduce never holds the result, and is not the one that deletes it).
         self._my_reduces.pop(target, None)
         return [ObjectID(i) for i in body.inputs]
+
+    async def _why_not_done(self, target: ObjectID, timeout: float) -> m.Body:
+        """After `reduced_inputs` of `target` waited `timeout` seconds: the
+        directory's word, at once, on why (no such reduce; so many inputs
+        came), raised as the Timeout; its answer if the reduce has just ended."""
+        what = f"reduced_inputs({target.hex()}, timeout={timeout:g})"
+        try:
+            return await self._request(
+                m.ReducedInputs(rid=0, target=target.binary, wait=False),
+                min(timeout, self.config.connect_timeout_s))
+        except (Timeout, ObjectNotFound) as exc:
+            raise Timeout(f"{what}: {exc}") from None
 
     # ------------------------------------------------------------ running ---
     def start(self, msg: m.ReduceStep) -> None:

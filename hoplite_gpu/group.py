@@ -54,6 +54,8 @@ from .errors import (
     Timeout,
 )
 from .ids import ObjectID
+from .multitree import _broadcast as multitree_over
+from .multitree import members_of
 from .roster import Descriptor, Roster, array_kind, stale_tokens
 from .runtime import GIVE_UP_S, time_left
 
@@ -113,9 +115,15 @@ class Group:
     own `timeout`. After a call fails, the group is broken (`GroupBroken`):
     close it and make a new one. A Group makes one call at a time; use one
     Group per concurrent stream of calls. `close()` (or leaving a ``with``
-    block) frees what the last call left, on every node."""
+    block) frees what the last call left, on every node.
 
-    def __init__(self, name: str, *, rank: int, size: int, timeout: float | None = None) -> None:
+    With a `topology` (`hoplite_gpu.topology`; rank r on its node
+    `members[r]`, by default its r-th), a broadcast goes over the spanning
+    trees packed for it (`hoplite_gpu.multitree`), the object split across
+    them by their rates; other calls are unchanged."""
+
+    def __init__(self, name: str, *, rank: int, size: int, timeout: float | None = None,
+                 topology: Any = None, members: Any = None) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"Group: name must be a non-empty str; got {name!r}")
         if not (collectives._int(size) and size >= 1):
@@ -125,6 +133,9 @@ class Group:
                                   f"got {rank!r}")
         self.name, self.rank, self.size = name, int(rank), int(size)
         self.timeout = None if timeout is None else check_timeout(timeout)
+        self.topology = topology
+        #: the topology node of each rank (with a topology)
+        self.members = None if topology is None else members_of(topology, self.size, members)
         token = self._token = os.urandom(8).hex()
         # A Group dropped without `close` leaves its claim: stale to this process.
         weakref.finalize(self, stale_tokens.add, token)
@@ -361,7 +372,8 @@ class Group:
             await roster.seal(node, deadline, limit)
         # (every rank decides alike whether an allreduce is sliced: by the
         # dtype and shape they agreed on)
-        sliced = kind == "allreduce" and collectives._slices(value, self.size, None) > 1
+        sliced = (kind == "allreduce" and collectives._slices(value, self.size, None) > 1
+                  or kind == "broadcast" and self._over_trees(value, root))
         self.calls, self._last = k + 1, (kind, op, sliced)
         return result
 
@@ -390,6 +402,12 @@ class Group:
     async def _collective(self, kind: str, value: Any, op: str | None, root: int | None,
                           k: int, left: float) -> Any:
         name, rank, size = self._ids.call(k), self.rank, self.size
+        if kind == "broadcast" and self._over_trees(value, root):
+            from .trees import pack
+
+            plan = pack(self.topology, self.members[root], self.members)
+            return await multitree_over(api.runtime().node, value, name, rank, root,
+                                        self.members, plan, left, "cupy")
         if kind == "broadcast":
             return await collectives.broadcast_async(value, name=name, rank=rank, size=size,
                                                      root=root, timeout=left)
@@ -409,6 +427,11 @@ class Group:
             return await collectives.allgather_async(value, name=name, rank=rank, size=size,
                                                      timeout=left)
         return None  # a barrier: the agreement was all of it
+
+    def _over_trees(self, value: Any, root: int | None) -> bool:
+        """Whether this broadcast goes over packed trees: with a topology
+        (every rank decides alike)."""
+        return self.topology is not None
 
     async def _close(self, node: Any, mine: Descriptor, deadline: float, limit: float) -> None:
         """`close`'s work: rank 0 frees the last call's objects, the claims and

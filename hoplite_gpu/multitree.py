@@ -43,6 +43,11 @@ def _ids(name: str, rank: int) -> tuple[ObjectID, ObjectID]:
     return ObjectID.from_name(f"{name}/mt"), ObjectID.from_name(f"{name}/mt/who/{rank}")
 
 
+def call_ids(name: str, size: int) -> list[ObjectID]:
+    """Every object a broadcast of `size` ranks under `name` makes."""
+    return [_ids(name, 0)[0], *(_ids(name, r)[1] for r in range(size))]
+
+
 def members_of(topology: Any, size: int, members: Sequence[Any] | None) -> tuple[Any, ...]:
     """The topology node of each rank, checked."""
     chosen = tuple(topology.nodes[:size]) if members is None else tuple(members)
@@ -152,4 +157,4 @@ async def _fill(node: Any, oid: ObjectID, layout: Layout, flows: list[SubFlow],
     return obj
 
 
-__all__ = ["flows_for", "members_of", "multitree_broadcast"]
+__all__ = ["call_ids", "flows_for", "members_of", "multitree_broadcast"]

@@ -144,7 +144,11 @@ class GroupIds:
         kept until `close`: `held`)."""
         size, name = self.size, self.call(k)
         ids = [] if k == 0 else [self.descriptor(k, r) for r in range(size)]
-        if kind == "broadcast":
+        if kind == "broadcast" and sliced:  # (over packed trees: hoplite_gpu.multitree)
+            from .multitree import call_ids
+
+            ids += call_ids(name, size)
+        elif kind == "broadcast":
             ids.append(ObjectID.from_name(f"{name}/bcast"))
         elif kind in ("reduce", "allreduce") and sliced:
             ids += collectives._doomed(name, size, op or "sum", None)

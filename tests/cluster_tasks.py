@@ -387,3 +387,25 @@ def group_allreduce_loop(name: str, rank: int, size: int, calls: int, nbytes: in
     held = hg.node_stats()["held_bytes"]
     group.close()
     return {"held": held, "after_close": hg.node_stats()["held_bytes"], "right": right}
+
+
+def group_tree_broadcasts(name: str, rank: int, size: int, calls: int, nbytes: int) -> dict:
+    """`calls` broadcasts of a Group over the 4-member mesh of
+    tests/test_multitree.py, then what this node holds."""
+    import numpy as np
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.topology import from_json
+
+    mesh = from_json({"nodes": [0, 1, 2, 3], "links": [
+        {"a": 0, "b": 1, "capacity": 1}, {"a": 0, "b": 2, "capacity": 1},
+        {"a": 0, "b": 3, "capacity": 1}, {"a": 1, "b": 2, "capacity": 2},
+        {"a": 2, "b": 3, "capacity": 2}, {"a": 1, "b": 3, "capacity": 2}]}, source="mesh")
+    right = True
+    with hg.Group(name, rank=rank, size=size, topology=mesh, timeout=60) as group:
+        for i in range(calls):
+            value = (np.arange(nbytes) % (251 - i)).astype(np.uint8)
+            got = group.broadcast(value if rank == 0 else None)
+            right = right and np.array_equal(got, value)
+        held = hg.node_stats()["held_bytes"]
+    return {"right": right, "held": held, "after_close": hg.node_stats()["held_bytes"]}

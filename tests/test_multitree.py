@@ -118,3 +118,19 @@ async def _eventually(check, timeout=5.0):
     from in_process import eventually
 
     return await eventually(check, timeout)
+
+
+@pytest.mark.slow  # 4 processes: about 10 s on two cores
+def test_a_group_on_a_topology_broadcasts_over_its_trees_and_frees_each_call():
+    import cluster_tasks as t
+
+    from hoplite_gpu.cluster import LocalCluster
+
+    size, calls, nbytes = 4, 4, 8 * MiB
+    with LocalCluster(size, shared_memory=False) as c:
+        out = c.map(t.group_tree_broadcasts, [("mt-group", r, size, calls, nbytes)
+                                              for r in range(size)], timeout=120)
+    for node in out:
+        assert node["right"]
+        assert node["held"] <= 2 * nbytes, f"{node['held']} bytes held after {calls} calls"
+        assert node["after_close"] == 0

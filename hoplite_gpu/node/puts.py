@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -18,6 +18,7 @@ from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
     DirectoryUnavailable,
     HopliteError,
+    InvalidArgument,
     ObjectExists,
     ObjectNotFound,
     Timeout,
@@ -118,6 +119,66 @@ class Puts:
         finally:
             del self._puts[oid]
             ended.set_result(None)
+
+    async def put_pieces(self, oid: ObjectID, nbytes: int,
+                         pieces: Sequence[tuple[int, memoryview]], *,
+                         timeout: float | None = None) -> ObjectID:
+        """Store one host object of `nbytes` bytes laid out from `pieces`,
+        (offset, bytes) in offset order, every other byte zero, and register
+        it as `put` does. Each piece is copied once, straight into the store's
+        own buffer (pooled, mappable by pullers on this host): a value made
+        of many arrays, a weight channel's version, is put without first
+        being assembled in memory of its own. The id must be new here."""
+        self._check_open()
+        layout = Layout("numpy", "|u1", (nbytes,), nbytes)
+        if nbytes <= self.config.inline_threshold:  # (travels inline: a small copy)
+            return await self.put(_assembled(nbytes, pieces), oid, timeout=timeout)
+        if oid in self._puts or self.store.get(oid) is not None:
+            raise ObjectExists(f"object {oid.hex()} is already here: a put of pieces needs "
+                               "a new id")
+        async with self._room(layout, f"put of object {oid.hex()}"):
+            obj = self.store.create(oid, layout)
+        obj.own = True
+        ended = self._puts[oid] = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                await self._fill_pieces(obj, pieces)
+            except BaseException:
+                # (registered nowhere yet: the copy only leaves this store)
+                if self.store.get(oid) is obj:
+                    self.store.remove(oid, ObjectNotFound(
+                        f"the put of object {oid.hex()} was given up while its pieces "
+                        "were copied"))
+                raise
+            # (filled: registered as a lent put is, complete at once)
+            return await self._register(obj, memoryview(obj.buffer), False, True, timeout)
+        finally:
+            del self._puts[oid]
+            ended.set_result(None)
+
+    async def _fill_pieces(self, obj: StoredObject,
+                           pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Copy `pieces` into `obj`'s buffer and zero the gaps between them,
+        letting the loop run after every chunk's worth of bytes."""
+        dst, chunk = obj.buffer, self.config.chunk_size
+        at = since = 0
+        for offset, piece in pieces:
+            src = np.frombuffer(piece, dtype=np.uint8)
+            if offset < at or offset + src.nbytes > obj.size:
+                raise InvalidArgument(f"put of object {obj.oid.hex()}: a piece of "
+                                      f"{src.nbytes} bytes at {offset} overlaps another or "
+                                      f"ends past the object's {obj.size} bytes")
+            dst[at:offset] = 0
+            for start in range(0, src.nbytes, chunk):
+                stop = min(start + chunk, src.nbytes)
+                dst[offset + start:offset + stop] = src[start:stop]
+                since += stop - start
+                if since >= chunk:
+                    since = 0
+                    await asyncio.sleep(0)
+            at = offset + src.nbytes
+        dst[at:] = 0
+        obj.advance(obj.size)
 
     def _check_size(self, value: Any, oid: ObjectID, lend: bool) -> None:
         """Refuse a host value larger than the whole store limit before any
@@ -236,3 +297,15 @@ class Puts:
             dst[start:stop] = srcarr[start:stop]
             obj.advance(stop)
             await asyncio.sleep(0)
+
+
+def _assembled(nbytes: int, pieces: Sequence[tuple[int, memoryview]]) -> np.ndarray:
+    """The bytes `pieces` lay out (a small object, sent inline), gaps zero."""
+    out = np.zeros(nbytes, dtype=np.uint8)
+    for offset, piece in pieces:
+        src = np.frombuffer(piece, dtype=np.uint8)
+        if offset + src.nbytes > nbytes:
+            raise InvalidArgument(f"a piece of {src.nbytes} bytes at {offset} ends past the "
+                                  f"object's {nbytes} bytes")
+        out[offset:offset + src.nbytes] = src
+    return out

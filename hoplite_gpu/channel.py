@@ -382,7 +382,7 @@ class WeightChannel:
         while True:
             left = max(0.001, deadline - time.monotonic())
             head = await node.channel_head(self.name, newer_than, left)
-            got = await self._fetch_version(node, head, deadline, found, array_type)
+            got = await self._fetch_version(node, head, deadline, found)
             if got is not None:
                 slots, parts = got
                 made = {}
@@ -397,10 +397,11 @@ class WeightChannel:
             newer_than = max(newer_than, head)
 
     async def _fetch_version(self, node: Any, version: int, deadline: float,
-                             found: dict[str, packing.Target] | None = None,
-                             array_type: str = "cupy"
+                             found: dict[str, packing.Target] | None = None
                              ) -> tuple[list[packing.Slot], list[Any]] | None:
-        """The version's slots and parts, or None if it was freed meanwhile."""
+        """The version's slots and parts, or None if it was freed meanwhile.
+        A device part comes as CuPy (NumPy without a GPU): each tensor is
+        made from it as the caller asks, or copied into the caller's array."""
         raw = await self._get(node, _oid(self.name, version, "manifest"), version, deadline)
         if raw is None:
             return None
@@ -409,9 +410,8 @@ class WeightChannel:
         if found is not None:
             packing.check(f"fetch(out=...) of channel {self.name!r}, version {version}",
                           slots, found)
-            array_type = "cupy"  # (device parts stay on the device: copied from there)
         got = await _all([self._get(node, _part(self.name, version, i), version, deadline,
-                                    array_type if part.device else "numpy")
+                                    "cupy" if part.device else "numpy")
                           for i, part in enumerate(parts)])
         return None if any(g is None for g in got) else (slots, got)
 

@@ -271,8 +271,9 @@ class WeightChannel:
     async def _holders(self, node: Any, version: int) -> dict[str, Any]:
         oid = _oid(self.name, version, "manifest")
         if not await _exists(node, oid):
+            # (a manifest too large to travel inline is lost with its holders too)
             raise ObjectNotFound(f"channel {self.name!r} has no version {version}: never "
-                                 "published, or freed by its publisher")
+                                 "published, freed by its publisher, or lost with it")
         raw = await node.get(oid, node.config.timeout_s)
         _, parts = packing.read_manifest(f"manifest of version {version}",
                                          m.decode_manifest(f"manifest of version {version}", raw))

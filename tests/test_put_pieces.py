@@ -79,3 +79,27 @@ def test_pieces_that_overlap_are_refused_and_leave_nothing_behind():
             await putter.put_pieces(oid, 3 * MiB, [(0, a)])
 
     run_nodes([cfg], body, bound=30)
+
+
+def test_a_put_of_pieces_is_registered_first_and_read_while_it_is_copied():
+    """As `put`: the directory has the object before its bytes are in, so a
+    reader streams its front while the putter copies the rest (a weight
+    channel's head moves then, and its readers start at once)."""
+    import asyncio
+
+    cfg = Config(shared_memory=False, timeout_s=10, chunk_size=256 << 10)
+    oid = hg.ObjectID.from_name("pieces-streamed")
+
+    async def body(directory, putter, reader):
+        nbytes, pieces, expected = _pieces(np.random.default_rng(2))
+        seen, gets = [], []
+
+        def registered() -> None:
+            seen.append(putter.store.get(oid).ready)
+            gets.append(asyncio.ensure_future(reader.get(oid, 10)))
+
+        await putter.put_pieces(oid, nbytes, pieces, registered=registered)
+        assert seen == [0]
+        np.testing.assert_array_equal(await gets[0], expected)
+
+    run_nodes([cfg, cfg], body, bound=30)

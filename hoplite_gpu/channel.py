@@ -94,6 +94,35 @@ async def _all(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _registered(node: Any, oid: ObjectID, nbytes: int,
+                      pieces: list[tuple[int, Any]]) -> asyncio.Future:
+    """Start the put of a host part; its task, once the directory has the
+    part (or once the put is done: a small part travels inline)."""
+    known = asyncio.get_running_loop().create_future()
+
+    def registered() -> None:
+        if not known.done():
+            known.set_result(None)
+
+    task = asyncio.ensure_future(node.put_pieces(oid, nbytes, pieces, registered=registered))
+    try:
+        await asyncio.wait({task, known}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _stopped([task])
+        raise
+    if task.done():
+        task.result()  # (its error, if it failed)
+    return task
+
+
+async def _stopped(tasks: list[asyncio.Future]) -> None:
+    """Cancel the tasks not done, and wait until none runs (none reads the
+    caller's arrays any more)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _check_version(version: Any, what: str, low: int = 0) -> None:
     if (not isinstance(version, int) or isinstance(version, bool)
             or not low <= version < _MAX_VERSION):
@@ -166,7 +195,27 @@ class WeightChannel:
         if not self._adopted:
             await self._adopt(node, latest)
         version = await self._claim(node, version, latest)
+        copying = await self._put_version(node, version, encoded, slots, parts)
+        try:
+            # From here the head may move even if this call fails (an answer that
+            # came after the deadline): the version is freed with the others.
+            self._published[version] = len(parts)
+            await node.channel_publish(self.name, version)
+            # Readers pull the front of the host part while its tail is still
+            # copied in; the caller's arrays are read until that copy ends.
+            await asyncio.gather(*copying)
+        finally:
+            await _stopped(copying)
+        await self._free_old(node, version)
+        return version
+
+    async def _put_version(self, node: Any, version: int, encoded: dict[str, Any],
+                           slots: list[packing.Slot], parts: list[packing.Part]
+                           ) -> list[asyncio.Future]:
+        """Put the version's parts, then its manifest; returns the copies still
+        under way (a host part is registered before its bytes are in)."""
         made = [_oid(self.name, version, "claim")]
+        copying: list[asyncio.Future] = []
         try:
             for index, part in enumerate(parts):
                 pieces = [(s.offset, encoded[s.key][0]) for s in slots if s.part == index]
@@ -174,7 +223,7 @@ class WeightChannel:
                 if part.device:
                     await node.put(device.pack(part.nbytes, pieces), made[-1])
                 else:
-                    await node.put_pieces(made[-1], part.nbytes, pieces)
+                    copying.append(await _registered(node, made[-1], part.nbytes, pieces))
             # (`held`: the versions this publisher has not freed, which a
             # publisher that restarts takes over, whatever their numbers)
             manifest = packing.to_manifest(version, slots, parts, sorted(self._published))
@@ -185,14 +234,10 @@ class WeightChannel:
             # these ids taken and keep their bytes, mixing two versions. In the
             # background: a publish past its deadline (or cancelled) returns at
             # once, and the deletes are not cut short by that deadline.
+            await _stopped(copying)
             node.in_background(_quietly(node.delete_many(made)))
             raise
-        # From here the head may move even if this call fails (an answer that
-        # came after the deadline): the version is freed with the others.
-        self._published[version] = len(parts)
-        await node.channel_publish(self.name, version)
-        await self._free_old(node, version)
-        return version
+        return copying
 
     async def _adopt(self, node: Any, latest: int) -> None:
         """Take over the newest versions an earlier publisher left (a learner

@@ -139,3 +139,36 @@ def test_a_value_the_channel_cannot_send_costs_no_version_number():
             ch.publish({"w": np.zeros(3), "bad": object()})
         assert ch.latest_version() == -1 and hg.node_stats()["objects"] == 0
         assert ch.publish({"w": np.zeros(3)}) == 0
+
+
+def test_the_head_moves_once_the_version_is_registered_and_readers_stream_its_copy():
+    """A version's host part is registered before its bytes are copied in,
+    as a put is, so readers start while the publisher still copies (before,
+    every tensor was copied before the head moved, and a version's readers
+    waited for the whole copy first); publish returns only once the copy is
+    done, for the caller's arrays are read until then."""
+    from in_process import run_nodes
+
+    from hoplite_gpu.channel import _part
+    from hoplite_gpu.config import Config
+
+    cfg = Config(shared_memory=False, timeout_s=10, chunk_size=1 << 16)
+
+    async def body(directory, learner, reader):
+        state = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(8)}  # 32 MiB
+        at_head, real = [], learner.channel_publish
+
+        async def publish(name, version):
+            at_head.append(learner.store.get(_part(name, version, 0)).ready)
+            return await real(name, version)
+
+        learner.channel_publish = publish
+        ch = WeightChannel("streamed")
+        v = await ch._publish(learner, state, None, 10.0)
+        assert at_head[0] < 32 << 20, "the head moved only once the copy was done"
+        assert learner.store.get(_part("streamed", v, 0)).complete
+        version, slots, parts, _ = await WeightChannel("streamed")._fetch(reader, -1, 10.0)
+        got = packing.values(slots, parts, "numpy", loop=False)
+        assert version == v and all((got[k] == a).all() for k, a in state.items())
+
+    run_nodes([cfg, cfg], body, bound=30)

@@ -172,3 +172,33 @@ def test_the_head_moves_once_the_version_is_registered_and_readers_stream_its_co
         assert version == v and all((got[k] == a).all() for k, a in state.items())
 
     run_nodes([cfg, cfg], body, bound=30)
+
+
+def test_a_publish_given_up_while_its_version_is_copied_leaves_it_lost_not_torn():
+    """The head has moved and readers stream the host part while the
+    publisher copies it; a publish cut off then (its deadline, a cancel)
+    must stop reading the caller's arrays, and its readers must not be left
+    with half a version: the part is dropped and they hear `VersionLost`."""
+    import asyncio
+
+    from in_process import run_nodes
+
+    from hoplite_gpu.config import Config
+
+    cfg = Config(shared_memory=False, timeout_s=10, chunk_size=1 << 16)
+
+    async def body(directory, learner, reader):
+        state = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(8)}
+        real = learner.channel_publish
+
+        async def publish_then_cut(name, version):
+            await real(name, version)
+            raise asyncio.CancelledError  # (as a cancel landing right after the head moved)
+
+        learner.channel_publish = publish_then_cut
+        with pytest.raises(asyncio.CancelledError):
+            await WeightChannel("cut-copy")._publish(learner, state, None, 10.0)
+        with pytest.raises(hg.VersionLost, match="version 0 is lost"):
+            await WeightChannel("cut-copy")._fetch(reader, -1, 5.0)
+
+    run_nodes([cfg, cfg], body, bound=30)

@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     "on emulated hosts (network namespaces + tc; root)")
     _module_command(sub, "fuzz", "fuzz", "hostile bytes against the directory, the data "
                     "server and their decoders: crashes, hangs, memory per unproven peer")
+    _module_command(sub, "channel", "channel", "new weights from a learner to an actor on "
+                    "every other emulated host (network namespaces + tc; root): the weight "
+                    "channel beside Ray's object store and Gloo, tensor by tensor")
     _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
                     "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

@@ -17,9 +17,10 @@ rayemu[-<workload>]-<date>.json, and for `collectives` also
 collectives-ray-emulated-<date>.json in the format of `python -m benchmarks
 emulated` (rows with samples, bound, exact check, link bytes, CPU; a summary).
 
-- `rl`: examples/rl_weights.py: a learner on host 0 broadcasts a float32 state
-  dict to one rollout actor on each other host: hoplite-gpu's weight channel vs
-  `ray.put` + the ref passed to the actors, which `ray.get` it.
+- `rl`: examples/rl_weights.py: a learner on host 0 trains a torch policy and
+  broadcasts its weights to one rollout actor on each other host, which serves
+  each version from a double buffer: hoplite-gpu's weight channel vs `ray.put`
+  + the ref passed to the actors, which `ray.get` it into a replica.
 - `sgd`: examples/async_sgd.py: the server (the driver, host 0) reduces the
   first k of n workers' gradients (one worker per other host) and publishes new
   weights: hoplite-gpu's subset reduce + weight channel vs `ray.wait` + sum +

@@ -37,6 +37,7 @@ from .errors import (
     TransportClosed,
     TransportError,
     UnsupportedValue,
+    VersionLost,
 )
 from .ids import ObjectID
 
@@ -112,7 +113,7 @@ __all__ = [
     "Group", "GroupBroken", "GroupConflict", "GroupMismatch", "HopliteError", "InvalidArgument",
     "NotInitialized", "ObjectExists", "ObjectID",
     "ObjectNotFound", "PeerLost", "ProtocolError", "ReduceFailed", "RuntimeClosed", "StoreFull",
-    "Timeout", "TransportClosed", "TransportError", "UnsupportedValue", "delete",
+    "Timeout", "TransportClosed", "TransportError", "UnsupportedValue", "VersionLost", "delete",
     "delete_async", "get", "get_async", "init", "node_id", "node_stats", "object_info", "object_info_async", "put",
     "put_async", "reduce", "reduce_async", "reduced_inputs", "reduced_inputs_async", "runtime",
     "shutdown",

@@ -202,3 +202,50 @@ def materialize(buf: Any, dtype: np.dtype, shape: tuple[int, ...], as_: str) -> 
     if dtype.name == "bfloat16":
         raise UnsupportedValue("CuPy has no bfloat16: get(..., array_type='torch') or array_type='numpy'")
     return dev.view(dtype).reshape(shape)
+
+
+# --- a weight channel's packed versions (hoplite_gpu.packing) ---
+def pack(nbytes: int, pieces: list[tuple[int, Any]]) -> Any:
+    """A device buffer of `nbytes`, zero but for each (offset, flat uint8
+    device array) piece copied in at its offset (queued on the current stream)."""
+    out = empty(nbytes)
+    out.fill(0)
+    for offset, piece in pieces:
+        out[offset:offset + piece.nbytes] = piece
+    return out
+
+
+def target_bytes(value: Any) -> tuple[Any, str, tuple[int, ...]]:
+    """(flat uint8 view, element name, shape) of a device array to write into
+    in place (a CuPy array or a torch CUDA tensor): its own memory, never a
+    copy; InvalidArgument if it is not contiguous."""
+    cp = cupy()
+    if type(value).__module__.startswith("torch"):
+        if not value.is_contiguous() or value.is_conj() or value.is_neg():
+            raise InvalidArgument("is a torch CUDA tensor that is not contiguous (or a lazy "
+                                  "conjugate or negation view): pass .contiguous() storage")
+        name = str(value.dtype).removeprefix("torch.")
+        flat = value.detach().reshape(-1)
+        if flat.numel() == 0:
+            return cp.empty(0, dtype=cp.uint8), name, tuple(value.shape)
+        import torch  # noqa: PLC0415 - present: value is a torch tensor
+
+        return cp.from_dlpack(flat.view(torch.uint8)), name, tuple(value.shape)
+    arr = cp.asarray(value)
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument("is a device array that is not C-contiguous")
+    return arr.reshape(-1).view(cp.uint8), np.dtype(arr.dtype).name, tuple(arr.shape)
+
+
+def copy_bytes(dst: Any, src: Any) -> None:
+    """dst[...] = src for two flat uint8 buffers of one size, each in host or
+    device memory; device copies are queued on the current stream (`sync`)."""
+    to_device, from_device = is_device_buffer(dst), is_device_buffer(src)
+    if to_device and from_device:
+        dst[...] = src
+    elif to_device:
+        dst.set(np.ascontiguousarray(src))
+    elif from_device:
+        src.get(out=dst)
+    else:
+        np.copyto(dst, src)

@@ -34,6 +34,18 @@ class ObjectNotFound(HopliteError, KeyError):
         return str(self.args[0]) if self.args else "object not found"
 
 
+class VersionLost(ObjectNotFound):
+    """A weight channel's version has no copy left anywhere: every process
+    that held it whole (its publisher, readers that had fetched it) left."""
+
+    def __init__(self, message: str, channel: str = "", version: int = -1) -> None:
+        super().__init__(message)
+        self.channel, self.version = channel, version
+
+    def __reduce__(self) -> tuple:  # (pickled whole: Ray and worker processes send errors)
+        return type(self), (str(self), self.channel, self.version)
+
+
 class ObjectExists(HopliteError):
     """An object with this id already exists with a different size or layout."""
 

@@ -402,13 +402,38 @@ class Attached(Body, kw_only=True):
 
 
 # ----------------------------------------------------- stored, not sent ---
+class PackedTensor(Struct, array_like=True):
+    """One tensor of a weight channel's version (`hoplite_gpu.packing`): its
+    key, its value's layout (`values.Layout`'s fields) and where its bytes
+    lie: in which part, from which offset."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: list[NonNegative]
+    nbytes: NonNegative
+    part: NonNegative
+    offset: NonNegative
+
+
+class PackPart(Struct, array_like=True):
+    """One object of a weight channel's version: its size, and whether it
+    holds device tensors (a device object) or host ones."""
+
+    nbytes: NonNegative
+    device: bool
+
+
 class Manifest(Struct, kw_only=True):
     """A weight channel's version, as its manifest object holds it
-    (`hoplite_gpu.channel`): the tensors' keys, and the versions its
-    publisher had not freed (`held`), which a restarted publisher takes over."""
+    (`hoplite_gpu.channel`): its parts (one object per kind of memory, every
+    tensor's bytes back to back), where each tensor lies in them, and the
+    versions its publisher had not freed (`held`), which a restarted
+    publisher takes over."""
 
     version: int
-    keys: list[str]
+    parts: list[PackPart]
+    tensors: list[PackedTensor]
     held: list[int] = []
 
 

@@ -504,6 +504,13 @@ def fingerprint(buf: Any) -> bytes:
         view = view.cast("B")
     n = len(view)
     digest = hashlib.blake2b(n.to_bytes(8, "big"), digest_size=8, person=b"hoplite-put")
-    for start in sorted({0, max(0, n // 2 - _SAMPLE // 2), max(0, n - _SAMPLE)}):
-        digest.update(view[start:start + _SAMPLE])
+    for start, stop in fingerprint_windows(n):
+        digest.update(view[start:stop])
     return digest.digest()
+
+
+def fingerprint_windows(nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges of a value of `nbytes` that `fingerprint` reads: a put
+    that fills its object after registering it has these bytes in first."""
+    starts = sorted({0, max(0, nbytes // 2 - _SAMPLE // 2), max(0, nbytes - _SAMPLE)})
+    return [(start, min(nbytes, start + _SAMPLE)) for start in starts]

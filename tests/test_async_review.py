@@ -17,14 +17,14 @@ from hoplite_gpu.channel import WeightChannel, _oid
 from hoplite_gpu.channel import _exists as channel_exists
 
 
-def _directory_dies_before(name: str, key: str):
+def _directory_dies_before(name: str):
     """A node.put that closes the (embedded) directory just before the put of
-    version 0's `key`: the publish is then past its claim and first array."""
+    version 0's manifest: the publish is then past its claim and its pack."""
     rt = api.runtime()
     real_put = rt.node.put
 
     async def put(value, oid, *args, **kwargs):
-        if oid == _oid(name, 0, "t/" + key):
+        if oid == _oid(name, 0, "manifest"):
             await rt.directory.close()  # (the node keeps trying to reconnect)
         return await real_put(value, oid, *args, **kwargs)
 
@@ -51,7 +51,7 @@ def test_publish_async_timeout_bounds_the_call_when_the_directory_goes_away(shor
     `timeout_s` for the lost directory (300 s by default), outside the
     deadline; `call_async` has no bound of its own, so publish_async(timeout=1)
     here takes 1 + 2 x 2 s (10 min with the default timeout_s)."""
-    monkeypatch.setattr(short.node, "put", _directory_dies_before("gone-a", "b"))
+    monkeypatch.setattr(short.node, "put", _directory_dies_before("gone-a"))
     ch = WeightChannel("gone-a")
 
     async def main():
@@ -72,7 +72,7 @@ def test_blocking_publish_timeout_is_the_channels_and_on_time_when_the_directory
     grace runs out (or the cleanup ends, 1 + 2 x 2 s here), not at its 1 s,
     and (with timeout_s above 3 s) with "the runtime did not answer within
     6s" instead of the channel's own Timeout."""
-    monkeypatch.setattr(short.node, "put", _directory_dies_before("gone-b", "b"))
+    monkeypatch.setattr(short.node, "put", _directory_dies_before("gone-b"))
     ch = WeightChannel("gone-b")
     start = time.monotonic()
     with pytest.raises(hg.Timeout) as info:
@@ -118,7 +118,7 @@ def test_a_publish_timing_out_while_freeing_an_old_version_does_not_leak_it():
         del learner._request
         assert await ch._publish(learner, w, None, 5.0) == 2
         assert await ch._publish(learner, w, None, 5.0) == 3
-        left = [p for p in ("t/a", "t/b", "manifest", "claim")
+        left = [p for p in ("pack/0", "manifest", "claim")
                 if await channel_exists(reader, _oid("free-cut", 0, p))]
         assert not left, f"version 0 (keep=1, head 3) still holds {left}"
 
@@ -163,9 +163,9 @@ def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_i
     real_put = node.put
 
     async def put(value, oid, *args, **kwargs):
-        if oid == _oid("cut-clean", 0, "t/c"):
+        if oid == _oid("cut-clean", 0, "manifest"):
             await asyncio.sleep(0.4)
-            raise hg.StoreFull("no room for c")
+            raise hg.StoreFull("no room for the manifest")
         return await real_put(value, oid, *args, **kwargs)
 
     monkeypatch.setattr(node, "put", put)
@@ -176,7 +176,7 @@ def test_a_publish_whose_deadline_passes_during_its_cleanup_still_deletes_what_i
     finally:
         del node._request
     deadline = time.monotonic() + 2  # (a cleanup left to finish on its own may take a moment)
-    left = ["t/a", "t/b", "claim"]
+    left = ["pack/0", "claim"]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         left = [p for p in left if channel_object_exists("cut-clean", 0, p)]

@@ -181,9 +181,9 @@ def test_a_publish_whose_head_answer_came_too_late_is_still_freed_later():
             ch.publish({"w": np.full(MiB, 1, np.uint8)})
         assert ch.latest_version() == 2
         with pytest.raises(hg.ObjectNotFound):  # keep=1: version 1 is freed...
-            hg.object_info(hg.ObjectID.from_name("hoplite-channel/late-head/1/t/w"))
+            hg.object_info(hg.ObjectID.from_name("hoplite-channel/late-head/1/pack/0"))
         with pytest.raises(hg.ObjectNotFound):  # ...and so must version 0 be
-            hg.object_info(hg.ObjectID.from_name("hoplite-channel/late-head/0/t/w"))
+            hg.object_info(hg.ObjectID.from_name("hoplite-channel/late-head/0/pack/0"))
     finally:
         hg.shutdown()
 

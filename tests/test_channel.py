@@ -7,7 +7,7 @@ import pytest
 
 import hoplite_gpu as hg
 from hoplite_gpu.channel import WeightChannel
-from hoplite_gpu.cluster import LocalCluster
+from hoplite_gpu.cluster import LocalCluster, WorkerError
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,56 @@ def test_readers_wait_for_newer_versions_and_never_see_a_mix(cluster):
         assert versions == sorted(set(versions)) and versions[-1] == 7
 
 
+def fetch_or_error(channel: str, timeout: float) -> tuple:
+    """(version, None, seconds), or (error name, message, seconds)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        version, _ = WeightChannel(channel).fetch(timeout=timeout)
+    except hg.HopliteError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return version, None, time.monotonic() - start
+
+
+def holders_of(channel: str, version: int) -> dict:
+    return WeightChannel(channel).holders(version)
+
+
+def latest(channel: str) -> int:
+    return WeightChannel(channel).latest_version()
+
+
+def test_the_publisher_hears_who_holds_a_version(cluster):
+    assert cluster.run(0, t.publish_versions, "who", 1, 1 << 20) == [0]
+    assert cluster.run(0, holders_of, "who", 0)["complete"] == [cluster.node_ids[0]]
+    for w in (1, 3):
+        assert cluster.run(w, t.fetch_latest, "who") == 0
+    info = cluster.run(0, holders_of, "who", 0)
+    assert info["complete"] == sorted(cluster.node_ids[w] for w in (0, 1, 3))
+    assert info == {"version": 0, "nbytes": info["nbytes"], "complete": info["complete"],
+                    "partial": {}, "lost": False} and info["nbytes"] >= 3 << 20
+    with pytest.raises(WorkerError, match="no version 7"):
+        cluster.run(0, holders_of, "who", 7)
+
+
+def test_a_late_joiner_after_its_publisher_left_hears_at_once_that_the_version_is_lost(cluster):
+    """The issue's late joiner: versions 0-2 published, nobody fetched them,
+    the publisher exited; latest_version() said 2, then fetch(timeout=5)
+    waited 5 s and raised "had no version newer than 2", where the cause is
+    that version 2 left with its publisher."""
+    assert cluster.run(0, t.publish_versions, "orphan", 3, 1 << 20) == [0, 1, 2]
+    cluster.restart(0)
+    assert cluster.run(2, latest, "orphan") == 2
+    name, message, seconds = cluster.run(2, fetch_or_error, "orphan", 5.0)
+    assert name == "VersionLost" and seconds < 2.0, (name, message, seconds)
+    assert "version 2 is lost" in message and "left the cluster" in message
+    assert cluster.run(2, holders_of, "orphan", 2)["lost"] is True
+    # a new publisher (the learner, restarted) carries on with version 3
+    assert cluster.run(0, t.publish_versions, "orphan", 1, 1 << 20) == [3]
+    assert cluster.run(2, fetch_or_error, "orphan", 5.0)[:2] == (3, None)
+
+
 def test_old_versions_are_freed():
     hg.init()
     try:
@@ -41,10 +91,10 @@ def test_old_versions_are_freed():
             ch.publish({"w": np.full(300_000, v, dtype=np.float32)})
         version, weights = ch.fetch()
         assert version == 3 and weights["w"][0] == 3
-        old = hg.ObjectID.from_name("hoplite-channel/freed/1/t/w")
+        old = hg.ObjectID.from_name("hoplite-channel/freed/1/pack/0")
         with pytest.raises(hg.ObjectNotFound):
             hg.object_info(old)
-        kept = hg.ObjectID.from_name("hoplite-channel/freed/2/t/w")
+        kept = hg.ObjectID.from_name("hoplite-channel/freed/2/pack/0")
         assert hg.object_info(kept)["size"] == 1_200_000
     finally:
         hg.shutdown()

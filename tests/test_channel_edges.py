@@ -61,9 +61,9 @@ def fetch_while_the_directory_dies(channel: str, directory_pid: int, timeout: fl
     ch = WeightChannel(channel)
     original = ch._fetch_version
 
-    async def dying(node, version, deadline):
+    async def dying(node, version, deadline, *args):
         os.kill(directory_pid, signal.SIGKILL)
-        return await original(node, version, deadline)
+        return await original(node, version, deadline, *args)
 
     ch._fetch_version = dying
     start = time.monotonic()

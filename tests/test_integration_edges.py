@@ -56,11 +56,11 @@ def test_channel_reader_does_not_hang_on_a_version_freed_by_a_keep1_publisher(lo
     original = reader._fetch_version
     raced = []
 
-    async def racing(node, version, deadline):
+    async def racing(node, version, deadline, *args):
         if not raced:  # the publisher moves on between the head lookup and the get
             raced.append(await publisher._publish(node, {"w": np.full(8, 1, dtype=np.float32)},
                                                   None, 10.0))
-        return await original(node, version, deadline)
+        return await original(node, version, deadline, *args)
 
     reader._fetch_version = racing
     start = time.monotonic()

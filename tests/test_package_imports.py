@@ -138,8 +138,8 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
         "print(json.dumps({c.__name__: [m.op(c), list(c.__struct_fields__), "
         "{k: repr(v) for k, v in c.__struct_defaults__.items()}] "
         "for c in m.Message.__subclasses__() + m.Request.__subclasses__() + m.Body.__subclasses__()"
-        " + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.TreeMember, m.Challenge, m.Proof,"
-        " m.Verdict]"
+        " + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.PackPart,"
+        " m.PackedTensor, m.TreeMember, m.Challenge, m.Proof, m.Verdict]"
         " if c is not m.Request}))"
     )
     r = _bare(listing)
@@ -147,8 +147,8 @@ def test_the_stand_in_structs_have_msgspecs_fields_defaults_and_tags():
     bare = json.loads(r.stdout)
     classes = [c for c in m.Message.__subclasses__() + m.Request.__subclasses__()
                + m.Body.__subclasses__()
-               + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.TreeMember, m.Challenge, m.Proof,
-                  m.Verdict]
+               + [m.Body, m.StepChild, m.Source, m.HolderInfo, m.Manifest, m.PackPart,
+                  m.PackedTensor, m.TreeMember, m.Challenge, m.Proof, m.Verdict]
                if c is not m.Request]
     assert {"Done", "Failure", "Location", "ReduceStep", "Located", "Registered"} <= {
         c.__name__ for c in classes}

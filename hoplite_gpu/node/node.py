@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -287,6 +287,14 @@ class Node:
                   timeout: float | None = None, same_bytes: bool = False) -> ObjectID:
         """Store `value` as `oid` and register it (see `Puts.put`)."""
         return await self.puts.put(value, oid, lend=lend, timeout=timeout, same_bytes=same_bytes)
+
+    async def put_pieces(self, oid: ObjectID, nbytes: int,
+                         pieces: Sequence[tuple[int, memoryview]], *,
+                         timeout: float | None = None,
+                         registered: Callable[[], None] | None = None) -> ObjectID:
+        """Store one host object laid out from `pieces` (see `Puts.put_pieces`)."""
+        return await self.puts.put_pieces(oid, nbytes, pieces, timeout=timeout,
+                                          registered=registered)
 
     def receive_into(self, oid: ObjectID, value: np.ndarray) -> bool:
         """Let the pull, or the reduce step, that makes `oid` here write into

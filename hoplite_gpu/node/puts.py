@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -18,13 +18,14 @@ from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
     DirectoryUnavailable,
     HopliteError,
+    InvalidArgument,
     ObjectExists,
     ObjectNotFound,
     Timeout,
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
-from hoplite_gpu.values import Layout, fingerprint, host_nbytes, to_buffer
+from hoplite_gpu.values import Layout, fingerprint, fingerprint_windows, host_nbytes, to_buffer
 
 from .holdings import complete_msg
 from .memory import beyond_limit
@@ -119,6 +120,62 @@ class Puts:
             del self._puts[oid]
             ended.set_result(None)
 
+    async def put_pieces(self, oid: ObjectID, nbytes: int,
+                         pieces: Sequence[tuple[int, memoryview]], *,
+                         timeout: float | None = None,
+                         registered: Callable[[], None] | None = None) -> ObjectID:
+        """Store one host object of `nbytes` bytes laid out from `pieces`,
+        (offset, bytes) in offset order, every other byte zero, and register
+        it as `put` does. Each piece is copied once, straight into the store's
+        own buffer (pooled, mappable by pullers on this host): a value made
+        of many arrays, a weight channel's version, is put without first
+        being assembled in memory of its own. As with `put`, the object is
+        registered before its bytes are copied in (`registered()` is called
+        then) and pullers stream its front while the rest is copied; the
+        pieces are read until this returns. The id must be new here."""
+        self._check_open()
+        layout = Layout("numpy", "|u1", (nbytes,), nbytes)
+        if nbytes <= self.config.inline_threshold:  # (travels inline: a small copy)
+            return await self.put(_assembled(nbytes, pieces, 0, nbytes), oid, timeout=timeout)
+        if oid in self._puts or self.store.get(oid) is not None:
+            raise ObjectExists(f"object {oid.hex()} is already here: a put of pieces needs "
+                               "a new id")
+        _check_pieces(oid, nbytes, pieces)
+        async with self._room(layout, f"put of object {oid.hex()}"):
+            obj = self.store.create(oid, layout)
+        obj.own = True
+        ended = self._puts[oid] = asyncio.get_running_loop().create_future()
+        try:
+            # (the bytes the registration's fingerprint reads, ahead of the rest)
+            for start, stop in fingerprint_windows(nbytes):
+                obj.buffer[start:stop] = _assembled(nbytes, pieces, start, stop)
+            return await self._register(obj, memoryview(obj.buffer), False, False, timeout,
+                                        fill=lambda: self._fill_pieces(obj, pieces),
+                                        registered=registered)
+        finally:
+            del self._puts[oid]
+            ended.set_result(None)
+
+    async def _fill_pieces(self, obj: StoredObject,
+                           pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Copy `pieces` into `obj`'s buffer in offset order and zero the gaps
+        between them, moving the watermark and letting the loop run after
+        every chunk's worth of bytes."""
+        dst, chunk = obj.buffer, self.config.chunk_size
+        at = 0
+        for offset, piece in pieces:
+            src = np.frombuffer(piece, dtype=np.uint8)
+            dst[at:offset] = 0
+            for start in range(0, src.nbytes, chunk):
+                stop = min(start + chunk, src.nbytes)
+                dst[offset + start:offset + stop] = src[start:stop]
+                if offset + stop - obj.ready >= chunk:
+                    obj.advance(offset + stop)
+                    await asyncio.sleep(0)
+            at = offset + src.nbytes
+        dst[at:] = 0
+        obj.advance(obj.size)
+
     def _check_size(self, value: Any, oid: ObjectID, lend: bool) -> None:
         """Refuse a host value larger than the whole store limit before any
         work: `to_buffer` would first make a contiguous copy of a
@@ -156,8 +213,12 @@ class Puts:
         return False
 
     async def _register(self, obj: StoredObject, buf: memoryview, inline: bool,
-                        lent: bool, timeout: float | None = None) -> ObjectID:
-        """The rest of a put: register `obj` and copy its value in."""
+                        lent: bool, timeout: float | None = None,
+                        fill: Callable[[], Awaitable[None]] | None = None,
+                        registered: Callable[[], None] | None = None) -> ObjectID:
+        """The rest of a put: register `obj` and copy its value in (`fill`:
+        how, if not from `buf`; `registered`: told once the directory has
+        the object)."""
         oid, layout = obj.oid, obj.layout
         # (device bytes are not sampled: it would wait for their producer;
         # inline ones have one too, for nodes of another inline threshold)
@@ -181,6 +242,8 @@ class Puts:
             self._let_go(oid)
             raise
         log.debug("put %s: registered (%d bytes)", oid.hex(), layout.nbytes)
+        if registered is not None:
+            registered()
         if self.store.get(oid) is not obj:
             # Reclaimed meanwhile (its "dropped" follows our put to the
             # directory), or deleted right after the put: nothing to copy or
@@ -189,7 +252,7 @@ class Puts:
         if not inline:
             if not lent:
                 try:
-                    await self._fill(obj, buf)
+                    await (self._fill(obj, buf) if fill is None else fill())
                 except BaseException:
                     # Given up half-way (cancelled, past its deadline): a partial
                     # copy left here would never complete, yet a later put of the
@@ -236,3 +299,29 @@ class Puts:
             dst[start:stop] = srcarr[start:stop]
             obj.advance(stop)
             await asyncio.sleep(0)
+
+
+def _check_pieces(oid: ObjectID, nbytes: int, pieces: Sequence[tuple[int, memoryview]]) -> None:
+    at = 0
+    for offset, piece in pieces:
+        n = memoryview(piece).nbytes
+        if offset < at or offset + n > nbytes:
+            raise InvalidArgument(f"put of object {oid.hex()}: a piece of {n} bytes at {offset} "
+                                  f"overlaps another or ends past the object's {nbytes} bytes")
+        at = offset + n
+
+
+def _assembled(nbytes: int, pieces: Sequence[tuple[int, memoryview]], start: int,
+               stop: int) -> np.ndarray:
+    """Bytes [start, stop) of what `pieces` lay out, gaps zero (a small
+    object sent inline, or the bytes a fingerprint reads)."""
+    out = np.zeros(stop - start, dtype=np.uint8)
+    for offset, piece in pieces:
+        src = np.frombuffer(piece, dtype=np.uint8)
+        if offset + src.nbytes > nbytes:
+            raise InvalidArgument(f"a piece of {src.nbytes} bytes at {offset} ends past the "
+                                  f"object's {nbytes} bytes")
+        lo, hi = max(start, offset), min(stop, offset + src.nbytes)
+        if lo < hi:
+            out[lo - start:hi - start] = src[lo - offset:hi - offset]
+    return out

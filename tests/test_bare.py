@@ -32,40 +32,28 @@ MiB = 1 << 20
 needs_ucx = pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")
 
 
-def test_byte_streams_have_no_bare_messages():
-    async def main():
-        async with tc.connected_pair("tcp") as (client, server):
-            assert not client.caps.bare_messages
-            with pytest.raises(NotImplementedError):
-                await client.send_bare(b"x")
-            with pytest.raises(NotImplementedError):
-                await server.recv_bare(bytearray(1))
-
-    asyncio.run(main())
-
-
 @needs_ucx
-def test_bare_messages_keep_their_order_beside_headed_sends():
-    """Bare messages arrive in order and whole, interleaved with ordinary
-    sends that go their own way, through a window of three."""
+def test_messages_keep_their_order_beside_headed_sends():
+    """Messages arrive in order and whole, interleaved with ordinary sends
+    that go their own way (UCX: lanes apart), through a window of three."""
     sizes = [1, 5 * MiB, 7, 2 * MiB + 3, 64 * 1024, 1]
     bare = [tc.random_bytes(n, seed=i) for i, n in enumerate(sizes)]
     headed = [tc.random_bytes(n, seed=100 + i) for i, n in enumerate(reversed(sizes))]
 
     async def main():
         async with tc.connected_pair("ucx") as (client, server):
-            assert client.caps.bare_messages
+            assert not client.caps.message_parts  # each frame whole, on its own lane
 
             async def sender():
                 async with SendWindow(client, 3) as out:
                     for b, h in zip(bare, headed, strict=True):
-                        await out.send_bare(memoryview(b))
+                        await out.send_message(memoryview(b))
                         await out.send(memoryview(h))
 
             async def bare_receiver():
                 for b in bare:
                     got = np.empty(b.nbytes, np.uint8)
-                    await server.recv_bare(memoryview(got))
+                    await server.recv_message(memoryview(got))
                     np.testing.assert_array_equal(got, b)
 
             async def headed_receiver():
@@ -83,13 +71,13 @@ def test_bare_messages_keep_their_order_beside_headed_sends():
 
 
 @needs_ucx
-def test_a_bare_message_larger_than_the_buffer_ends_the_stream():
+def test_a_message_larger_than_the_buffer_ends_the_stream():
     async def main():
         async with tc.connected_pair("ucx") as (client, server):
-            await client.send_bare(b"0123456789")
+            await client.send_message(b"0123456789")
             with pytest.raises(TransportClosed):
                 async with asyncio.timeout(10):
-                    await server.recv_bare(bytearray(4))
+                    await server.recv_message(bytearray(4))
             assert server.closed
 
     asyncio.run(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, Listener, SendWindow, Stream, StreamCaps, split_address
+from .base import HEAD, Backend, Head, Listener, SendWindow, Stream, StreamCaps, split_address
 
 # scheme -> "module:attribute", imported on first use so optional ones (ucx)
 # cost nothing when unused.
@@ -55,5 +55,5 @@ def usable(scheme: str) -> bool:
     return True
 
 
-__all__ = ["Backend", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
+__all__ = ["HEAD", "Backend", "Head", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
            "register_backend", "split_address", "usable"]

@@ -117,7 +117,7 @@ def receiving_mode(caps: StreamCaps, config: Config, *, host: bool, reduce_input
         return SharedCopy
     if not host and not caps.device:
         return Staged
-    if bare and caps.bare_messages and not empty:
+    if bare and not caps.partial_receive and not empty:
         return Bare
     return Framed
 
@@ -324,7 +324,7 @@ class Bare(Receiver):
             while len(flying) < BARE_RECEIVES and posted < self.end:
                 n = min(self.size, self.end - posted)
                 flying.append((posted, n, asyncio.ensure_future(
-                    self.stream.recv_bare(self.view[posted:posted + n]))))
+                    self.stream.recv_message(self.view[posted:posted + n]))))
                 posted += n
 
         try:
@@ -392,7 +392,7 @@ class Bare(Receiver):
             return
         size = ask.bare
         if (type(size) is not int or size < 1 or mapped or ask.offset == ask.end
-                or not stream.caps.bare_messages or sendable(obj.buffer, stream.caps) is None):
+                or stream.caps.partial_receive or sendable(obj.buffer, stream.caps) is None):
             await send_error_frame(stream, "ProtocolError",
                                    f"cannot answer in bare messages of {size!r} bytes")
             return
@@ -415,7 +415,7 @@ async def stream_bare(server: DataServer, stream: Stream, obj: StoredObject, pos
             if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
                 await send_error_frame(out, "ObjectNotFound", str(obj.removed))
                 return False
-            await out.send_bare(src[pos:upto])
+            await out.send_message(src[pos:upto])
             log.debug("serve %s: bare message of %d bytes at %d handed over",
                       obj.oid.hex(), upto - pos, pos)
             pos = upto

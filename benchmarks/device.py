@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hoplite_gpu.node.transfer import BARE_RECEIVES as POSTED
+from hoplite_gpu.node.transfer import POSTED_RECEIVES as POSTED
 
 MiB = 1 << 20
 PARTS = ("kernel", "ucx", "raw", "patterns", "collectives")

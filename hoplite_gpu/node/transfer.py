@@ -3,18 +3,21 @@ objects as their bytes become ready, and the client side that pulls a range
 straight into the destination buffer.
 
 Wire: after the handshake the puller sends ``{"op": "pull", "oid", "offset",
-"end", "stall"}``; the server answers with frames (see `protocol.FRAME`): data frames
-in order until ``end``, or one error frame. ``stall`` is the puller's stall
-timeout: the server's keepalives come at least three times within it, even
-where the server's own is longer. A connection serves one pull at a
-time and goes back to the pool afterwards.
+"end", "stall", "bare"}``; the server answers with the transport's messages
+of ``bare`` bytes each (the puller's chunk size) in order until ``end``,
+then a data frame header (see `protocol.FRAME`) whose length is the bytes
+sent; empty data frames (keepalives) while it waits for bytes, or one error
+frame instead. ``stall`` is the puller's stall timeout: the server's
+keepalives come at least three times within it, even where the server's own
+is longer. A connection serves one pull at a time and goes back to the pool
+afterwards.
 
 Between nodes on one host (`shm`) the pull goes over a Unix socket and may
 carry ``"shm": true``; the server then answers with one byte first: ``F``
 with the buffer's file descriptor attached, after which each data frame's
-length says how many more bytes are ready in the mapping and no payload
-follows, or ``B``: frames as above, with their bytes. How each mode's bytes
-move, on both sides, is in `pull_modes`.
+length says how many more bytes are ready in the mapping, or ``B``:
+messages as above. How each mode's bytes move, on both sides, is in
+`pull_modes`.
 """
 
 from __future__ import annotations
@@ -52,19 +55,19 @@ from hoplite_gpu.protocol import (
 from hoplite_gpu.transports import SendWindow, Stream, get_backend, split_address
 
 from . import shm
-from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, BARE_RECEIVES: named here too)
-    BARE_RECEIVES,
+from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, POSTED_RECEIVES: named here too)
+    POSTED_RECEIVES,
     SHM_STEP,
     STEP,
-    Bare,
-    Framed,
+    Messages,
     PullAsk,
     SharedCopy,
     SharedMap,
     Sink,
+    announce_ready,
     receiving_mode,
     sending_mode,
-    stream_frames,
+    stream_messages,
 )
 from .store import ChunkStore, StoredObject
 
@@ -209,7 +212,7 @@ class DataServer:
             # A reduce parent may ask before our own step has created its output.
             if mode is SharedCopy:  # (bytes, then: there is nothing to map yet)
                 await stream.send_mode(b"B", None, self.config.stall_timeout_s)
-                mode = Bare if ask.bare is not None else Framed
+                mode = Messages
             obj = await self._find(stream, ask.oid, stall)
             if obj is None:
                 return
@@ -288,11 +291,15 @@ class DataServer:
             await asyncio.wait(stuck)
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int,
-                            stall: float, announce: bool = False) -> bool:
-        """Send bytes [pos, end) of `obj` as they become ready, in frames; with
-        `announce` only how many more are ready (`pull_modes.stream_frames`).
-        False if it ended with an error frame instead."""
-        return await stream_frames(self, stream, obj, pos, end, stall, announce)
+                            stall: float, size: int | None) -> bool:
+        """Send bytes [pos, end) of `obj` as they become ready, in messages of
+        `size` bytes (`pull_modes.stream_messages`); with `size` None only how
+        many more are ready in the mapping the puller holds
+        (`pull_modes.announce_ready`). False if it ended with an error frame
+        instead."""
+        if size is None:
+            return await announce_ready(self, stream, obj, pos, end, stall)
+        return await stream_messages(self, stream, obj, pos, end, size, stall)
 
     async def _await_object(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject:
         """Wait up to `timeout_s` for `oid` to be made here, with keepalives: the
@@ -498,17 +505,15 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
 
 
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
-                      config: Config, on_progress: Callable[[int], None],
-                      reduce_input: bool = False, *, start: int | None = None,
-                      sink: Sink | None = None) -> None:
+                      config: Config, on_progress: Callable[[int], None], *,
+                      start: int | None = None, sink: Sink | None = None) -> None:
     """Pull bytes [start, end) of `obj` (from its watermark `obj.ready` by
     default) from the peer at `address` into its buffer, recording each
     piece in `sink` (the object's own watermark by default; a plan's
-    sub-flow passes its place in the plan's ledger). `reduce_input`: for a
-    reduce step, one of its children (see `Config.bare_pulls`).
+    sub-flow passes its place in the plan's ledger).
 
     The mode (`pull_modes`) is chosen once, from the connection's
-    capabilities and the config. Every frame must start within the stall
+    capabilities. Every message or frame must come within the stall
     timeout, or the peer counts as failed. On any error the connection is
     closed, never reused.
     """
@@ -518,8 +523,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     reusable = False
     try:
         pos = obj.ready if start is None else start
-        mode = receiving_mode(stream.caps, config, host=host, reduce_input=reduce_input,
-                              empty=pos >= end)
+        mode = receiving_mode(stream.caps, host=host)
         pull = mode(stream, obj, obj if sink is None else sink, pos, end, address, config,
                     on_progress, pool=pool)
         await send_msg(stream, pull.request())

@@ -9,7 +9,7 @@ import transport_checks as tc
 from hoplite_gpu.errors import ConfigError, InvalidArgument
 from hoplite_gpu.transports import Backend, get_backend, split_address
 
-by_scheme = pytest.mark.parametrize("scheme", tc.scheme_params())
+by_scheme = pytest.mark.parametrize("scheme", tc.scheme_params(schemes=tc.STREAM_SCHEMES))
 
 def run(check, *args) -> None:
     asyncio.run(check(*args))
@@ -274,7 +274,8 @@ def test_message_larger_than_its_buffer(scheme):
 
 @pytest.mark.parametrize("scheme", tc.scheme_params(known_bugs={"ucx": pytest.mark.xfail(
     reason="ucxx does not say how many bytes a receive took: a shorter message goes "
-           "unnoticed (the pull protocol fixes every message's size)", strict=True)}))
+           "unnoticed (the pull protocol fixes every message's size)", strict=True)},
+    schemes=tc.STREAM_SCHEMES))
 def test_message_shorter_than_its_buffer(scheme):
     run(tc.check_message_shorter_than_its_buffer, scheme)
 
@@ -323,3 +324,17 @@ def test_cancelled_message_receive_never_misplaces_one(scheme):
 @by_scheme
 def test_device_messages(scheme):
     run(tc.check_device_messages, scheme)
+
+
+@by_scheme
+def test_descriptors(scheme):
+    run(tc.check_descriptors, scheme)
+
+
+def test_the_same_host_transport_is_registered():
+    from hoplite_gpu.transports import usable
+
+    if not usable("local"):
+        pytest.skip("no same-host transport here (Linux only)")
+    backend = get_backend("local")
+    assert backend.scheme == "local" and get_backend("local") is backend

@@ -28,8 +28,11 @@ from hoplite_gpu.errors import (
 )
 from hoplite_gpu.transports import HEAD, Listener, SendWindow, Stream, get_backend
 
-#: Schemes a conformance run may cover; each is skipped where its backend is unusable.
+#: Transports a node's connections may use (its data `transport`, the
+#: directory's); each is skipped where its backend is unusable.
 CANDIDATE_SCHEMES = ("tcp", "ucx")
+#: Every backend the conformance suite covers: those, and the same-host one.
+STREAM_SCHEMES = (*CANDIDATE_SCHEMES, "local")
 #: Loopback host every backend is expected to listen on.
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT = 5.0
@@ -58,11 +61,12 @@ class BytesOnly(Stream):
         raise NotImplementedError("this test stream carries bytes only")
 
 
-def scheme_params(known_bugs: dict[str, pytest.MarkDecorator] | None = None) -> list:
-    """pytest params for every candidate scheme. Unusable backends skip with the reason;
+def scheme_params(known_bugs: dict[str, pytest.MarkDecorator] | None = None,
+                  schemes: tuple[str, ...] = CANDIDATE_SCHEMES) -> list:
+    """pytest params for every scheme of `schemes`. Unusable backends skip with the reason;
     `known_bugs` maps a scheme to the xfail mark of a bug its backend has today."""
     params = []
-    for scheme in CANDIDATE_SCHEMES:
+    for scheme in schemes:
         try:
             get_backend(scheme)
         except ConfigError as exc:
@@ -1041,3 +1045,34 @@ async def check_device_messages(scheme: str) -> None:
         await sending
         np.testing.assert_array_equal(cupy.asnumpy(dest), host)
         assert bytes(small) == b"hello"
+
+
+@deadline(10)
+async def check_descriptors(scheme: str) -> None:
+    """A same-host stream (`caps.local`) passes a file descriptor with a byte:
+    the receiver gets its own descriptor of the same file, and a byte without
+    one; other streams cannot (NotImplementedError)."""
+    import os
+
+    async with connected_pair(scheme) as (client, server):
+        if not client.caps.local:
+            with pytest.raises(NotImplementedError):
+                await client.send_descriptor(b"F", None, 1)
+            with pytest.raises(NotImplementedError):
+                await server.recv_descriptor(1)
+            return
+        fd = os.memfd_create("hoplite-gpu-check")
+        try:
+            await client.send_descriptor(b"F", fd, 5)
+            tag, fds = await server.recv_descriptor(5)
+            assert tag == b"F" and len(fds) == 1 and fds[0] != fd
+            assert os.fstat(fds[0]).st_ino == os.fstat(fd).st_ino, "another file came"
+            os.close(fds[0])
+        finally:
+            os.close(fd)
+        await client.send_descriptor(b"B", None, 5)
+        assert await server.recv_descriptor(5) == (b"B", [])
+        with pytest.raises(Timeout):
+            await server.recv_descriptor(0.1)
+        await client.close()
+        assert await server.recv_descriptor(5) == (b"", [])  # the peer closed

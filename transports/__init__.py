@@ -11,6 +11,8 @@ from .base import HEAD, Backend, Head, Listener, SendWindow, Stream, StreamCaps,
 _KNOWN = {
     "tcp": "hoplite_gpu.transports.tcp:TCPBackend",
     "ucx": "hoplite_gpu.transports.ucx:UCXBackend",
+    # same-host streams that pass descriptors (Unix sockets; Linux)
+    "local": "hoplite_gpu.transports.local:LocalBackend",
 }
 _loaded: dict[str, Backend] = {}
 

@@ -414,13 +414,15 @@ class TCPStream(Stream):
 
 
 class TCPListener(Listener):
-    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, address: str | None = None) -> None:
         self._sock = sock
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
         self._streams: set[TCPStream] = set()
-        host, port = sock.getsockname()[:2]
-        self._address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        if address is None:
+            host, port = sock.getsockname()[:2]
+            address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        self._address = address
         self._accepter = asyncio.get_running_loop().create_task(self._accept_loop())
 
     @property
@@ -442,11 +444,17 @@ class TCPListener(Listener):
                     log.warning("accept on %s failed (%s); retrying", self._address, exc)
                 await asyncio.sleep(0.05)
                 continue
-            stream = TCPStream(conn, f"{addr[0]}:{addr[1]}")
+            stream = self._accepted(conn, addr)
+            if stream is None:
+                continue
             self._streams.add(stream)
             task = loop.create_task(self._serve(stream))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _accepted(self, conn: socket.socket, addr: Any) -> TCPStream | None:
+        """The stream of an accepted connection (None: refused, and closed)."""
+        return TCPStream(conn, f"{addr[0]}:{addr[1]}")
 
     async def _serve(self, stream: TCPStream) -> None:
         try:
@@ -468,7 +476,7 @@ class TCPListener(Listener):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _resolve(host: str, port: int, flags: int = 0) -> list:
+async def resolve(host: str, port: int, flags: int = 0) -> list:
     """getaddrinfo, without a thread for an address given as numbers (nearly
     always): the loop's thread pool is shut down once the main thread ends,
     while other threads of the program may still be connecting."""
@@ -493,7 +501,7 @@ class TCPBackend(Backend):
         if not (isinstance(port, int) and 0 <= port <= 65535):
             raise ConnectionRefused(f"cannot listen on {host}:{port}: ports are 0 to 65535")
         try:
-            infos = await _resolve(host, port, socket.AI_PASSIVE)
+            infos = await resolve(host, port, socket.AI_PASSIVE)
         except OSError as exc:
             raise ConnectionRefused(f"cannot listen on {host}:{port}: {exc}") from exc
         family, _, _, _, addr = infos[0]
@@ -513,7 +521,7 @@ class TCPBackend(Backend):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                infos = await _resolve(host, port)
+                infos = await resolve(host, port)
         except TimeoutError as exc:
             raise Timeout(f"resolving {host!r} took longer than {timeout:g}s") from exc
         except OSError as exc:

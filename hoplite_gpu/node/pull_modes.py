@@ -410,7 +410,7 @@ class SharedCopy(Receiver):
                             self.size, shm=True)
 
     async def receive(self) -> bool:
-        mode, fd = await self.stream.recv_mode(self.config.stall_timeout_s)
+        mode, fd = await shm.recv_mode(self.stream, self.config.stall_timeout_s)
         if mode not in (b"F", b"B"):
             if fd is not None:
                 os.close(fd)
@@ -477,9 +477,9 @@ class SharedCopy(Receiver):
         done = False
         try:
             try:
-                await stream.send_mode(b"B" if mapped is None else b"F",
-                                       None if mapped is None else mapped.fd,
-                                       server.config.stall_timeout_s)
+                await shm.send_mode(stream, b"B" if mapped is None else b"F",
+                                    None if mapped is None else mapped.fd,
+                                    server.config.stall_timeout_s)
             except BaseException:
                 done = True  # the descriptor never went: nobody reads through it
                 raise
@@ -505,7 +505,7 @@ class SharedMap:
         """The mapping (or None), and whether `stream` may be reused."""
         await send_msg(stream, pull_request(oid, 0, nbytes, config.stall_timeout_s, None,
                                             shm=True, map=True))
-        mode, fd = await stream.recv_mode(config.stall_timeout_s)
+        mode, fd = await shm.recv_mode(stream, config.stall_timeout_s)
         if mode not in (b"M", b"N"):
             if fd is not None:
                 os.close(fd)
@@ -533,7 +533,7 @@ class SharedMap:
             obj = None
         mapped = shm.shared_map(obj.buffer) if obj is not None and obj.complete else None
         if mapped is None or len(mapped) < obj.size:
-            await stream.send_mode(b"N", None, server.config.stall_timeout_s)
+            await shm.send_mode(stream, b"N", None, server.config.stall_timeout_s)
             return
         # Until it says it holds its own lock, our count (and, if we are not
         # the owner, our own lock: `obj` stays referenced) keeps the pages.
@@ -542,7 +542,7 @@ class SharedMap:
         done = False
         try:
             try:
-                await stream.send_mode(b"M", mapped.fd, server.config.stall_timeout_s)
+                await shm.send_mode(stream, b"M", mapped.fd, server.config.stall_timeout_s)
             except BaseException:
                 done = True  # the descriptor never went: nobody holds the pages through it
                 raise

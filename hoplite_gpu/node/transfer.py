@@ -27,8 +27,6 @@ import collections
 import contextlib
 import functools
 import logging
-import socket
-import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -37,11 +35,13 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
+    ConfigError,
     ConnectionRefused,
     HopliteError,
     ObjectNotFound,
     ProtocolError,
     Timeout,
+    TransportError,
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
@@ -52,7 +52,7 @@ from hoplite_gpu.protocol import (
     send_error_frame,
     send_msg,
 )
-from hoplite_gpu.transports import SendWindow, Stream, get_backend, split_address
+from hoplite_gpu.transports import Listener, SendWindow, Stream, get_backend, split_address
 
 from . import shm
 from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, POSTED_RECEIVES: named here too)
@@ -94,11 +94,8 @@ class DataServer:
         self.address = ""
         #: oid -> the tasks serving a pull of it now (see `release`).
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
-        #: this host's Unix socket for pulls through shared memory, and its connections
-        self._local: socket.socket | None = None
-        #: when a failed same-host accept was last logged (loop time)
-        self._accept_warned = float("-inf")
-        self._local_tasks: set[asyncio.Task] = set()
+        #: this host's listener for pulls through shared memory (`listen_local`)
+        self._local: Listener | None = None
         #: ids that left this node's store lately (at most `_DROPPED_KEPT`)
         self._dropped: collections.OrderedDict[ObjectID, None] = collections.OrderedDict()
         #: whether this node is making `oid` now (a pull, a reduce step, a
@@ -119,67 +116,24 @@ class DataServer:
         self.address = self._listener.address
         return self.address
 
-    def listen_local(self, address: str) -> None:
-        """Also serve pulls from this host through shared memory, on the Unix
-        socket named after `address` (the data address peers are given)."""
+    async def listen_local(self, address: str) -> None:
+        """Also serve pulls from this host through shared memory, on the
+        same-host transport, named after `address` (the data address peers
+        are given)."""
         if self._local is not None:
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _, host, port = split_address(address)
         try:
-            sock.bind(shm.socket_name(address))
-            sock.listen(128)
-        except OSError as exc:  # e.g. the name is taken: pulls from this host use the transport
+            self._local = await get_backend("local").listen(host, port, self._serve)
+        except (ConfigError, TransportError) as exc:
+            # e.g. the name is taken: pulls from this host use the transport
             log.warning("no same-host data socket for %s (%s): peers on this host pull "
                         "through the transport", address, exc)
-            sock.close()
-            return
-        sock.setblocking(False)
-        self._local = sock
-        asyncio.get_running_loop().add_reader(sock, self._accept_local)
-
-    def _accept_local(self) -> None:
-        assert self._local is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = self._local.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. out of descriptors: pause rather than spin
-                now = loop.time()
-                if now - self._accept_warned >= 10.0:  # (not ten lines a second)
-                    self._accept_warned = now
-                    log.warning("accept on the same-host data socket failed: %s", exc)
-                loop.remove_reader(self._local)
-                loop.call_later(0.1, self._resume_accept, self._local)
-                return
-            if not shm.same_user(conn):  # the token handshake follows for the rest
-                conn.close()
-                continue
-            stream = shm.LocalStream(conn, f"{self.address} (same host)")
-            task = loop.create_task(self._serve_local(stream))
-            self._local_tasks.add(task)
-            task.add_done_callback(self._local_tasks.discard)
-
-    def _resume_accept(self, sock: socket.socket) -> None:
-        if self._local is sock:  # (not closed meanwhile)
-            asyncio.get_running_loop().add_reader(sock, self._accept_local)
-
-    async def _serve_local(self, stream: Stream) -> None:
-        try:
-            await self._serve(stream)
-        finally:
-            await stream.close()
 
     async def close(self) -> None:
         if self._local is not None:
-            asyncio.get_running_loop().remove_reader(self._local)
-            self._local.close()
+            await self._local.close()
             self._local = None
-        for task in list(self._local_tasks):
-            task.cancel()
-        if self._local_tasks:
-            await asyncio.wait(list(self._local_tasks))
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -211,7 +165,7 @@ class DataServer:
         if obj is None:
             # A reduce parent may ask before our own step has created its output.
             if mode is SharedCopy:  # (bytes, then: there is nothing to map yet)
-                await stream.send_mode(b"B", None, self.config.stall_timeout_s)
+                await shm.send_mode(stream, b"B", None, self.config.stall_timeout_s)
                 mode = Messages
             obj = await self._find(stream, ask.oid, stall)
             if obj is None:
@@ -363,13 +317,13 @@ class PeerPool:
             collections.OrderedDict()
 
     async def acquire(self, address: str, local: bool = True) -> Stream:
-        """A connection to the peer at `address`: through this host's Unix
-        socket where `local` allows and the peer is here (host objects: see
-        `shm`), else through the transport (device objects keep UCX's own
-        paths, e.g. CUDA IPC)."""
+        """A connection to the peer at `address`: over the same-host
+        transport where `local` allows and the peer is here (host objects:
+        see `shm`), else over the address's own (device objects keep UCX's
+        own paths, e.g. CUDA IPC)."""
         local = local and self.config.shared_memory and address not in self._remote
         # (an idle transport connection to a peer here, left by a device pull,
-        # must not carry a host object: only a Unix socket's can be mapped)
+        # must not carry a host object: only a same-host stream's can be mapped)
         idle = self._idle.get((address, local))
         while idle:
             stream = idle.pop()
@@ -445,46 +399,25 @@ class PeerPool:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-#: What `_connect_local` returns when the peer's Unix socket is here but its
-#: backlog stays full: this pull goes through the transport, later ones try again.
+#: What `_connect_local` returns when the peer's same-host socket is here but
+#: its backlog stays full: this pull goes through the transport, later ones
+#: try again.
 BUSY = object()
 #: Seconds to retry a same-host connect whose peer's backlog is full.
 _BUSY_S = 0.5
 
 
 async def _connect_local(address: str) -> Stream | object | None:
-    """A connection to the data server at `address` through this host's Unix
-    socket; None where there is none (the peer is on another host or in
-    another network namespace, or runs without shared memory); BUSY if the
-    peer's backlog stayed full (a burst of pulls at once)."""
-    name = shm.socket_name(address)
-    give_up, pause = time.monotonic() + _BUSY_S, 0.001
-    while True:
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError as exc:  # e.g. no file descriptor left: the transport would fail alike
-            raise ConnectionRefused(f"cannot open a socket to {address}: "
-                                    f"{exc.strerror or exc}") from exc
-        sock.setblocking(False)
-        try:
-            # (a Unix socket connects at once or fails: no asyncio wait, which
-            # takes a full backlog's EAGAIN for "in progress", then "connected")
-            sock.connect(name)
-            # Only our own user's node: any user may bind the name first, and a
-            # node of another user refuses us (both then use the transport).
-            if shm.same_user(sock):
-                return shm.LocalStream(sock, f"{address} (same host)")
-            sock.close()
-            return None
-        except BlockingIOError:
-            sock.close()
-            if time.monotonic() >= give_up:
-                return BUSY
-        except OSError:
-            sock.close()
-            return None
-        await asyncio.sleep(pause)
-        pause = min(2 * pause, 0.05)
+    """A connection to the data server at `address` over the same-host
+    transport; None where there is none (the peer is on another host or in
+    another network namespace, runs without shared memory, or is another
+    user's); BUSY if the peer's backlog stayed full (a burst of pulls at once)."""
+    try:
+        return await get_backend("local").connect(address, _BUSY_S)
+    except Timeout:
+        return BUSY
+    except (ConnectionRefused, ConfigError):
+        return None
 
 
 async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,

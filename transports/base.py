@@ -162,7 +162,8 @@ class Stream(abc.ABC):
         how many bytes of the message are in, whenever `step` more are (a
         byte stream) or once it is whole, always before `recv_next` reports
         it. A message that does not fit its buffers ends the stream
-        (TransportClosed, naming the sizes). `recv_next` reports each posted
+        (TransportClosed, naming the sizes; UCX cannot tell one shorter than
+        its buffer, see transports/ucx.py). `recv_next` reports each posted
         message in turn."""
 
     @abc.abstractmethod

@@ -231,7 +231,7 @@ class Messages(Receiver):
                 self.pos = upto
                 self.landed(upto)
             else:
-                ended = await self.on_head(head, self.end - start)
+                ended = await self.on_head(head, self.end - start) or ended
 
     def post(self, at: int, upto: int, step: int) -> None:
         """Post the receive of the message of bytes [at, upto)."""

@@ -338,3 +338,8 @@ def test_the_same_host_transport_is_registered():
         pytest.skip("no same-host transport here (Linux only)")
     backend = get_backend("local")
     assert backend.scheme == "local" and get_backend("local") is backend
+
+
+@by_scheme
+def test_message_posted_after_it_came(scheme):
+    run(tc.check_message_posted_after_it_came, scheme)

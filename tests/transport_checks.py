@@ -1076,3 +1076,25 @@ async def check_descriptors(scheme: str) -> None:
             await server.recv_descriptor(0.1)
         await client.close()
         assert await server.recv_descriptor(5) == (b"", [])  # the peer closed
+
+
+@deadline(10)
+async def check_message_posted_after_it_came(scheme: str) -> None:
+    """A message that arrives while only a head is waited for is kept until a
+    receive is posted for it, an empty one too, and the head that comes after
+    it still reaches its reader. (A byte stream read an empty message's head
+    while nothing was posted and, once a receive was, waited for the socket
+    to become readable: with nothing more on the wire, for good.)"""
+    async with connected_pair(scheme) as (client, server):
+        waiting = asyncio.ensure_future(server.recv_head())
+        await client.send_message(b"")
+        await asyncio.sleep(0.1)  # (it is in before anything is posted for it)
+        await server.recv_message(memoryview(bytearray(0)))
+        await client.send_message(b"xyz")
+        await asyncio.sleep(0.1)
+        dest = bytearray(3)
+        await server.recv_message(memoryview(dest))
+        assert bytes(dest) == b"xyz"
+        assert not waiting.done()
+        await client.send(KEEPALIVE)
+        assert await waiting == (0, 0)

@@ -90,7 +90,10 @@ class Lane:
         self._raise_if_failed()
         posted = Posted(views, on_step, max(1, step), waiter)
         self._posted.append(posted)
-        self._update()
+        if self._part is not None and len(self._posted) == 1 and self._want():
+            self._readable()  # (a message head waited for this: its bytes may all be in)
+        else:
+            self._update()
         return posted
 
     async def recv_message(self, views: list[memoryview], on_step: Callable[[int], None] | None,

@@ -343,3 +343,8 @@ def test_the_same_host_transport_is_registered():
 @by_scheme
 def test_message_posted_after_it_came(scheme):
     run(tc.check_message_posted_after_it_came, scheme)
+
+
+@by_scheme
+def test_messages_sent_ahead_of_their_receives(scheme):
+    run(tc.check_messages_sent_ahead_of_their_receives, scheme)

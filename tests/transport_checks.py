@@ -9,6 +9,7 @@ parametrisation in test_transports.py; nothing here knows about sockets.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import struct
@@ -1098,3 +1099,41 @@ async def check_message_posted_after_it_came(scheme: str) -> None:
         assert not waiting.done()
         await client.send(KEEPALIVE)
         assert await waiting == (0, 0)
+
+
+@deadline(20)
+async def check_messages_sent_ahead_of_their_receives(scheme: str) -> None:
+    """Messages sent long before their receives are posted, two at a time as a
+    pull posts them, land whole, the short last one too, and the head after
+    them comes. (A byte stream read ahead into a message posted early, then
+    waited with its wake-up mark (SO_RCVLOWAT) still at 256 KiB from the long
+    message, so the few bytes of the last message and the head, already in
+    the socket, never woke it: pulls of 3 MiB + 3 bytes stalled.)"""
+    size = 3 * MiB + 3
+    data = random_bytes(size, seed=71)
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:  # (over UCX a large send ends once received)
+            async with SendWindow(client) as out:
+                for at in range(0, size, MiB):
+                    await out.send_message(memoryview(data[at:at + MiB]))
+                await out.send(HEAD.pack(0, size))
+
+        sending = asyncio.ensure_future(sender())
+        await asyncio.sleep(0.2)  # (a byte stream's bytes are all in before anything is posted)
+        dest = np.zeros(size, np.uint8)
+        ends: collections.deque[int] = collections.deque()
+        posted = landed = 0
+        while landed < size:
+            while len(ends) < 2 and posted < size:
+                upto = min(posted + MiB, size)
+                server.post_message(memoryview(dest[posted:upto]))
+                ends.append(upto)
+                posted = upto
+            async with asyncio.timeout(5):
+                assert await server.recv_next() is None
+            landed = ends.popleft()
+        async with asyncio.timeout(5):
+            assert await server.recv_next() == (0, size)
+        await sending
+        np.testing.assert_array_equal(dest, data)

@@ -186,10 +186,18 @@ class Lane:
     def _update(self) -> None:
         want = self._want()
         if want and not self._reading:
+            self._expect_next()  # (a plain receive meanwhile may have set another)
             self._loop.add_reader(self._sock.fileno(), self._readable)
             self._reading = True
         elif not want and self._reading:
             self._stop()
+
+    def _expect_next(self) -> None:
+        """Be woken for what comes next: the rest of a part (in SO_RCVLOWAT
+        steps), or a head (any byte). Set whenever the lane goes back to
+        waiting: a mark left from a long part would keep the socket quiet
+        while the few bytes of a head or a short part lie in it."""
+        self._owner.expect(self._part or 1)
 
     def _stop(self) -> None:
         if self._reading:
@@ -209,6 +217,7 @@ class Lane:
         except BaseException as exc:  # noqa: BLE001 - a caller's on_step too: the waiter gets it
             self.fail(exc)
             return
+        self._expect_next()
         self._update()
 
     def _recv(self, view: memoryview) -> int:
@@ -233,7 +242,6 @@ class Lane:
         return f"connection to {peer} ended after {p.total} of {want} bytes of a message"
 
     def _read_head(self) -> bool:
-        self._owner.expect(1)
         n = self._recv(self._head_view[self._head_got:])
         if n == 0:
             return False
@@ -262,7 +270,6 @@ class Lane:
             self._check(posted)
         rest = self._part
         if rest:
-            self._owner.expect(rest)
             view = posted.views[posted.index]
             n = self._recv(view[posted.got:posted.got + rest])
             if n == 0:

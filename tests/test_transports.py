@@ -348,3 +348,9 @@ def test_message_posted_after_it_came(scheme):
 @by_scheme
 def test_messages_sent_ahead_of_their_receives(scheme):
     run(tc.check_messages_sent_ahead_of_their_receives, scheme)
+
+
+@by_scheme
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mixed_traffic(scheme, seed):
+    run(tc.check_mixed_traffic, scheme, seed)

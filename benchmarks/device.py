@@ -5,7 +5,7 @@
    kernel reads two arrays and writes one, the copy reads one and writes one, so
    both are reported as bytes moved per second.
 2. UCX between two processes on the GPU (CUDA IPC): a device buffer sent with
-   the project's UCX transport (head + data, one send in flight and two; bare
+   the project's UCX transport (head + data, one send in flight and two;
    messages, as a pull sends and receives them), and
    with ucxx alone, against the same device copy; then ucxx alone in the
    transport's message patterns (benchmarks/ucx_patterns.py).
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hoplite_gpu.node.transfer import BARE_RECEIVES
+from hoplite_gpu.node.transfer import POSTED_RECEIVES as POSTED
 
 MiB = 1 << 20
 PARTS = ("kernel", "ucx", "raw", "patterns", "collectives")
@@ -95,25 +95,19 @@ def _peer(port_q: Any, size: int, groups: list[int], out_q: Any, raw: bool,
 
         async def handler(conn: Any) -> None:
             # ucxx alone: one tagged message per buffer; the transport: its stream.
-            recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (
-                conn.recv_bare if bare else conn.recv_into, b"k")
-            # Bare messages are received as a pull receives them: with
-            # BARE_RECEIVES receives posted at once (all into one buffer here).
-            posted = BARE_RECEIVES if bare else 1
+            recv, ack = (conn.recv, np.ones(1, np.uint8)) if raw else (conn.recv_into, b"k")
             for group in groups:
-                flying: set = set()
-                for _ in range(group):
-                    if posted == 1:
+                if bare:  # messages, received as a pull receives them: POSTED at once
+                    posted = 0
+                    for landed in range(group):
+                        while posted < min(group, landed + POSTED):
+                            conn.post_message(dest)  # (all into one buffer here)
+                            posted += 1
+                        if await conn.recv_next() is not None:
+                            raise AssertionError("a head where a message was due")
+                else:
+                    for _ in range(group):
                         await recv(dest)
-                        continue
-                    if len(flying) == posted:
-                        finished, flying = await asyncio.wait(
-                            flying, return_when=asyncio.FIRST_COMPLETED)
-                        for f in finished:
-                            f.result()
-                    flying.add(asyncio.ensure_future(recv(dest)))
-                for f in flying:
-                    await f
                 await conn.send(ack)
             done.set()
 
@@ -173,7 +167,7 @@ def ucx_vs_copy(size: int, raw: bool = False, repeats: int = 10, window: int = 8
             else:
                 async with SendWindow(conn, in_flight) as out:
                     for _ in range(group):
-                        await (out.send_bare(src) if bare else out.send(src))
+                        await (out.send_message(src) if bare else out.send(src))
             await recv_ack(ack)
             times.append((time.perf_counter() - t0) / group)
         await conn.close()
@@ -324,7 +318,7 @@ def _table(rows: list[dict]) -> None:
         elif "streamed_s" in r:
             who = "ucxx alone" if r["what"].startswith("ucxx") else "UCX transport"
             flying = r.get("in_flight", 1)
-            who += ", bare messages" if r.get("bare") else ""
+            who += ", messages" if r.get("bare") else ""
             who += ", 1 send in flight" if flying == 1 else f", {flying} sends in flight"
             print(f"| {who}, {r['window']} buffers back to back | {mib} | "
                   f"{r['streamed_GBps']:.0f} GB/s | device copy {r['copy_GBps']:.0f} GB/s | "

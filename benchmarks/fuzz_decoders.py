@@ -31,7 +31,7 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.auth import check_verdict, client_answer, server_handshake
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.protocol import SMALL_MESSAGE, _Framer
-from hoplite_gpu.transports import Stream
+from hoplite_gpu.transports.base import BytesOnly
 
 from . import fuzz_inputs as fi
 
@@ -39,7 +39,7 @@ PEER = "fuzz-peer"
 TOKEN = "fuzz-token"
 
 
-class _Bytes(Stream):
+class _Bytes(BytesOnly):
     """A stream that yields `data` (in pieces of the given sizes) and then ends."""
 
     def __init__(self, data: bytes, pieces: list[int]) -> None:
@@ -152,7 +152,10 @@ def seeds() -> list[bytes]:
     bodies += [m.encode(m.Challenge(hello="hoplite-gpu", version=11, nonce=b"n" * 32)),
                m.encode(m.Verdict(ok=True, mac=b"m" * 32)),
                m.encode(m.Failure(error="ObjectNotFound", message="gone")),
-               m.encode(m.Manifest(version=1, keys=["a"])),
+               m.encode(m.Manifest(version=1, parts=[m.PackPart(nbytes=4, device=False)],
+                                   tensors=[m.PackedTensor(key="a", kind="numpy", dtype="<f4",
+                                                           shape=[1], nbytes=4, part=0,
+                                                           offset=0)])),
                m.encode(m.Drop(oid=fi.OID, reason="x", retry=False))]
     # Nested just short of msgspec's recursion limit: a few inserted bytes
     # take it over.

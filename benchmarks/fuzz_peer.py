@@ -32,6 +32,7 @@ from hoplite_gpu.auth import check_verdict, client_answer
 from hoplite_gpu.errors import HopliteError
 from hoplite_gpu.protocol import FRAME, FRAME_DATA, FRAME_ERROR
 from hoplite_gpu.transports import split_address
+from hoplite_gpu.transports.base import MESSAGE_KINDS
 
 from .fuzz_inputs import LENGTH, frame
 
@@ -132,11 +133,15 @@ class RawPeer:
         return None if body is None else m.decode_map("server", body)
 
     def recv_frame(self) -> tuple[int, bytes] | None:
-        """The next data-connection frame: (kind, payload); None once closed."""
+        """The next head on a data connection and what follows it: (kind,
+        payload) for an error frame or a message's bytes, (kind, b"") for a
+        data frame (its length counts bytes, none follow); None once closed."""
         head = self.take(FRAME.size)
         if head is None:
             return None
         kind, n = FRAME.unpack(head)
+        if kind == FRAME_DATA:
+            return kind, b""
         body = self.take(n)
         return None if body is None else (kind, body)
 
@@ -265,8 +270,8 @@ def _data_request(peer: RawPeer, token: str, pieces: list[bytes], finish: str,
     if got is None:
         return Outcome("closed")
     kind, body = got
-    if kind == FRAME_DATA:
-        return Outcome("answered", f"a data frame of {len(body)} bytes")
+    if kind == FRAME_DATA or kind in MESSAGE_KINDS:
+        return Outcome("answered", f"a head of kind {kind}, {len(body)} bytes after it")
     if kind != FRAME_ERROR:
         return Outcome("unclear", f"a frame of kind {kind}")
     reply = m.decode_map("server", body)
@@ -306,14 +311,24 @@ def data_alive(address: str, token: str, oid: bytes, expected: bytes,
     peer = RawPeer(address, time.monotonic() + deadline_s)
     try:
         peer.handshake(token)
-        peer.send([frame(m.encode(m.Pull(oid=oid, offset=0, end=len(expected))))])
+        peer.send([frame(m.encode(m.Pull(oid=oid, offset=0, end=len(expected),
+                                         bare=max(1, len(expected)))))])
         got = bytearray()
-        while len(got) < len(expected):
-            answer = peer.recv_frame()
-            assert answer is not None, f"the data server closed after {len(got)} bytes"
-            kind, body = answer
-            assert kind == FRAME_DATA, f"an error frame: {m.decode_map('server', body)}"
-            got += body
+        while True:  # message bytes under their heads, keepalives, then the end frame
+            head = peer.take(FRAME.size)
+            assert head is not None, f"the data server closed after {len(got)} bytes"
+            kind, n = FRAME.unpack(head)
+            if kind in MESSAGE_KINDS:
+                body = peer.take(n)
+                assert body is not None, f"the data server closed after {len(got)} bytes"
+                got += body
+            elif kind == FRAME_DATA and n == len(expected):
+                break  # the end of the answer
+            elif kind == FRAME_DATA:
+                assert n == 0, f"a data frame of {n} bytes, neither a keepalive nor the end"
+            else:
+                body = peer.take(n) or b""
+                raise AssertionError(f"an error frame: {m.decode_map('server', body)}")
         assert bytes(got) == expected, "the data server sent other bytes"
     finally:
         peer.close()

@@ -65,21 +65,6 @@ class Config:
     #: benchmarks/README, "GPU"). Over TCP device chunks are staged through host
     #: memory and keep `chunk_size`.
     device_chunk_size: int = 64 * MiB
-    #: Which pulls over UCX ask for their chunks as bare messages: one UCX
-    #: message per chunk instead of a frame header and the chunk
-    #: (docs/protocol.md, "Answers in bare messages"). ``"device"`` (the
-    #: default): pulls of device objects by a get or a relay; a reduce step's
-    #: pulls of its children keep frames. ``"on"``: every pull, host objects
-    #: and reduce inputs too. ``"off"``: none. On one H100, 256 MiB
-    #: (benchmarks/results/gpu-2026-11-24): bare messages moved at 0.75 of a
-    #: device copy (median of 4 runs; frames 0.51); device gets and
-    #: broadcasts among 4 processes took 5.1 and 12.7 ms against 5.6 and
-    #: 13.6 framed (medians of 10 and 12 runs), but allreduces 22.0 with every
-    #: pull bare against 20.3 framed (20.8 with reduce inputs framed, 4 runs;
-    #: we think the receives posted for a child still being reduced cost the
-    #: step's loop turns, not measured). On a CPU host pulls over UCX were no
-    #: faster bare. (1/0, true/false, yes/no mean on/off.)
-    bare_pulls: str = "device"
     #: Objects this size or smaller travel inline through the directory.
     inline_threshold: int = 64 * KiB
     #: A blocking put or get of an inline host object is made by the calling
@@ -144,20 +129,11 @@ class Config:
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
-        switch = self.bare_pulls.lower() if isinstance(self.bare_pulls, str) else self.bare_pulls
-        if isinstance(switch, (bool, str)):  # (anything else: refused as not a str below)
-            if switch in _SWITCHES:  # (True, "1", "no", ...)
-                switch = "on" if _SWITCHES[switch] else "off"
-            # (frozen: set through object, as dataclasses itself does)
-            object.__setattr__(self, "bare_pulls", switch)
         for f in fields(self):
             _check_type(f, getattr(self, f.name))
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
                               f"got {self.log_level!r}")
-        if self.bare_pulls not in ("off", "device", "on"):
-            raise ConfigError("bare_pulls must be 'off', 'device' or 'on'; "
-                              f"got {self.bare_pulls!r}")
         if self.allreduce_slicing not in ("off", "auto", "adaptive"):
             raise ConfigError("allreduce_slicing must be 'off', 'auto' or 'adaptive'; "
                               f"got {self.allreduce_slicing!r}")
@@ -230,14 +206,6 @@ class Config:
                 values[name] = value
         return cls(**values)
 
-    def bare_pull(self, device: bool, reduce_input: bool) -> bool:
-        """Whether a pull (of a device object or not; by a reduce step for one
-        of its children or not) asks for bare messages, where the transport
-        has them (see `bare_pulls`)."""
-        if self.bare_pulls == "on":
-            return True
-        return self.bare_pulls == "device" and device and not reduce_input
-
     def chunk_bytes(self, device: bool) -> int:
         """Pipelining unit for an object's bytes: `device_chunk_size` for device
         memory that the transport moves itself, else `chunk_size`."""
@@ -257,9 +225,6 @@ class Config:
                 "heartbeat_interval_s": self.heartbeat_interval_s}
 
 
-#: Values of a switch that has more settings than on and off (`bare_pulls`).
-_SWITCHES = {True: True, False: False, "1": True, "true": True, "yes": True,
-             "0": False, "false": False, "no": False}
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

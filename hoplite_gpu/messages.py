@@ -85,8 +85,8 @@ class Attach(Message, tag="attach"):
 
 # ---------------------------------------------- a puller to a data server ---
 class Pull(Message, tag="pull"):
-    """Bytes [offset, end) of `oid`. `stall` (seconds) and `bare` (a chunk
-    size: answer in bare messages) are taken as sent and checked where they
+    """Bytes [offset, end) of `oid`. `stall` (seconds) and `bare` (the size
+    of the answer's messages) are taken as sent and checked where they
     are used (docs/protocol.md: a bad `bare` is answered with an error frame,
     a bad `stall` leaves the server's own); `shm`/`map`: same-host modes."""
 

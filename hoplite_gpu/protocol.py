@@ -1,8 +1,10 @@
 """Message framing shared by control and data connections.
 
 A message is a 4-byte big-endian length followed by a msgpack map. On data
-connections, bulk bytes follow as frames of a 9-byte header (kind, length)
-and a raw payload, so a receiver can read them straight into place.
+connections an answer's bytes travel as the transport's messages, each
+received straight into place, and its keepalives, errors and end as frames:
+a transport head (`transports.HEAD`: kind, length) of a frame kind, and for
+an error frame its body.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import Any
 
 from . import messages as m
 from .errors import HopliteError, ProtocolError, Timeout, TransportClosed, TransportError
-from .transports import SendWindow, Stream
+from .transports import HEAD, SendWindow, Stream
 
 #: A message's head: its body's length in bytes.
 LENGTH = struct.Struct(">I")
-FRAME = struct.Struct(">BQ")
+#: A frame's header is a transport head (9 bytes: kind, length).
+FRAME = HEAD
 FRAME_DATA = 0
 FRAME_ERROR = 1
 #: Control messages stay small; inline objects are at most a few hundred KiB.
@@ -277,10 +280,15 @@ async def send_error_frame(stream: Stream | SendWindow, kind: str, message: str)
 
 
 async def recv_frame_header(stream: Stream) -> tuple[int, int]:
-    kind, n = FRAME.unpack(await stream.recv_exactly(FRAME.size))
+    kind, n = await stream.recv_head()
+    check_frame(stream, kind)
+    return kind, n
+
+
+def check_frame(stream: Stream, kind: int) -> None:
+    """A head's kind must be a frame's."""
     if kind not in (FRAME_DATA, FRAME_ERROR):
         raise ProtocolError(f"unknown frame kind {kind} from {stream.peer}")
-    return kind, n
 
 
 async def recv_error_body(stream: Stream, n: int) -> dict[str, Any]:
@@ -303,6 +311,7 @@ def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
 
 
 __all__ = [
-    "FRAME", "FRAME_DATA", "FRAME_ERROR", "Outbox", "TransportClosed", "field", "pack", "recv_error_body",
+    "FRAME", "FRAME_DATA", "FRAME_ERROR", "Outbox", "TransportClosed", "check_frame", "field",
+    "pack", "recv_error_body",
     "read_messages", "recv_frame_header", "recv_msg", "send_error_frame", "send_msg",
 ]

@@ -16,7 +16,7 @@ by_scheme = pytest.mark.parametrize("scheme", tc.scheme_params())
 HANDSHAKE_TIMEOUT = 5.0
 
 
-class RecordingStream(Stream):
+class RecordingStream(tc.BytesOnly):
     """Wraps a stream and keeps a copy of every byte sent and received through it."""
 
     def __init__(self, inner: Stream) -> None:

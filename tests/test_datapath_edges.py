@@ -23,7 +23,7 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.node import shm, transfer
 from hoplite_gpu.node.store import ChunkStore
 from hoplite_gpu.protocol import FRAME, FRAME_DATA, FRAME_ERROR, recv_msg
-from hoplite_gpu.transports import get_backend
+from hoplite_gpu.transports import get_backend, local
 from hoplite_gpu.values import Layout
 
 MiB = 1 << 20
@@ -65,14 +65,14 @@ async def fake_local_peer(token: str, answer):
     """As `fake_peer`, but on the same-host Unix socket (the shared-memory path)."""
     address = f"tcp://127.0.0.1:{40000 + os.getpid() % 20000}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(shm.socket_name(address))
+    sock.bind(local.socket_name(address))
     sock.listen(8)
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     tasks = []
 
     async def handler(conn):
-        stream = shm.LocalStream(conn, "fake")
+        stream = local.LocalStream(conn, "fake")
         try:
             with contextlib.suppress(HopliteError, asyncio.CancelledError):
                 await server_handshake(stream, token, BOUND)
@@ -152,7 +152,7 @@ def test_a_same_host_peer_stalling_inside_an_error_frame_trips_the_stall_timeout
 
     async def answer(stream, req):
         assert req.get("shm")
-        await stream.send_mode(b"F", shm.shared_map(owner).fd, BOUND)
+        await shm.send_mode(stream, b"F", shm.shared_map(owner).fd, BOUND)
         await stream.send(FRAME.pack(FRAME_DATA, MiB))  # first half ready
         await stream.send(FRAME.pack(FRAME_ERROR, 100))  # then an error frame's head, and nothing
 
@@ -259,7 +259,7 @@ async def _pull_made_late(shared: bool, server_cfg: Config, puller_cfg: Config,
     server = transfer.DataServer(store, token, server_cfg)
     await server.start()
     if shared:
-        server.listen_local(server.address)
+        await server.listen_local(server.address)
     oid = ObjectID.random()
     obj = store.create(oid, layout(size)) if late == "bytes" else None
 

@@ -27,11 +27,11 @@ def cut_first_serve_halfway(server) -> list:
     real = server._stream_range
     served: list = []
 
-    async def cut(stream, obj, pos, end, stall, announce=False):
+    async def cut(stream, obj, pos, end, stall, size):
         served.append((pos, end))
         if len(served) > 1:
-            return await real(stream, obj, pos, end, stall, announce)
-        await real(stream, obj, pos, pos + (end - pos) // 2, stall, announce)
+            return await real(stream, obj, pos, end, stall, size)
+        await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
         await stream.close()
         return False
 
@@ -94,11 +94,11 @@ def test_a_receiver_sent_to_a_copy_that_was_just_dropped_fails_over_within_the_s
         real_serve = a.server._stream_range
         serves = []
 
-        async def slow_first(stream, obj, pos, end, stall, announce=False):
+        async def slow_first(stream, obj, pos, end, stall, size):
             serves.append(pos)
             if len(serves) == 1:
                 await asyncio.sleep(1.0)  # B's pull from A is still under way when C asks
-            return await real_serve(stream, obj, pos, end, stall, announce)
+            return await real_serve(stream, obj, pos, end, stall, size)
 
         a.server._stream_range = slow_first
         get_b = asyncio.ensure_future(b.get(oid, 8, "numpy"))

@@ -326,12 +326,12 @@ def _held_per_peer(kind: str, peers: int, bound: int) -> None:
         still_serving(served)
 
 
-# ------------------------------------------------------------ known bugs ---
-@pytest.mark.xfail(strict=True, reason="the data server awaits a request after the handshake "
-                   "without a deadline (node/transfer.py, DataServer._serve): a peer that sends "
-                   "part of one and stops holds its connection and task until it closes")
+# ------------------------------------------------ bugs the fuzzer found ---
 def test_a_data_peer_silent_in_the_middle_of_a_request_is_dropped(data):
-    """Not a crash: a hang an authenticated peer can cause. A pooled
+    """Bug (found by the fuzzer): the data server awaited a request's body
+    with no deadline, so a peer that sent part of one and stopped held its
+    connection and task until it closed. Not a crash: a hang an
+    authenticated peer could cause. A pooled
     connection idles between pulls, but one whose request has begun to
     arrive should be cut off within the stall timeout (0.3 s here)."""
     outcome = fp.data_request(data.address, data.token, [fi.LENGTH.pack(60) + b"\x84"], "hold",

@@ -144,10 +144,10 @@ def test_a_get_pulls_pieces_from_three_holders_and_every_byte_once():
         for n in (a, b, c):
             real = n.server._stream_range
 
-            async def counted(stream, obj, pos, end, stall, announce=False, real=real,
+            async def counted(stream, obj, pos, end, stall, size, real=real,
                               mine=served[n.node_id]):
                 mine.append((pos, end))
-                return await real(stream, obj, pos, end, stall, announce)
+                return await real(stream, obj, pos, end, stall, size)
 
             n.server._stream_range = counted
         got = await reader.fetch(oid, 10)
@@ -181,8 +181,8 @@ def test_a_holder_dying_midway_leaves_its_bytes_to_the_others():
         await c.fetch(oid, 10)
         real = b.server._stream_range
 
-        async def dies_halfway(stream, obj, pos, end, stall, announce=False):
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, announce)
+        async def dies_halfway(stream, obj, pos, end, stall, size):
+            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
             await stream.close()
             return False
 

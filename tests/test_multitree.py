@@ -71,10 +71,10 @@ def test_a_multitree_broadcast_reaches_every_rank_byte_identical():
         for n in nodes:
             real = n.server._stream_range
 
-            async def counted(stream, obj, pos, end, stall, announce=False, real=real,
+            async def counted(stream, obj, pos, end, stall, size, real=real,
                               mine=served[n.node_id]):
                 mine.append((pos, end))
-                return await real(stream, obj, pos, end, stall, announce)
+                return await real(stream, obj, pos, end, stall, size)
 
             n.server._stream_range = counted
         results = await asyncio.gather(*_run(nodes, value, plan, "mt-ok"))
@@ -101,8 +101,8 @@ def test_a_parent_dying_midway_leaves_its_range_to_the_others_or_the_directory()
         relay = nodes[1]
         real = relay.server._stream_range
 
-        async def dies_halfway(stream, obj, pos, end, stall, announce=False):
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, announce)
+        async def dies_halfway(stream, obj, pos, end, stall, size):
+            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
             await stream.close()
             return False
 

@@ -14,7 +14,7 @@ from hoplite_gpu.protocol import MAX_MESSAGE, Outbox, pack, read_messages
 from hoplite_gpu.transports import Stream, get_backend
 
 
-class Scripted(Stream):
+class Scripted(tc.BytesOnly):
     """A byte stream fed from `data`, at most `piece` bytes per receive; sends
     take at most `takes` bytes at once (None: everything) and record the rest."""
 

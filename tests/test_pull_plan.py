@@ -16,7 +16,7 @@ from in_process import run_nodes
 import hoplite_gpu as hg
 from hoplite_gpu.errors import PeerLost, Timeout
 from hoplite_gpu.ids import ObjectID
-from hoplite_gpu.node import engine, pull_modes, shm
+from hoplite_gpu.node import engine, shm
 from hoplite_gpu.node.plan import Ledger, Plan, SubFlow
 from hoplite_gpu.node.store import StoredObject
 from hoplite_gpu.transports import usable
@@ -318,24 +318,22 @@ def test_a_sink_refuses_a_byte_twice():
 
 
 
-#: (transport, bare_pulls, shared memory): frames over TCP and UCX, bare
-#: messages over UCX, and copies out of a same-host sender's mapping
-#: (sub-flows that start mid-object in each mode).
+#: (transport, shared memory): messages over TCP (in parts) and UCX (whole),
+#: and copies out of a same-host sender's mapping (sub-flows that start
+#: mid-object in each mode).
 TRANSPORTS = [
-    pytest.param(("tcp", "device", False), id="tcp"),
-    pytest.param(("tcp", "device", True), id="shared-memory",
+    pytest.param(("tcp", False), id="tcp"),
+    pytest.param(("tcp", True), id="shared-memory",
                  marks=pytest.mark.skipif(not shm.usable(), reason="no shared memory here")),
-    pytest.param(("ucx", "device", False), id="ucx",
-                 marks=pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")),
-    pytest.param(("ucx", "on", False), id="ucx-bare",
+    pytest.param(("ucx", False), id="ucx",
                  marks=pytest.mark.skipif(not usable("ucx"), reason="ucxx is not installed")),
 ]
 
 
-def _config(how: tuple[str, str, bool]) -> hg.Config:
-    transport, bare, shared = how
+def _config(how: tuple[str, bool]) -> hg.Config:
+    transport, shared = how
     return hg.Config(shared_memory=shared, chunk_size=MiB, timeout_s=10, stall_timeout_s=1.0,
-                     transport=transport, bare_pulls=bare)
+                     transport=transport)
 
 
 def _counting(node, counts: np.ndarray):
@@ -374,7 +372,7 @@ def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object(how):
         assert obj.complete and obj.ledger is None
         np.testing.assert_array_equal(obj.buffer, value)
         assert (counts == 1).all()
-        if how[2]:  # each sub-flow copied out of its sender's mapping
+        if how[1]:  # each sub-flow copied out of its sender's mapping
             assert reader.pool.local_pulls == len(plan.flows)
 
     run_nodes([_config(how)] * 3, body, bound=30)
@@ -395,24 +393,13 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monke
         real = a.server._stream_range
         served = []
 
-        async def dies_halfway(stream, obj, pos, end, stall, announce=False):
+        async def dies_halfway(stream, obj, pos, end, stall, size):
             served.append((pos, end))
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, announce)
+            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
             await stream.close()
             return False
 
         a.server._stream_range = dies_halfway
-        real_bare = pull_modes.stream_bare
-
-        async def bare_dies_halfway(server, stream, obj, pos, end, size, stall):
-            if server is not a.server:
-                return await real_bare(server, stream, obj, pos, end, size, stall)
-            served.append((pos, end))
-            await real_bare(server, stream, obj, pos, pos + (end - pos) // 2, size, stall)
-            await stream.close()
-            return False
-
-        monkeypatch.setattr(pull_modes, "stream_bare", bare_dies_halfway)
         obj = reader.store.create(oid, _raw(size))
         counts = np.zeros(size, np.int64)
         _counting(reader, counts)

@@ -14,6 +14,7 @@ from hoplite_gpu.cluster import LocalCluster
 from hoplite_gpu.errors import PeerLost
 from hoplite_gpu.node import shm
 from hoplite_gpu.node.pool import BufferPool, host_buffer
+from hoplite_gpu.transports import local
 
 MiB = 1 << 20
 
@@ -45,26 +46,26 @@ def test_the_pool_does_not_reuse_a_buffer_a_puller_may_still_read():
 def test_a_passed_descriptor_maps_the_same_bytes():
     async def main():
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        left, right = shm.LocalStream(a, "left"), shm.LocalStream(b, "right")
+        left, right = local.LocalStream(a, "left"), local.LocalStream(b, "right")
         buf = host_buffer(2 * MiB, shared=True)
         buf[:] = np.arange(2 * MiB, dtype=np.uint8)
-        await left.send_mode(b"F", shm.shared_map(buf).fd, 5)
-        mode, fd = await right.recv_mode(5)
+        await shm.send_mode(left, b"F", shm.shared_map(buf).fd, 5)
+        mode, fd = await shm.recv_mode(right, 5)
         assert mode == b"F"
         view = shm.map_readonly(fd, 2 * MiB)
         assert bytes(view[:1000]) == buf[:1000].tobytes() and view[-1] == buf[-1]
         view.close()
-        await left.send_mode(b"B", None, 5)
-        assert await right.recv_mode(5) == (b"B", None)
-        await left.send_mode(b"F", None, 5)  # a mode that needs a descriptor, without one
+        await shm.send_mode(left, b"B", None, 5)
+        assert await shm.recv_mode(right, 5) == (b"B", None)
+        await shm.send_mode(left, b"F", None, 5)  # a mode that needs a descriptor, without one
         with pytest.raises(PeerLost):
-            await right.recv_mode(5)
+            await shm.recv_mode(right, 5)
         await left.send(b"x")  # anything else is a broken peer, not a mode
         with pytest.raises(PeerLost):
-            await right.recv_mode(5)
+            await shm.recv_mode(right, 5)
         await left.close()
         with pytest.raises(PeerLost):  # closed: no mode comes
-            await right.recv_mode(5)
+            await shm.recv_mode(right, 5)
         await right.close()
 
     asyncio.run(main())
@@ -174,10 +175,10 @@ def test_a_puller_uses_only_its_own_users_socket(monkeypatch, ours):
 
     address = f"tcp://127.0.0.1:1{os.getpid() % 10000}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(shm.socket_name(address))
+    listener.bind(local.socket_name(address))
     listener.listen(1)
     # As if another user had bound the name first: we must not talk to it.
-    monkeypatch.setattr(shm, "same_user", lambda sock: ours)
+    monkeypatch.setattr(local, "same_user", lambda sock: ours)
 
     async def main():
         return await transfer._connect_local(address)
@@ -206,7 +207,7 @@ def test_a_puller_that_vanishes_with_the_descriptor_leaves_the_buffer_unreused()
         store = ChunkStore(64 * MiB, shared=True)
         server = transfer.DataServer(store, token, Config.from_env({}, timeout_s=2.0))
         await server.start()
-        server.listen_local(server.address)
+        await server.listen_local(server.address)
         src, layout = to_buffer(np.full(2 * MiB, 5, dtype=np.uint8))
         oid = ObjectID.random()
         obj = store.create(oid, layout)
@@ -217,7 +218,7 @@ def test_a_puller_that_vanishes_with_the_descriptor_leaves_the_buffer_unreused()
         await client_handshake(stream, token, 5)
         await send_msg(stream, {"op": "pull", "oid": oid.binary, "offset": 0, "end": obj.size,
                                 "shm": True, "map": True})
-        mode, fd = await stream.recv_mode(5)
+        mode, fd = await shm.recv_mode(stream, 5)
         assert mode == b"M"
         await stream.close()  # gone before saying it holds its own lock
         for _ in range(200):

@@ -148,7 +148,7 @@ def test_a_puller_gone_before_the_descriptor_was_passed_does_not_pin_the_buffer(
         store = ChunkStore(64 * MiB, shared=True)
         server = transfer.DataServer(store, token, config(timeout_s=2.0))
         await server.start()
-        server.listen_local(server.address)
+        await server.listen_local(server.address)
         try:
             _, layout = to_buffer(np.zeros(2 * MiB, np.uint8))
             oid = ObjectID.random()
@@ -161,10 +161,10 @@ def test_a_puller_gone_before_the_descriptor_was_passed_does_not_pin_the_buffer(
                                     "end": obj.size, "shm": True, "map": True})
             await stream.close()  # gone before any descriptor came
             for _ in range(200):
-                if not server._local_tasks:
+                if not server._local._tasks:
                     break
                 await asyncio.sleep(0.01)
-            assert not server._local_tasks
+            assert not server._local._tasks
             assert not shm.abandoned(obj.buffer), "no descriptor left, yet the buffer is pinned"
             store.remove(oid)
             assert store.pool.pooled == 2 * MiB  # kept for reuse

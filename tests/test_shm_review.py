@@ -74,7 +74,7 @@ def test_a_burst_of_concurrent_pulls_does_not_turn_shared_memory_off_for_that_pe
     its Unix socket (docs/protocol.md: "Concurrent pulls to the same peer
     open more connections"). Past the listener's backlog (128) a
     non-blocking connect fails with EAGAIN; asyncio's `sock_connect` then
-    reports success on a socket that is not connected, `shm.same_user` reads
+    reports success on a socket that is not connected, `same_user` reads
     uid -1 from SO_PEERCRED, and `transfer._connect_local` returns None, so
     `PeerPool.acquire` adds the peer to `_remote` for good. Every later pull
     from that peer goes over loopback TCP: a large object is copied instead

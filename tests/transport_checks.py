@@ -9,6 +9,7 @@ parametrisation in test_transports.py; nothing here knows about sockets.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import struct
@@ -26,10 +27,14 @@ from hoplite_gpu.errors import (
     TransportClosed,
     TransportError,
 )
-from hoplite_gpu.transports import Listener, SendWindow, Stream, get_backend
+from hoplite_gpu.transports import HEAD, Listener, SendWindow, Stream, get_backend
+from hoplite_gpu.transports.base import BytesOnly as _BytesOnly
 
-#: Schemes a conformance run may cover; each is skipped where its backend is unusable.
+#: Transports a node's connections may use (its data `transport`, the
+#: directory's); each is skipped where its backend is unusable.
 CANDIDATE_SCHEMES = ("tcp", "ucx")
+#: Every backend the conformance suite covers: those, and the same-host one.
+STREAM_SCHEMES = (*CANDIDATE_SCHEMES, "local")
 #: Loopback host every backend is expected to listen on.
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT = 5.0
@@ -39,11 +44,15 @@ _LEN = struct.Struct(">Q")
 Check = Callable[..., Awaitable[None]]
 
 
-def scheme_params(known_bugs: dict[str, pytest.MarkDecorator] | None = None) -> list:
-    """pytest params for every candidate scheme. Unusable backends skip with the reason;
+BytesOnly = _BytesOnly  # (transports.base.BytesOnly: streams that carry bytes only)
+
+
+def scheme_params(known_bugs: dict[str, pytest.MarkDecorator] | None = None,
+                  schemes: tuple[str, ...] = CANDIDATE_SCHEMES) -> list:
+    """pytest params for every scheme of `schemes`. Unusable backends skip with the reason;
     `known_bugs` maps a scheme to the xfail mark of a bug its backend has today."""
     params = []
-    for scheme in CANDIDATE_SCHEMES:
+    for scheme in schemes:
         try:
             get_backend(scheme)
         except ConfigError as exc:
@@ -706,3 +715,473 @@ async def check_listener_survives_handler_error(scheme: str) -> None:
         finally:
             await second.close()
 
+
+
+# -- messages and heads -------------------------------------------------------------------------
+
+#: A keepalive-like head and an error-like head with a body: the protocol's
+#: frame kinds, which a stream hands to `recv_head` as they are.
+KEEPALIVE = HEAD.pack(0, 0)
+
+
+def _guarded(n: int, guard: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """A destination of `n` bytes inside guard bytes: (the whole, the window)."""
+    whole = np.full(n + 2 * guard, 0xA5, dtype=np.uint8)
+    return whole, whole[guard:guard + n]
+
+
+def _intact(whole: np.ndarray, n: int, guard: int = 16) -> bool:
+    return bool((whole[:guard] == 0xA5).all() and (whole[guard + n:] == 0xA5).all())
+
+
+@deadline(60)
+async def check_messages_in_order(scheme: str) -> None:
+    """Messages posted several at a time land whole, in order, each in place
+    in a buffer of exactly its size; `on_step` marks rise, every byte they
+    report is in, the last is the whole message, and each is reported before
+    `recv_next` says the message is in."""
+    sizes = [1, 4095, 70_000, 4 * MiB + 3, 1, 9 * MiB]
+    data = [random_bytes(n, seed=200 + i) for i, n in enumerate(sizes)]
+    dests = [_guarded(n) for n in sizes]
+    marks: list[list[int]] = [[] for _ in sizes]
+
+    def stepper(i: int) -> Callable[[int], None]:
+        def on_step(n: int) -> None:
+            window = dests[i][1]
+            np.testing.assert_array_equal(window[max(0, n - 64):n], data[i][max(0, n - 64):n])
+            marks[i].append(n)
+        return on_step
+
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:
+            async with SendWindow(client) as out:
+                for d in data:
+                    await out.send_message(memoryview(d))
+
+        sending = asyncio.ensure_future(sender())
+        posted = 0
+        for i in range(len(sizes)):
+            while posted < len(sizes) and posted < i + 2:  # two posted at once
+                server.post_message(memoryview(dests[posted][1]), on_step=stepper(posted),
+                                    step=256 * 1024)
+                posted += 1
+            assert await server.recv_next() is None
+            assert marks[i] and marks[i][-1] == sizes[i], f"message {i}: marks {marks[i]}"
+            assert marks[i] == sorted(set(marks[i])), "marks only rise"
+            np.testing.assert_array_equal(dests[i][1], data[i])
+            assert _intact(dests[i][0], sizes[i]), "a message overran its buffer"
+        await sending
+
+
+@deadline(30)
+async def check_message_frames(scheme: str) -> None:
+    """A message of several frames fills one buffer per frame, each exactly
+    its frame's size, with `recv_message`."""
+    frames = [random_bytes(n, seed=300 + n) for n in (3, 20_000, 1, 2 * MiB + 1)]
+    dests = [_guarded(f.nbytes) for f in frames]
+    async with connected_pair(scheme) as (client, server):
+        sending = asyncio.ensure_future(client.send_message(*(memoryview(f) for f in frames)))
+        totals: list[int] = []
+        await server.recv_message(*(memoryview(w) for _, w in dests), on_step=totals.append)
+        await sending
+    for f, (whole, window) in zip(frames, dests, strict=True):
+        np.testing.assert_array_equal(window, f)
+        assert _intact(whole, f.nbytes)
+    assert totals[-1] == sum(f.nbytes for f in frames)
+
+
+@deadline(20)
+async def check_message_larger_than_its_buffer(scheme: str) -> None:
+    """A message longer than the buffer posted for it ends the stream with
+    TransportClosed that says so; nothing lands past the buffer."""
+    async with connected_pair(scheme) as (client, server):
+        await client.send_message(b"0123456789")
+        whole, window = _guarded(4)
+        with pytest.raises(TransportClosed, match="message"):
+            await server.recv_message(memoryview(window))
+        assert server.closed
+        assert _intact(whole, 4)
+
+
+@deadline(20)
+async def check_message_shorter_than_its_buffer(scheme: str) -> None:
+    """A message shorter than the buffer posted for it ends the stream with
+    TransportClosed that says so, instead of taking part of the next one."""
+    async with connected_pair(scheme) as (client, server):
+        await client.send_message(b"0123")
+        await client.send_message(b"456789")
+        with pytest.raises(TransportClosed, match="message"):
+            await server.recv_message(memoryview(bytearray(10)))
+        assert server.closed
+
+
+@deadline(20)
+async def check_message_frames_must_match_buffers(scheme: str) -> None:
+    """Frames of 5 and 3 bytes posted as buffers of 3 and 5: the stream ends
+    with TransportClosed rather than spreading frames over other buffers."""
+    async with connected_pair(scheme) as (client, server):
+        await client.send_message(b"abcde", b"fgh")
+        with pytest.raises(TransportClosed, match="message"):
+            await server.recv_message(memoryview(bytearray(3)), memoryview(bytearray(5)))
+        assert server.closed
+
+
+@deadline(30)
+async def check_heads_between_messages(scheme: str) -> None:
+    """Heads sent between messages reach `recv_next` (or `recv_head`) as
+    (kind, length), a head's body is read with `recv_exactly` after it, and
+    messages still land whole and in order. On a byte stream everything
+    comes in the order it was sent; on UCX heads keep their order among
+    themselves and messages theirs."""
+    sent = [("head", KEEPALIVE, b""), ("msg", random_bytes(5 * MiB, seed=31)),
+            ("head", HEAD.pack(1, 5), b"hello"), ("msg", random_bytes(7, seed=32)),
+            ("head", HEAD.pack(0, 77), b""), ("msg", random_bytes(MiB, seed=33))]
+    msgs = [item[1] for item in sent if item[0] == "msg"]
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:
+            async with SendWindow(client) as out:
+                for item in sent:
+                    if item[0] == "msg":
+                        await out.send_message(memoryview(item[1]))
+                    else:
+                        await out.send(item[1], item[2])
+
+        sending = asyncio.ensure_future(sender())
+        dests = [np.zeros(m.nbytes, np.uint8) for m in msgs]
+        for d in dests:
+            server.post_message(memoryview(d))
+        order: list[object] = []
+        while len(order) < len(sent):
+            got = await server.recv_next()
+            if got is None:
+                order.append("msg")
+                continue
+            body = await server.recv_exactly(5) if got == (1, 5) else b""
+            order.append((got, body))
+        await sending
+        heads = [o for o in order if o != "msg"]
+        assert heads == [((0, 0), b""), ((1, 5), b"hello"), ((0, 77), b"")]
+        for d, m in zip(dests, msgs, strict=True):
+            np.testing.assert_array_equal(d, m)
+        if client.caps.message_parts:  # a byte stream: one order for everything
+            assert order == ["msg" if i[0] == "msg" else ((HEAD.unpack(i[1])), i[2])
+                             for i in sent]
+
+
+@deadline(30)
+async def check_heads_and_messages_taken_apart(scheme: str) -> None:
+    """One task takes messages (`recv_message`), another heads (`recv_head`),
+    each head's body after it: neither takes the other's."""
+    msgs = [random_bytes(n, seed=40 + n) for n in (3 * MiB, 10, 1)]
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:
+            async with SendWindow(client) as out:
+                for i, m in enumerate(msgs):
+                    await out.send(HEAD.pack(1, 3), b"e%02d" % i)
+                    await out.send_message(memoryview(m))
+                await out.send(HEAD.pack(0, 99))
+
+        async def messages() -> list[np.ndarray]:
+            got = []
+            for m in msgs:
+                dest = np.zeros(m.nbytes, np.uint8)
+                await server.recv_message(memoryview(dest))
+                got.append(dest)
+            return got
+
+        async def heads() -> list:
+            got = []
+            while True:
+                head = await server.recv_head()
+                if head == (0, 99):
+                    return got
+                got.append((head, await server.recv_exactly(head[1])))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(sender())
+            taking = tg.create_task(messages())
+            reading = tg.create_task(heads())
+    for got, m in zip(taking.result(), msgs, strict=True):
+        np.testing.assert_array_equal(got, m)
+    assert reading.result() == [((1, 3), b"e%02d" % i) for i in range(len(msgs))]
+
+
+@deadline(30)
+async def check_message_parts(scheme: str) -> None:
+    """On a byte stream a one-frame message may go in parts as its bytes
+    become ready, with heads between them; the receiver's `on_step` follows
+    the parts. A message transport sends each frame whole."""
+    data = random_bytes(3 * MiB + 17, seed=51)
+    async with connected_pair(scheme) as (client, server):
+        if not client.caps.message_parts:
+            with pytest.raises(NotImplementedError):
+                await client.send_message_part(b"x", last=True)
+            return
+        cuts = [0, 100, MiB, 2 * MiB + 5, data.nbytes]
+        dest = np.zeros(data.nbytes, np.uint8)
+        marks: list[int] = []
+        server.post_message(memoryview(dest), on_step=marks.append, step=1)
+
+        async def sender() -> None:
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+                await client.send_message_part(memoryview(data[a:b]), last=b == data.nbytes)
+                if b < data.nbytes:
+                    await client.send(KEEPALIVE)
+                    await asyncio.sleep(0.01 * (i + 1))
+
+        sending = asyncio.ensure_future(sender())
+        keepalives = 0
+        while (got := await server.recv_next()) is not None:
+            assert got == (0, 0)
+            keepalives += 1
+        await sending
+        np.testing.assert_array_equal(dest, data)
+        assert keepalives == len(cuts) - 2
+        assert marks[-1] == data.nbytes and set(cuts[1:]) <= set(marks)
+
+
+@deadline(20)
+async def check_message_cut_short_by_the_peer(scheme: str) -> None:
+    """A peer that closes before a posted message is in: `recv_next` raises
+    TransportClosed."""
+    async with connected_pair(scheme) as (client, server):
+        dest = bytearray(MiB)
+        server.post_message(memoryview(dest))
+        if client.caps.message_parts:
+            await client.send_message_part(bytes(1000), last=False)
+        await client.close()
+        with pytest.raises(TransportClosed):
+            await server.recv_next()
+
+
+@deadline(10)
+async def check_close_wakes_posted_receives(scheme: str) -> None:
+    """close() while a message receive is posted and waited for (`recv_next`,
+    `recv_message`) or a head is waited for: each raises TransportClosed."""
+    for waiting in ("next", "message", "head"):
+        async with connected_pair(scheme) as (client, _server):
+            if waiting == "next":
+                client.post_message(memoryview(bytearray(10)))
+                pending = asyncio.ensure_future(client.recv_next())
+            elif waiting == "message":
+                pending = asyncio.ensure_future(client.recv_message(memoryview(bytearray(10))))
+            else:
+                pending = asyncio.ensure_future(client.recv_head())
+            await asyncio.sleep(0.1)  # (past a UCX recv_next's poll: heads are awaited too)
+            assert not pending.done()
+            await _close_and_expect_closed(client, pending)
+            with pytest.raises(TransportClosed):
+                client.post_message(memoryview(bytearray(1)))
+
+
+@deadline(10)
+async def check_a_message_needs_a_frame(scheme: str) -> None:
+    """A message of no frames is refused, on both sides, naming the call."""
+    async with connected_pair(scheme) as (client, server):
+        with pytest.raises(InvalidArgument, match="send_message"):
+            await client.send_message()
+        with pytest.raises(InvalidArgument, match="post_message"):
+            server.post_message()
+
+
+@deadline(10)
+async def check_cancelled_message_receive_never_misplaces_one(scheme: str) -> None:
+    """A message receive cancelled before anything arrived must not take the
+    next message: the next receive gets it whole, or the stream says it is
+    closed (UCX cannot withdraw a posted receive, so it ends the stream)."""
+    async with connected_pair(scheme) as (client, server):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await client.recv_message(memoryview(bytearray(5)))
+        with contextlib.suppress(TransportClosed):
+            await server.send_message(b"first")
+            await server.send_message(b"secon")
+        dest = bytearray(5)
+        try:
+            await client.recv_message(memoryview(dest))
+        except TransportClosed:
+            assert client.closed
+        else:
+            assert bytes(dest) == b"first"
+
+
+@deadline(60)
+async def check_device_messages(scheme: str) -> None:
+    """Device frames (CuPy) land in device buffers where the stream moves
+    device memory (`caps.device`); a host-only stream refuses them with
+    InvalidArgument, naming the call."""
+    import cupy
+
+    host = random_bytes(2 * MiB + 3, seed=61)
+    src = cupy.asarray(host)
+    async with connected_pair(scheme) as (client, server):
+        if not client.caps.device:
+            with pytest.raises(InvalidArgument, match="send_message"):
+                await client.send_message(src)
+            with pytest.raises(InvalidArgument, match="post_message"):
+                server.post_message(cupy.empty(4, cupy.uint8))
+            return
+        dest = cupy.zeros(host.nbytes, cupy.uint8)
+        small = np.zeros(5, np.uint8)
+        sending = asyncio.ensure_future(client.send_message(src, b"hello"))
+        await server.recv_message(dest, memoryview(small))
+        await sending
+        np.testing.assert_array_equal(cupy.asnumpy(dest), host)
+        assert bytes(small) == b"hello"
+
+
+@deadline(10)
+async def check_descriptors(scheme: str) -> None:
+    """A same-host stream (`caps.local`) passes a file descriptor with a byte:
+    the receiver gets its own descriptor of the same file, and a byte without
+    one; other streams cannot (NotImplementedError)."""
+    import os
+
+    async with connected_pair(scheme) as (client, server):
+        if not client.caps.local:
+            with pytest.raises(NotImplementedError):
+                await client.send_descriptor(b"F", None, 1)
+            with pytest.raises(NotImplementedError):
+                await server.recv_descriptor(1)
+            return
+        fd = os.memfd_create("hoplite-gpu-check")
+        try:
+            await client.send_descriptor(b"F", fd, 5)
+            tag, fds = await server.recv_descriptor(5)
+            assert tag == b"F" and len(fds) == 1 and fds[0] != fd
+            assert os.fstat(fds[0]).st_ino == os.fstat(fd).st_ino, "another file came"
+            os.close(fds[0])
+        finally:
+            os.close(fd)
+        await client.send_descriptor(b"B", None, 5)
+        assert await server.recv_descriptor(5) == (b"B", [])
+        with pytest.raises(Timeout):
+            await server.recv_descriptor(0.1)
+        await client.close()
+        assert await server.recv_descriptor(5) == (b"", [])  # the peer closed
+
+
+@deadline(10)
+async def check_message_posted_after_it_came(scheme: str) -> None:
+    """A message that arrives while only a head is waited for is kept until a
+    receive is posted for it, an empty one too, and the head that comes after
+    it still reaches its reader. (A byte stream read an empty message's head
+    while nothing was posted and, once a receive was, waited for the socket
+    to become readable: with nothing more on the wire, for good.)"""
+    async with connected_pair(scheme) as (client, server):
+        waiting = asyncio.ensure_future(server.recv_head())
+        await client.send_message(b"")
+        await asyncio.sleep(0.1)  # (it is in before anything is posted for it)
+        await server.recv_message(memoryview(bytearray(0)))
+        await client.send_message(b"xyz")
+        await asyncio.sleep(0.1)
+        dest = bytearray(3)
+        await server.recv_message(memoryview(dest))
+        assert bytes(dest) == b"xyz"
+        assert not waiting.done()
+        await client.send(KEEPALIVE)
+        assert await waiting == (0, 0)
+
+
+@deadline(20)
+async def check_messages_sent_ahead_of_their_receives(scheme: str) -> None:
+    """Messages sent long before their receives are posted, two at a time as a
+    pull posts them, land whole, the short last one too, and the head after
+    them comes. (A byte stream read ahead into a message posted early, then
+    waited with its wake-up mark (SO_RCVLOWAT) still at 256 KiB from the long
+    message, so the few bytes of the last message and the head, already in
+    the socket, never woke it: pulls of 3 MiB + 3 bytes stalled.)"""
+    size = 3 * MiB + 3
+    data = random_bytes(size, seed=71)
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:  # (over UCX a large send ends once received)
+            async with SendWindow(client) as out:
+                for at in range(0, size, MiB):
+                    await out.send_message(memoryview(data[at:at + MiB]))
+                await out.send(HEAD.pack(0, size))
+
+        sending = asyncio.ensure_future(sender())
+        await asyncio.sleep(0.2)  # (a byte stream's bytes are all in before anything is posted)
+        dest = np.zeros(size, np.uint8)
+        ends: collections.deque[int] = collections.deque()
+        posted = landed = 0
+        while landed < size:
+            while len(ends) < 2 and posted < size:
+                upto = min(posted + MiB, size)
+                server.post_message(memoryview(dest[posted:upto]))
+                ends.append(upto)
+                posted = upto
+            async with asyncio.timeout(5):
+                assert await server.recv_next() is None
+            landed = ends.popleft()
+        async with asyncio.timeout(5):
+            assert await server.recv_next() == (0, size)
+        await sending
+        np.testing.assert_array_equal(dest, data)
+
+
+@deadline(30)
+async def check_mixed_traffic(scheme: str, seed: int) -> None:
+    """Messages of many sizes (empty to over a MiB; on a byte stream sent in
+    random parts), keepalive heads between and inside them, pauses on both
+    sides, and two receives posted at a time as a pull posts them: every
+    message lands whole and in order, every head comes, and no wait stalls
+    (each is bounded far below the check's deadline)."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.choice([0, 1, 100, 64 * 1024 - 1, 64 * 1024, 300_000, MiB + 7]))
+             for _ in range(24)]
+    data = [random_bytes(n, seed=1000 * seed + i) for i, n in enumerate(sizes)]
+    plan = [(float(rng.random()), int(rng.integers(1, 4))) for _ in sizes]
+    keepalives = [0]
+    async with connected_pair(scheme) as (client, server):
+
+        async def sender() -> None:
+            async with SendWindow(client) as out:
+                for d, (chance, pieces) in zip(data, plan, strict=True):
+                    if chance < 0.3:
+                        await out.send(KEEPALIVE)
+                        keepalives[0] += 1
+                    if chance < 0.2:
+                        await asyncio.sleep(0.01)
+                    if not client.caps.message_parts or d.nbytes < pieces:
+                        await out.send_message(memoryview(d))
+                        continue
+                    cuts = sorted(set(int(c) for c in rng.integers(1, d.nbytes, pieces - 1)))
+                    bounds = [0, *cuts, d.nbytes]
+                    for a, b in zip(bounds, bounds[1:], strict=False):
+                        await out.send_message_part(memoryview(d[a:b]), last=b == d.nbytes)
+                        if b < d.nbytes and chance < 0.5:
+                            await out.send(KEEPALIVE)
+                            keepalives[0] += 1
+                await out.send(HEAD.pack(0, 12345))
+
+        sending = asyncio.ensure_future(sender())
+        dests = [np.zeros(n, np.uint8) for n in sizes]
+        posted = landed = heads = 0
+        while True:
+            while posted < len(sizes) and posted - landed < 2:
+                server.post_message(memoryview(dests[posted]))
+                posted += 1
+            if rng.random() < 0.2:
+                await asyncio.sleep(0.005)
+            async with asyncio.timeout(5):
+                got = await server.recv_next()
+            if got is None:
+                landed += 1
+            elif got == (0, 12345):
+                break
+            else:
+                assert got == (0, 0), got
+                heads += 1
+        while landed < len(sizes):  # (over UCX the last head may pass messages)
+            async with asyncio.timeout(5):
+                assert await server.recv_next() is None
+            landed += 1
+        await sending
+        for d, want in zip(dests, data, strict=True):
+            np.testing.assert_array_equal(d, want)
+        assert heads == keepalives[0], f"{heads} heads came of {keepalives[0]} sent"

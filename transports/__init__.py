@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, Listener, SendWindow, Stream, StreamCaps, split_address
+from .base import HEAD, Backend, Head, Listener, SendWindow, Stream, StreamCaps, split_address
 
 # scheme -> "module:attribute", imported on first use so optional ones (ucx)
 # cost nothing when unused.
 _KNOWN = {
     "tcp": "hoplite_gpu.transports.tcp:TCPBackend",
     "ucx": "hoplite_gpu.transports.ucx:UCXBackend",
+    # same-host streams that pass descriptors (Unix sockets; Linux)
+    "local": "hoplite_gpu.transports.local:LocalBackend",
 }
 _loaded: dict[str, Backend] = {}
 
@@ -55,5 +57,5 @@ def usable(scheme: str) -> bool:
     return True
 
 
-__all__ = ["Backend", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
+__all__ = ["HEAD", "Backend", "Head", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
            "register_backend", "split_address", "usable"]

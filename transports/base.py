@@ -1,8 +1,20 @@
-"""The transport interface: a byte stream with exact-size receives, and a listener.
+"""The transport interface: a stream with exact-size receives and a message
+lane, and a listener.
 
 Everything above this layer speaks in buffers; everything below it (sockets,
 UCX endpoints) stays here, and its errors are converted at this boundary into
 `TransportClosed`, `ConnectionRefused` or `Timeout`.
+
+Besides its bytes (`send`, `recv_into`) every stream carries **messages**: a
+message is one or more frames (buffers, device buffers where the transport
+moves them), received into buffers the receiver provides, each exactly its
+frame's size (`send_message`, `post_message`, `recv_message`). Beside them
+come **heads** (`HEAD`: a kind and a length), which the protocol above uses
+for its own frames (`hoplite_gpu.protocol`) and reads with `recv_head`;
+`recv_next` waits for whichever comes first, a posted message or a head.
+UCX carries messages on a lane of their own; a byte stream (TCP, the
+same-host socket) puts a head of a message kind before each frame's bytes
+and sorts what it reads (`transports/lane.py`).
 """
 
 from __future__ import annotations
@@ -10,11 +22,30 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 Buffer = bytes | bytearray | memoryview
+
+#: A head (docs/protocol.md, "Framing"): one byte of kind, eight of length,
+#: big-endian. Kinds 0 and 1 are the protocol's frames (data, error:
+#: `hoplite_gpu.protocol`); on a byte stream the message kinds below carry a
+#: message's bytes, and never reach `recv_head`.
+HEAD = struct.Struct(">BQ")
+#: The next `length` bytes of a message's frame; more of that frame follow
+#: (`send_message_part`).
+HEAD_PART = 2
+#: The last `length` bytes of a frame; another frame of the message follows.
+HEAD_FRAME = 3
+#: The last `length` bytes of the message.
+HEAD_END = 4
+MESSAGE_KINDS = (HEAD_PART, HEAD_FRAME, HEAD_END)
+#: A head as `recv_head` returns it: (kind, length).
+Head = tuple[int, int]
+#: How often, in bytes, a receive reports progress to its `on_step` by default.
+STEP = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -26,19 +57,20 @@ class StreamCaps:
     #: (a byte stream such as TCP). Message transports (UCX) receive a whole
     #: message in place and would copy through a bounce buffer otherwise.
     partial_receive: bool = True
-    #: Whether `send_bare`/`recv_bare` exist: a buffer sent as one message with
-    #: no head, received whole into a buffer of exactly its size, on a lane of
-    #: its own beside `send`/`recv_into` (UCX). A byte stream has no use for them.
-    bare_messages: bool = False
+    #: Whether a message may be sent in parts as its bytes become ready
+    #: (`send_message_part`), with heads between them: a byte stream. A
+    #: message transport (UCX) sends each frame whole.
+    message_parts: bool = False
     #: Whether device buffers may be passed to send/recv_into as they are (UCX).
     device: bool = False
-    #: A same-host connection that can pass file descriptors and say how a
-    #: pull is served with one mode byte (`send_mode`/`recv_mode`).
+    #: A same-host connection that can pass a file descriptor with a byte
+    #: (`send_descriptor`/`recv_descriptor`: `transports.local`).
     local: bool = False
 
 
 class Stream(abc.ABC):
-    """A reliable, ordered, bidirectional byte stream between two processes."""
+    """A reliable, ordered, bidirectional stream between two processes: bytes,
+    heads and messages (see the module doc)."""
 
     #: Human-readable peer address, for error messages.
     peer: str = "?"
@@ -107,18 +139,62 @@ class Stream(abc.ABC):
         `send`). Raises TransportClosed."""
         return 0
 
-    async def send_bare(self, buffer: Buffer) -> None:
-        """Send `buffer` as one message on the bare lane (see `bare_messages`);
-        bare messages keep their order among themselves, not with `send`'s.
-        Raises TransportClosed."""
-        raise NotImplementedError(f"{type(self).__name__} has no bare messages")
+    # -- messages and heads ----------------------------------------------------
 
-    async def recv_bare(self, buffer: Buffer) -> None:
-        """Receive the next bare message into `buffer`, which it must fill
-        exactly. Several may wait at once: messages fill them in the order the
-        calls began. Raises TransportClosed (a message too large for `buffer`
-        too)."""
-        raise NotImplementedError(f"{type(self).__name__} has no bare messages")
+    @abc.abstractmethod
+    async def send_message(self, *frames: Any) -> None:
+        """Send one message of `frames` (at least one; device buffers where
+        `caps.device`). Messages keep their order among themselves. Raises
+        InvalidArgument for what the stream cannot send, TransportClosed."""
+
+    async def send_message_part(self, part: Buffer, *, last: bool) -> None:
+        """Send the next bytes of a one-frame message; `last` ends it. Heads
+        (`send`) may go between the parts, another message may not. Only
+        where `caps.message_parts` (a byte stream)."""
+        raise NotImplementedError(f"{type(self).__name__} sends each message whole")
+
+    @abc.abstractmethod
+    def post_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                     step: int = STEP) -> None:
+        """Post a receive of the next message into `buffers`, one a frame, each
+        exactly its frame's size (in place, no copy). Several may be posted:
+        messages fill them in the order they were posted. `on_step(n)` hears
+        how many bytes of the message are in, whenever `step` more are (a
+        byte stream) or once it is whole, always before `recv_next` reports
+        it. A message that does not fit its buffers ends the stream
+        (TransportClosed, naming the sizes; UCX cannot tell one shorter than
+        its buffer, see transports/ucx.py). `recv_next` reports each posted
+        message in turn."""
+
+    @abc.abstractmethod
+    async def recv_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                           step: int = STEP) -> None:
+        """Receive the next message into `buffers`, as `post_message` does, and
+        wait for it. Heads that come meanwhile are kept for `recv_head`."""
+
+    @abc.abstractmethod
+    async def recv_head(self) -> Head:
+        """The next head, (kind, length). Anything that follows it (a body the
+        kind announces) is read with `recv_into` before the next call; on a
+        byte stream nothing more is read until then."""
+
+    @abc.abstractmethod
+    async def recv_next(self) -> Head | None:
+        """Wait for what comes first: None once the oldest message posted with
+        `post_message` is in (each is reported once, in order), or a head (as
+        `recv_head`). The heads of a byte stream come in order with its
+        messages; on UCX a head may pass a message."""
+
+    async def send_descriptor(self, tag: bytes, fd: int | None, timeout: float) -> None:
+        """Send one byte, with the file descriptor `fd` attached where given.
+        Only where `caps.local`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pass descriptors")
+
+    async def recv_descriptor(self, timeout: float) -> tuple[bytes, list[int]]:
+        """One byte `send_descriptor` sent (b"": the peer closed) and the
+        descriptors that came with it (the caller closes them). Only where
+        `caps.local`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pass descriptors")
 
     async def recv_exactly(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -146,6 +222,26 @@ class Stream(abc.ABC):
     def closed(self) -> bool: ...
 
 
+class BytesOnly(Stream):
+    """A base for streams that carry bytes only (stand-ins in tests and
+    fuzzers that replay recorded bytes): the message calls say so."""
+
+    async def send_message(self, *frames: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} carries bytes only")
+
+    def post_message(self, *buffers: Any, on_step: Any = None, step: int = 0) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} carries bytes only")
+
+    async def recv_message(self, *buffers: Any, on_step: Any = None, step: int = 0) -> None:
+        raise NotImplementedError(f"{type(self).__name__} carries bytes only")
+
+    async def recv_head(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} carries bytes only")
+
+    async def recv_next(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} carries bytes only")
+
+
 class SendWindow:
     """Sends on one stream, up to `depth` of them in flight at once.
 
@@ -166,9 +262,13 @@ class SendWindow:
     async def send(self, *buffers: Buffer) -> None:
         await self._post(self._stream.send(*buffers))
 
-    async def send_bare(self, buffer: Buffer) -> None:
-        """`stream.send_bare(buffer)`, in the window."""
-        await self._post(self._stream.send_bare(buffer))
+    async def send_message(self, *frames: Any) -> None:
+        """`stream.send_message(*frames)`, in the window."""
+        await self._post(self._stream.send_message(*frames))
+
+    async def send_message_part(self, part: Buffer, *, last: bool) -> None:
+        """`stream.send_message_part(part, last=last)`, in the window."""
+        await self._post(self._stream.send_message_part(part, last=last))
 
     async def _post(self, sending: Awaitable[None]) -> None:
         if self._depth == 1:

@@ -17,11 +17,32 @@ import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed
+from hoplite_gpu.errors import (
+    ConnectionRefused,
+    InvalidArgument,
+    Timeout,
+    TransportClosed,
+    TransportError,
+)
 
-from .base import Backend, Buffer, Handler, Listener, Stream, split_address
+from .base import (
+    HEAD,
+    HEAD_END,
+    HEAD_FRAME,
+    HEAD_PART,
+    STEP,
+    Backend,
+    Buffer,
+    Handler,
+    Head,
+    Listener,
+    Stream,
+    StreamCaps,
+    split_address,
+)
+from .lane import Lane
 
 log = logging.getLogger("hoplite_gpu.transports.tcp")
 
@@ -61,7 +82,22 @@ def _wake(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+def host_bytes(call: str, buf: Any) -> memoryview:
+    """`buf` as a flat byte view, for a transport that moves host memory only."""
+    if hasattr(buf, "__cuda_array_interface__"):
+        raise InvalidArgument(f"{call}: this transport moves host memory only; got a device "
+                              "buffer (stage it through host memory, or use ucx)")
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{call}: a buffer must be contiguous; got a strided view")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class TCPStream(Stream):
+    #: A byte stream: receives take part of a send as cheaply as all of it, and
+    #: a message may go in parts (`send_message_part`).
+    caps = StreamCaps(partial_receive=True, message_parts=True)
+
     def __init__(self, sock: socket.socket, peer: str) -> None:
         _tune(sock)
         self._sock = sock
@@ -73,6 +109,8 @@ class TCPStream(Stream):
         #: Sends that overlap (a SendWindow deeper than 1) go out one after another,
         #: so the bytes of one never land between another's.
         self._send_lock = asyncio.Lock()
+        #: messages and heads, sorted as they are read (`transports.lane`)
+        self._lane = Lane(self, sock)
 
     @property
     def closed(self) -> bool:
@@ -136,13 +174,63 @@ class TCPStream(Stream):
                 if not self._closed:
                     loop.remove_writer(fd)
 
-    async def recv_into(self, buffer: memoryview) -> None:
+    # -- messages ----------------------------------------------------------------
+
+    async def send_message(self, *frames: Any) -> None:
+        if not frames:
+            raise InvalidArgument("send_message: a message has at least one frame")
+        views = [host_bytes("send_message", f) for f in frames]
+        last = len(views) - 1
+        wire: list[Buffer] = []
+        for i, view in enumerate(views):
+            wire += [HEAD.pack(HEAD_END if i == last else HEAD_FRAME, len(view)), view]
+        await self.send(*wire)
+
+    async def send_message_part(self, part: Buffer, *, last: bool) -> None:
+        view = host_bytes("send_message_part", part)
+        await self.send(HEAD.pack(HEAD_END if last else HEAD_PART, len(view)), view)
+
+    def _views(self, call: str, buffers: tuple) -> list[memoryview]:
         if self._closed:
             raise self._lost(None, "receive")
+        if not buffers:
+            raise InvalidArgument(f"{call}: a message has at least one frame")
+        return [host_bytes(call, b) for b in buffers]
+
+    def post_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                     step: int = STEP) -> None:
+        self._lane.post(self._views("post_message", buffers), on_step, step)
+
+    async def recv_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                           step: int = STEP) -> None:
+        await self._lane.recv_message(self._views("recv_message", buffers), on_step, step)
+
+    async def recv_head(self) -> Head:
+        if self._closed:
+            raise self._lost(None, "receive")
+        return await self._lane.recv_head()
+
+    async def recv_next(self) -> Head | None:
+        if self._closed:
+            raise self._lost(None, "receive")
+        return await self._lane.recv_next()
+
+    # -- bytes ---------------------------------------------------------------------
+
+    def _plain(self) -> None:
+        """A plain receive may read the socket now (see `Lane.quiet`)."""
+        if self._closed:
+            raise self._lost(None, "receive")
+        if not self._lane.quiet:
+            raise TransportError(f"a plain receive from {self.peer} while its messages are "
+                                 "being received (read a head's body only after recv_head)")
+
+    async def recv_into(self, buffer: memoryview) -> None:
+        self._plain()
         view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         got, want = 0, len(view)
         while got < want:
-            self._expect(want - got)
+            self.expect(want - got)
             n = await self._wait_recv(view[got:])
             if n == 0:
                 await self.close()
@@ -154,8 +242,7 @@ class TCPStream(Stream):
         """Fill `buffer` from a reader callback that stays registered until it is
         full: one wake-up of the caller per buffer, where `recv_into` per step
         costs a task wake-up, a future and two epoll_ctl calls per step."""
-        if self._closed:
-            raise self._lost(None, "receive")
+        self._plain()
         view = memoryview(buffer).cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         want = len(view)
         if want == 0:
@@ -169,10 +256,10 @@ class TCPStream(Stream):
                 mark = got
                 on_step(got)
             if got < want:
-                self._expect(want - got)
+                self.expect(want - got)
             return got == want
 
-        self._expect(want)
+        self.expect(want)
         await self._read_on_readiness(
             lambda: view[got:], received,
             lambda: f"connection to {self.peer} ended after {got} of {want} bytes", eager=True)
@@ -183,8 +270,7 @@ class TCPStream(Stream):
         burst costs one receive and a call of `received` from the loop itself,
         where a task awaiting each receive also pays a wake-up, a future and
         two epoll_ctl calls."""
-        if self._closed:
-            raise self._lost(None, "receive")
+        self._plain()
         self._set_lowat(1)
 
         def take(n: int) -> bool:
@@ -273,7 +359,7 @@ class TCPStream(Stream):
         except (OSError, ValueError) as exc:
             raise self._lost(exc, "send") from exc
 
-    def _expect(self, rest: int) -> None:
+    def expect(self, rest: int) -> None:
         """Wake for the next `rest` bytes of a receive in SO_RCVLOWAT steps."""
         self._set_lowat(min(rest, _LOWAT) if rest >= _LOWAT_FROM else 1)
 
@@ -304,8 +390,13 @@ class TCPStream(Stream):
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
     async def close(self) -> None:
+        self.shut()
+
+    def shut(self) -> None:
+        """Close now (`close` does no more; the lane calls this after a failure)."""
         if not self._closed:
             self._closed = True
+            self._lane.fail(self._lost(None, "receive"))
             loop = asyncio.get_running_loop()
             with contextlib.suppress(OSError, ValueError):
                 # Unregister before closing, so no stale selector entry outlives
@@ -323,13 +414,15 @@ class TCPStream(Stream):
 
 
 class TCPListener(Listener):
-    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, address: str | None = None) -> None:
         self._sock = sock
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
         self._streams: set[TCPStream] = set()
-        host, port = sock.getsockname()[:2]
-        self._address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        if address is None:
+            host, port = sock.getsockname()[:2]
+            address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        self._address = address
         self._accepter = asyncio.get_running_loop().create_task(self._accept_loop())
 
     @property
@@ -351,11 +444,17 @@ class TCPListener(Listener):
                     log.warning("accept on %s failed (%s); retrying", self._address, exc)
                 await asyncio.sleep(0.05)
                 continue
-            stream = TCPStream(conn, f"{addr[0]}:{addr[1]}")
+            stream = self._accepted(conn, addr)
+            if stream is None:
+                continue
             self._streams.add(stream)
             task = loop.create_task(self._serve(stream))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _accepted(self, conn: socket.socket, addr: Any) -> TCPStream | None:
+        """The stream of an accepted connection (None: refused, and closed)."""
+        return TCPStream(conn, f"{addr[0]}:{addr[1]}")
 
     async def _serve(self, stream: TCPStream) -> None:
         try:
@@ -377,7 +476,7 @@ class TCPListener(Listener):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _resolve(host: str, port: int, flags: int = 0) -> list:
+async def resolve(host: str, port: int, flags: int = 0) -> list:
     """getaddrinfo, without a thread for an address given as numbers (nearly
     always): the loop's thread pool is shut down once the main thread ends,
     while other threads of the program may still be connecting."""
@@ -402,7 +501,7 @@ class TCPBackend(Backend):
         if not (isinstance(port, int) and 0 <= port <= 65535):
             raise ConnectionRefused(f"cannot listen on {host}:{port}: ports are 0 to 65535")
         try:
-            infos = await _resolve(host, port, socket.AI_PASSIVE)
+            infos = await resolve(host, port, socket.AI_PASSIVE)
         except OSError as exc:
             raise ConnectionRefused(f"cannot listen on {host}:{port}: {exc}") from exc
         family, _, _, _, addr = infos[0]
@@ -422,7 +521,7 @@ class TCPBackend(Backend):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                infos = await _resolve(host, port)
+                infos = await resolve(host, port)
         except TimeoutError as exc:
             raise Timeout(f"resolving {host!r} took longer than {timeout:g}s") from exc
         except OSError as exc:

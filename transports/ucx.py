@@ -17,6 +17,13 @@ zero-copy receives:
   message that straddles two ``recv_into`` calls goes through a staging buffer.
   The runtime's data frames (a small header, then a whole chunk) always line
   up, so chunks never take that path.
+* Messages (`send_message`) go on a third tag, one UCX message per frame and
+  no head: the receiver posts a receive of exactly each frame's size
+  (`post_message`), straight into its buffer, and may post several at once.
+  Heads (`recv_head`) are the first lane's: a `recv_next` that waits for a
+  message listens for them only once the message is slow to come
+  (`_HEAD_POLL_S`), since ucxx polls every posted receive on every turn of
+  the loop.
 
 Progress runs in ucxx's ``blocking`` mode. ucxx (0.52) itself keeps one core
 per process busy in it, even when idle (99 % measured here, against 0 % over
@@ -40,6 +47,7 @@ UCX's tcp (or cuda_ipc for device buffers); see docs/architecture.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -60,7 +68,17 @@ from hoplite_gpu.errors import (
 )
 
 from . import ucx_progress
-from .base import Backend, Handler, Listener, Stream, StreamCaps, split_address
+from .base import (
+    HEAD,
+    STEP,
+    Backend,
+    Handler,
+    Head,
+    Listener,
+    Stream,
+    StreamCaps,
+    split_address,
+)
 
 #: UCX settings applied unless the user set them (environment wins).
 UCX_DEFAULTS = {
@@ -78,10 +96,14 @@ log = logging.getLogger("hoplite_gpu.transports.ucx")
 
 _HEAD_TAG = None  # the endpoint's own message tag
 _DATA_TAG = 1  # hashed by ucxx with the endpoint's tag: distinct per connection
-_BARE_TAG = 2  # bare messages: one buffer, no head (send_bare / recv_bare)
-#: The lanes a message travels on (heads, data after a head, bare), and their tags.
-_LANE_HEAD, _LANE_DATA, _LANE_BARE = 0, 1, 2
-_TAGS = (_HEAD_TAG, _DATA_TAG, _BARE_TAG)
+_MESSAGE_TAG = 2  # messages: one UCX message per frame, no head (send_message)
+#: The lanes a message travels on (heads, data after a head, messages), and their tags.
+_LANE_HEAD, _LANE_DATA, _LANE_MESSAGE = 0, 1, 2
+_TAGS = (_HEAD_TAG, _DATA_TAG, _MESSAGE_TAG)
+#: A `recv_next` waiting for a message listens for heads too once it has
+#: waited this long: a receive left posted is polled by ucxx on every turn of
+#: the loop, which made each 64 MiB message on an H100 take twice as long.
+_HEAD_POLL_S = 0.05
 _INLINE, _HOST, _DEVICE = 0, 1, 2
 _HEAD = struct.Struct("<HI")  # records, inline bytes
 _RECORD = struct.Struct("<BQ")  # kind, size
@@ -255,11 +277,11 @@ def describe() -> str:
 
 class UCXStream(Stream):
     #: Each sent buffer is one UCX message, received in place only whole;
-    #: device buffers may be passed to send/recv_into as they are; bare
-    #: messages: one message per buffer, no head, so a large chunk costs one
-    #: UCX message instead of two (the second costs about 0.1 ms on an H100,
-    #: see benchmarks/ucx_patterns.py), when the receiver knows its size.
-    caps = StreamCaps(partial_receive=False, device=True, bare_messages=True)
+    #: device buffers may be passed to send/recv_into as they are. A message's
+    #: frame is one UCX message with no head, so a large chunk costs one UCX
+    #: message instead of two (the second costs about 0.1 ms on an H100, see
+    #: benchmarks/ucx_patterns.py); it goes whole, never in parts.
+    caps = StreamCaps(partial_receive=False, device=True)
     #: Two sends in flight: while one chunk's bytes move (a rendezvous the peer
     #: completes), the next chunk's head is already there, so the peer posts
     #: its receive as soon as the previous one ends, not a round trip later.
@@ -284,6 +306,10 @@ class UCXStream(Stream):
         self._woken: set[asyncio.Task] = set()
         #: called once if the peer closes while the stream lies idle (`watch_idle`)
         self._on_idle_end: Callable[[], None] | None = None
+        #: messages posted with post_message, oldest first, and a head being
+        #: read for recv_next (see `recv_next`)
+        self._posted: collections.deque[_Posted] = collections.deque()
+        self._head_task: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
         # UCX reports a peer's close through the endpoint's error callback
         # (endpoints made with error handling; others never call it).
@@ -382,12 +408,14 @@ class UCXStream(Stream):
             log.debug("ucx send to %s: %d device bytes fetched by the peer", self.peer,
                       device_bytes)
 
-    async def send_bare(self, buffer: Any) -> None:
+    async def send_message(self, *frames: Any) -> None:
         if self._closed:
             raise _closed_error(self.peer, "send", None)
-        buf = buffer if _is_device(buffer) else _flat(buffer)
-        self._sync_all([buf])
-        await self._post_then_wait([(buf, _LANE_BARE)])
+        if not frames:
+            raise InvalidArgument("send_message: a message has at least one frame")
+        bufs = [f if _is_device(f) else _flat(f) for f in frames]
+        self._sync_all(bufs)
+        await self._post_then_wait([(buf, _LANE_MESSAGE) for buf in bufs])
 
     def _sync_all(self, buffers: list) -> int:
         """Wait for the producers of the device buffers among `buffers` (see
@@ -457,19 +485,84 @@ class UCXStream(Stream):
         if not sent.cancelled() and sent.exception() is None:
             self._sends_done += 1
 
-    async def recv_bare(self, buffer: Any) -> None:
+    # --------------------------------------------------------- messages ---
+    def _post(self, buffers: tuple, on_step: Callable[[int], None] | None) -> _Posted:
+        """Post a receive per frame now, in order (several may be posted: UCX
+        matches messages to them in that order)."""
         if self._closed:
             raise _closed_error(self.peer, "receive", None)
-        dest = _flat(buffer)
-        # Receives are posted when called, and several may be posted at once:
-        # UCX matches bare messages to them in that order. A message larger
-        # than `dest` fails the receive (truncated), which ends the stream.
-        # ucxx does not say how many bytes a receive took, so one smaller would
-        # go unnoticed: the caller must know the exact size of each bare
-        # message (the pull protocol fixes them all).
-        await self._guard("receive", self._recv(dest, _LANE_BARE))
+        if not buffers:
+            raise InvalidArgument("post_message: a message has at least one frame")
+        dests = [_flat(b) for b in buffers]
+        tasks = [asyncio.ensure_future(self._recv_frame(d)) for d in dests]
+        for task in tasks:
+            task.add_done_callback(_retrieved)
+        done = tasks[0] if len(tasks) == 1 else asyncio.gather(*tasks)
+        if done is not tasks[0]:
+            done.add_done_callback(_retrieved)
+        return _Posted(done, sum(_nbytes(d) for d in dests), on_step)
+
+    async def _recv_frame(self, dest: Any) -> None:
+        # ucxx does not say how many bytes a receive took: a message shorter
+        # than `dest` goes unnoticed, so each frame's size must be known (the
+        # pull protocol fixes them all). A longer one fails the receive
+        # (truncated), which ends the stream.
+        try:
+            await self._guard("receive", self._recv(dest, _LANE_MESSAGE))
+        except TransportClosed as exc:
+            if "Truncated" in type(exc.__cause__).__name__:  # (ucxx's UCXX... or UCX...)
+                raise TransportClosed(
+                    f"UCX connection to {self.peer} closed: a message longer than the "
+                    f"{_nbytes(dest)}-byte buffer posted for it") from exc
+            raise
         if _is_device(dest):
-            log.debug("ucx bare receive from %s: %d device bytes in", self.peer, _nbytes(dest))
+            log.debug("ucx message from %s: %d device bytes in", self.peer, _nbytes(dest))
+
+    def post_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                     step: int = STEP) -> None:
+        self._posted.append(self._post(buffers, on_step))
+
+    async def recv_message(self, *buffers: Any, on_step: Callable[[int], None] | None = None,
+                           step: int = STEP) -> None:
+        # (a caller's cancel reaches the receive, which ends the stream: UCX
+        # cannot withdraw a posted receive)
+        posted = self._post(buffers, on_step)
+        await posted.done
+        posted.landed()
+
+    async def recv_head(self) -> Head:
+        task, self._head_task = self._head_task, None
+        if task is None:
+            return HEAD.unpack(await self.recv_exactly(HEAD.size))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self._head_task = task  # (still on its way: the next call takes it)
+            raise
+
+    async def recv_next(self) -> Head | None:
+        if not self._posted:
+            return await self.recv_head()
+        oldest = self._posted[0]
+        if not oldest.done.done() and self._head_task is None:
+            await asyncio.wait({oldest.done}, timeout=_HEAD_POLL_S)
+        if not oldest.done.done():  # slow: the sender may be waiting for bytes, or failing
+            if self._head_task is None:
+                if self._closed:
+                    raise _closed_error(self.peer, "receive", None)
+                self._head_task = asyncio.ensure_future(self._read_head())
+                self._head_task.add_done_callback(_retrieved)
+            await asyncio.wait({oldest.done, self._head_task},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not oldest.done.done():
+                return await self.recv_head()
+        self._posted.popleft()
+        oldest.landed()
+        return None
+
+    async def _read_head(self) -> Head:
+        return HEAD.unpack(await self.recv_exactly(HEAD.size))
 
     # ---------------------------------------------------------- receive ---
     async def _next_head(self) -> None:
@@ -597,6 +690,29 @@ class UCXStream(Stream):
             if task is not me:
                 self._woken.add(task)
                 task.cancel(_CLOSED)
+
+
+class _Posted:
+    """A message's posted receives: done when every frame is in."""
+
+    __slots__ = ("done", "nbytes", "on_step")
+
+    def __init__(self, done: asyncio.Future, nbytes: int,
+                 on_step: Callable[[int], None] | None) -> None:
+        self.done, self.nbytes, self.on_step = done, nbytes, on_step
+
+    def landed(self) -> None:
+        """Raise the receive's error, or report the message whole."""
+        self.done.result()
+        if self.on_step is not None:
+            self.on_step(self.nbytes)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """A receive nobody may await any more (its stream failed) is not
+    reported as an error never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _copy_into(dest: Any, at: int, src: memoryview, offset: int, n: int) -> None:

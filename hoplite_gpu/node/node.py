@@ -203,7 +203,7 @@ class Node:
         # (kept for reconnects: the same-host socket is named after it)
         self._data_address = address = advertised(self.server.address, self.directory_address)
         if self.config.shared_memory:
-            self.server.listen_local(address)  # pullers on this host find it by that address
+            await self.server.listen_local(address)  # pullers on this host find it by that address
         await self.link.connect(address)
 
     async def drain(self, grace: float) -> int:

@@ -1,20 +1,21 @@
 """How a pull's bytes move: one small strategy per pull mode, each with its
 receiving side (the puller) and its sending side (the data server).
 
-- `Framed`: data frames with their bytes (docs/protocol.md), received in
-  steps on a byte stream or whole on a message transport.
-- `Staged`: the same frames, for device memory over a host-only transport:
-  each chunk goes through pinned host memory.
-- `Bare`: one message per chunk and no frame headers (UCX; `Config.bare_pulls`).
+- `Messages`: the ordinary answer, on every transport: messages of the size
+  the puller asked for (its chunk size), each received straight into place,
+  with frame headers only for keepalives, an error and the end
+  (docs/protocol.md, "Data connections").
+- `Staged`: the same messages, for device memory over a host-only
+  transport: each lands in pinned host memory and is uploaded from there.
 - `SharedCopy`: a same-host sender passes its buffer's descriptor (mode ``F``)
   and then only announces how many more bytes are ready; the puller copies
-  them out of the mapping. It may answer ``B`` instead: framed bytes follow.
+  them out of the mapping. It may answer ``B`` instead: messages follow.
 - `SharedMap`: a same-host sender's complete copy, kept mapped as the
   puller's own (mode ``M``); no byte is copied.
 
 The puller picks its mode once per pull (`receiving_mode`) from the stream's
-capabilities (`Stream.caps`) and the config; the request it sends names the
-mode (`pull_request`, the one place a request is built), and the data server
+capabilities (`Stream.caps`); the request it sends names the mode
+(`pull_request`, the one place a request is built), and the data server
 dispatches on it (`sending_mode`).
 """
 
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
@@ -38,12 +41,13 @@ from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
     FRAME_DATA,
+    check_frame,
     recv_error_body,
     recv_frame_header,
     send_error_frame,
     send_msg,
 )
-from hoplite_gpu.transports import SendWindow, Stream, StreamCaps
+from hoplite_gpu.transports import Head, SendWindow, Stream, StreamCaps
 
 from . import shm
 from .store import StoredObject
@@ -53,14 +57,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hoplite_gpu.transfer")
 
-#: Pipelining granularity. A frame carries up to `chunk_size` bytes, but a relay
-#: makes received bytes servable every STEP bytes and serves as soon as STEP
-#: bytes are ready, so each hop of a chain adds about STEP / B, not chunk / B.
-#: On the emulated 8-host, 1 Gbit/s cluster a 256 MiB broadcast took 2.33 s
-#: with 1 MiB steps and 2.28 s with 256 KiB (a 7-hop chain fills 4x sooner).
+#: Pipelining granularity. A message carries up to the puller's chunk size,
+#: but a relay makes received bytes servable every STEP bytes, and over a
+#: byte stream serves them as soon as STEP bytes are ready (a message in
+#: parts), so each hop of a chain adds about STEP / B, not chunk / B. On the
+#: emulated 8-host, 1 Gbit/s cluster a 256 MiB broadcast took 2.33 s with
+#: 1 MiB steps and 2.28 s with 256 KiB (a 7-hop chain fills 4x sooner).
 STEP = 1 << 18
-#: Bare receives a pull keeps posted at once (answers in bare messages).
-BARE_RECEIVES = 2
+#: Message receives a pull keeps posted at once: UCX starts fetching the next
+#: message as soon as it is announced, and a byte stream reads on into it
+#: without waiting for the pull's task.
+POSTED_RECEIVES = 2
 #: Copies out of a same-host sender's mapping go in pieces of this size, each
 #: servable downstream at once.
 SHM_STEP = 1 << 20
@@ -77,17 +84,18 @@ class Sink(Protocol):
 # -- the request: built in one place, read in one place ------------------------
 
 
-def pull_request(oid: ObjectID, offset: int, end: int, stall: float, *, shm: bool = False,
-                 map: bool = False, bare: int | None = None) -> m.Pull:
-    """The pull request on the wire (docs/protocol.md)."""
+def pull_request(oid: ObjectID, offset: int, end: int, stall: float, size: int | None, *,
+                 shm: bool = False, map: bool = False) -> m.Pull:
+    """The pull request on the wire (docs/protocol.md): `size` is the size of
+    the answer's messages (the wire calls it ``bare``; None for a mapping)."""
     return m.Pull(oid=oid.binary, offset=offset, end=end, stall=stall, shm=shm,
-                  map=shm and map, bare=None if shm else bare)
+                  map=shm and map, bare=size)
 
 
 @dataclass(frozen=True)
 class PullAsk:
-    """A pull request as the data server reads it. `bare` and `stall` are
-    kept as sent: each is checked where it is used."""
+    """A pull request as the data server reads it. `size` (the wire's
+    ``bare``) and `stall` are kept as sent: each is checked where it is used."""
 
     oid: ObjectID
     offset: int
@@ -95,7 +103,7 @@ class PullAsk:
     stall: Any
     shm: bool
     map: bool
-    bare: Any
+    size: Any
 
     @classmethod
     def from_wire(cls, req: m.Pull) -> PullAsk:
@@ -106,30 +114,23 @@ class PullAsk:
 # -- choosing a mode -----------------------------------------------------------
 
 
-def receiving_mode(caps: StreamCaps, config: Config, *, host: bool, reduce_input: bool,
-                   empty: bool) -> type[Framed | Staged | Bare | SharedCopy]:
+def receiving_mode(caps: StreamCaps, *, host: bool) -> type[Messages | Staged | SharedCopy]:
     """The mode a puller asks for: over a same-host socket a host object is
     copied out of the sender's mapping; device memory over a host-only
-    transport is staged; bare messages where the config wants them and the
-    transport has them (not for an empty range); else frames."""
-    bare = config.bare_pull(not host, reduce_input)
+    transport is staged; everything else comes in messages."""
     if host and caps.local:
         return SharedCopy
     if not host and not caps.device:
         return Staged
-    if bare and caps.bare_messages and not empty:
-        return Bare
-    return Framed
+    return Messages
 
 
-def sending_mode(ask: PullAsk, caps: StreamCaps) -> type[Framed | Bare | SharedCopy | SharedMap]:
+def sending_mode(ask: PullAsk, caps: StreamCaps) -> type[Messages | SharedCopy | SharedMap]:
     """The mode a request asks the data server for. The same-host modes are
     honoured only on a same-host socket (elsewhere no descriptor can pass)."""
     if ask.shm and caps.local:
         return SharedMap if ask.map else SharedCopy
-    if ask.bare is not None:
-        return Bare
-    return Framed
+    return Messages
 
 
 def sendable(buffer: Any, caps: StreamCaps) -> Any:
@@ -158,9 +159,9 @@ def raise_peer_error(address: str, body: dict) -> None:
 
 class Receiver:
     """One pull of bytes [pos, end) of `obj` from `address` over `stream`, in
-    one mode. `request` is what the mode adds to the pull request; `receive`
-    takes the answer, recording each piece in `sink` and `on_progress`.
-    Returns whether the connection may be reused."""
+    one mode. `request` is the pull request; `receive` takes the answer,
+    recording each piece in `sink` and `on_progress`. Returns whether the
+    connection may be reused."""
 
     def __init__(self, stream: Stream, obj: StoredObject, sink: Sink, pos: int, end: int,
                  address: str, config: Config, on_progress: Callable[[int], None],
@@ -170,9 +171,12 @@ class Receiver:
         self.address, self.config, self.on_progress = address, config, on_progress
         self.pool = pool
         self.view = sendable(obj.buffer, stream.caps)
+        #: the size of the answer's messages: the chunk size for this object
+        self.size = config.chunk_bytes(device.is_device_buffer(obj.buffer))
 
-    def request(self) -> dict:
-        return pull_request(self.obj.oid, self.pos, self.end, self.config.stall_timeout_s)
+    def request(self) -> m.Pull:
+        return pull_request(self.obj.oid, self.pos, self.end, self.config.stall_timeout_s,
+                            self.size)
 
     async def receive(self) -> bool:
         raise NotImplementedError
@@ -185,263 +189,238 @@ class Receiver:
         return Timeout(f"peer {self.address} sent nothing for "
                        f"{self.config.stall_timeout_s:g}s (stall timeout)")
 
+    async def error_frame(self, n: int) -> None:
+        """Read an error frame's body (within the stall timeout) and raise it."""
+        stall = self.config.stall_timeout_s
+        try:
+            async with asyncio.timeout(stall):
+                body = await recv_error_body(self.stream, n)
+        except TimeoutError:
+            raise Timeout(f"peer {self.address} sent half an error frame ({stall:g}s)") from None
+        raise_peer_error(self.address, body)
 
-class Framed(Receiver):
-    """Data frames, each received in place (see the module doc)."""
+
+class Messages(Receiver):
+    """The answer in messages of `size` bytes (the last one the rest), each
+    straight into the buffer, `POSTED_RECEIVES` posted at once; between them
+    frame headers: keepalives, an error frame, and the end (whose length is
+    the bytes sent; over UCX it may pass the last messages). Each wait allows
+    `stall_timeout_s`; a keepalive starts it again. An empty range gets no
+    answer at all."""
 
     async def receive(self) -> bool:
-        stall = self.config.stall_timeout_s
-        while self.pos < self.end:
-            pos = self.pos
-            try:
-                async with asyncio.timeout(stall):
-                    kind, n = await recv_frame_header(self.stream)
-                    if kind != FRAME_DATA:
-                        raise_peer_error(self.address, await recv_error_body(self.stream, n))
-                    if n > self.end - pos:
-                        raise ProtocolError(f"{self.address} sent {n} bytes at {pos}; "
-                                            f"wanted at most {self.end - pos}")
-                    if n == 0:
-                        continue  # a keepalive: the sender is alive, its bytes are not ready yet
-                    await self.take(pos, n)
-            except Timeout:
-                raise  # the peer reported its own timeout in an error frame
-            except TimeoutError:
-                raise self.stalled() from None
-            log.debug("pull %s: frame of %d bytes at %d in", self.obj.oid.hex(), n, pos)
-            self.pos = pos + n
-            self.landed(self.pos)
-            # sock_recv_into returns without suspending while data keeps
-            # coming; yield so the tasks serving this chunk downstream can run
-            # now (pipelining) instead of after the whole object arrived.
-            await asyncio.sleep(0)
-        return True
+        if self.pos >= self.end:
+            return True
+        start, posted, ended = self.pos, self.pos, False
+        flying: collections.deque[tuple[int, int]] = collections.deque()
+        step = min(self.size, STEP)
+        while True:
+            while len(flying) < POSTED_RECEIVES and posted < self.end:
+                upto = min(posted + self.size, self.end)
+                self.post(posted, upto, step)
+                flying.append((posted, upto))
+                posted = upto
+            if ended and not flying:
+                return True
+            head = await self.next()
+            if head is None:  # the oldest message is in
+                at, upto = flying.popleft()
+                self.arrived(at, upto)
+                log.debug("pull %s: message of %d bytes at %d in", self.obj.oid.hex(),
+                          upto - at, at)
+                self.pos = upto
+                self.landed(upto)
+            else:
+                ended = await self.on_head(head, self.end - start) or ended
 
-    async def take(self, pos: int, n: int) -> None:
-        """Receive one frame's `n` bytes, which go at `pos`."""
-        view = self.view[pos:pos + n]
-        if not self.stream.caps.partial_receive:  # whole messages (UCX)
-            await self.stream.recv_into(view)
-            return
-        # A byte stream: in steps, each servable downstream as soon as it is in.
+    def post(self, at: int, upto: int, step: int) -> None:
+        """Post the receive of the message of bytes [at, upto)."""
         sink = self.sink
-        await self.stream.recv_steps(view, min(self.config.chunk_size, STEP),
-                                     lambda upto: sink.advance(pos + upto))
+        self.stream.post_message(self.view[at:upto], step=step,
+                                 on_step=lambda n: sink.advance(at + n))
+
+    def arrived(self, at: int, upto: int) -> None:
+        """The message of bytes [at, upto) is in."""
+
+    async def next(self) -> Head | None:
+        try:
+            async with asyncio.timeout(self.config.stall_timeout_s):
+                return await self.stream.recv_next()
+        except Timeout:
+            raise  # (ours, from the stream)
+        except TimeoutError:
+            raise self.stalled() from None
+
+    async def on_head(self, head: Head, total: int) -> bool:
+        """A frame header: a keepalive (False), the end (True) or an error frame."""
+        kind, n = head
+        check_frame(self.stream, kind)
+        if kind != FRAME_DATA:
+            await self.error_frame(n)
+        if n == total:
+            return True
+        if n:
+            raise ProtocolError(f"{self.address} ended an answer of {total} bytes with {n}")
+        return False  # a keepalive: the sender is alive, its bytes are not ready yet
 
     @staticmethod
     async def send(server: DataServer, stream: Stream, obj: StoredObject, ask: PullAsk,
                    stall: float) -> None:
         if await server.refuse_range(stream, obj, ask):
             return
-        await server._stream_range(stream, obj, ask.offset, ask.end, stall)
+        size = ask.size
+        if size is None:  # (a puller that did not say: our own chunk size)
+            size = server.config.chunk_bytes(
+                device.is_device_buffer(sendable(obj.buffer, stream.caps)))
+        if type(size) is not int or size < 1:
+            await send_error_frame(stream, "ProtocolError",
+                                   f"cannot answer in messages of {size!r} bytes")
+            return
+        await server._stream_range(stream, obj, ask.offset, ask.end, stall, size)
 
 
-class Staged(Framed):
-    """Framed, into device memory over a host-only transport: each frame
-    lands in pinned host memory and is uploaded from there. The wire is
-    `Framed`'s, so a sender cannot tell: its own side stages (in
-    `stream_frames`) where its buffer is on a device and the transport is not."""
-
-    staging: Any = None
-
-    async def take(self, pos: int, n: int) -> None:
-        if self.staging is None:
-            self.staging = device.staging(self.config.chunk_size)
-        if n > len(self.staging):
-            self.staging = device.staging(n)
-        await self.stream.recv_into(memoryview(self.staging)[:n])
-        device.upload(self.obj.buffer[pos:pos + n], self.staging)
-
-
-async def stream_frames(server: DataServer, stream: Stream, obj: StoredObject, pos: int,
-                        end: int, stall: float, announce: bool = False) -> bool:
-    """The sending side of `Framed`, `Staged` and `SharedCopy`: bytes [pos,
-    end) of `obj` as they become ready, in chunk-sized frames; with
-    `announce` (the puller maps our buffer) only how many more are ready.
-    False if it ended with an error frame instead."""
-    src = sendable(obj.buffer, stream.caps)
-    # Device memory that the transport moves itself goes in device-sized chunks.
-    chunk = server.config.chunk_bytes(device.is_device_buffer(src))
-    step = min(chunk, STEP)
-    staging = device.staging(chunk) if src is None else None  # device bytes over TCP
-    # Every frame goes out through the window (a staging buffer is reused
-    # for each chunk, so it allows one send at a time).
-    async with SendWindow(stream, 1 if staging is not None else None) as out:
-        while pos < end:
-            if not await server._wait_or_keepalive(out, obj, min(pos + step, end), stall):
-                return False
-            # Send everything that is ready, in chunk-sized frames.
-            upto = min(obj.ready, end)
-            while pos < upto:
-                if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
-                    await send_error_frame(out, "ObjectNotFound", str(obj.removed))
-                    return False
-                if announce:
-                    await out.send(FRAME.pack(FRAME_DATA, upto - pos))
-                    pos = upto
-                    break
-                n = min(chunk, upto - pos)
-                if staging is None:
-                    payload = src[pos:pos + n]
-                else:
-                    payload = device.download(obj.buffer[pos:pos + n], staging)
-                await out.send(FRAME.pack(FRAME_DATA, n), payload)
-                log.debug("serve %s: frame of %d bytes at %d handed over", obj.oid.hex(), n, pos)
-                pos += n
-                await asyncio.sleep(0)  # let other pulls of this node progress too
-    return True
-
-
-class Bare(Receiver):
-    """An answer in bare messages: each `chunk_bytes` (the last one the rest)
-    straight into the buffer, with `BARE_RECEIVES` receives posted at once.
-
-    Heads (keepalives, an error frame, the end marker) are listened for only
-    while a message is slow to come (after `poll` seconds), and for the end:
-    a receive left posted is polled by ucxx on every turn of the loop, which
-    made each 64 MiB message on an H100 take twice as long. Each wait allows
-    `stall_timeout_s`; a keepalive starts it again."""
+class Staged(Messages):
+    """Messages into device memory over a host-only transport: each lands in
+    pinned host memory and is uploaded from there. The wire is `Messages'`,
+    so a sender cannot tell: its own side stages (`Pieces`) where its buffer
+    is on a device and the transport is not."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.size = self.config.chunk_bytes(device.is_device_buffer(self.obj.buffer))
-        self.start, self.ended = self.pos, False
-        self.head: asyncio.Future | None = None
+        self.free: list[np.ndarray] = []
+        self.staged: collections.deque[np.ndarray] = collections.deque()
 
-    def request(self) -> dict:
-        return pull_request(self.obj.oid, self.pos, self.end, self.config.stall_timeout_s,
-                            bare=self.size)
+    def post(self, at: int, upto: int, step: int) -> None:
+        staging = self.free.pop() if self.free else device.staging(self.size)
+        self.staged.append(staging)
+        self.stream.post_message(memoryview(staging)[:upto - at])
 
-    async def receive(self) -> bool:
-        # Two receives posted at once: UCX starts fetching the next message as
-        # soon as it is announced, without waiting for this loop to post it.
-        flying: collections.deque[tuple[int, int, asyncio.Future]] = collections.deque()
-        posted = self.pos
-        poll = min(self.config.stall_timeout_s / 3, 0.05)
+    def arrived(self, at: int, upto: int) -> None:
+        staging = self.staged.popleft()
+        device.upload(self.obj.buffer[at:upto], staging)
+        self.free.append(staging)
 
-        def post() -> None:
-            nonlocal posted
-            while len(flying) < BARE_RECEIVES and posted < self.end:
-                n = min(self.size, self.end - posted)
-                flying.append((posted, n, asyncio.ensure_future(
-                    self.stream.recv_bare(self.view[posted:posted + n]))))
-                posted += n
 
-        try:
-            post()
-            while flying:
-                at, n, data = flying[0]
-                done, _ = await asyncio.wait({data}, timeout=poll)
-                if not done:  # slow: the sender may be waiting for bytes, or failing
-                    await self.wait_heads(data)
-                data.result()
-                flying.popleft()
-                post()
-                log.debug("pull %s: bare message of %d bytes at %d in", self.obj.oid.hex(), n, at)
-                self.pos = at + n
-                self.landed(self.pos)
-                await asyncio.sleep(0)  # relays of these bytes can serve them now
-            await self.wait_heads(None)
-        finally:
-            # (Only after a failure: the stream then closes.)
-            for pending in [f for _, _, f in flying] + [self.head]:
-                if pending is not None and not pending.done():
-                    pending.cancel()
-                if pending is not None:
-                    with contextlib.suppress(BaseException):
-                        await pending
+# -- the sending side ----------------------------------------------------------
+
+
+class Pieces:
+    """Where an answer in messages of `size` bytes stands, from `pos` to
+    `end`: the next piece to send. Over a byte stream a message goes in parts
+    as its bytes become ready (each at least a STEP, or the message's rest);
+    over UCX each message goes whole, once all its bytes are."""
+
+    def __init__(self, obj: StoredObject, caps: StreamCaps, pos: int, end: int, size: int,
+                 chunk: int) -> None:
+        self.obj, self.start, self.pos, self.end, self.size = obj, pos, pos, end, size
+        self.src = sendable(obj.buffer, caps)
+        self.parts = caps.message_parts
+        self.step = min(size, STEP)
+        #: device bytes over a host-only transport go through one pinned buffer
+        self.staging = None if self.src is not None else device.staging(
+            min(size, chunk) if self.parts else size)
+
+    def message_end(self) -> int:
+        done = (self.pos - self.start) // self.size + 1
+        return min(self.start + done * self.size, self.end)
+
+    def need(self) -> int:
+        """How many of the object's bytes must be ready for the next piece."""
+        end = self.message_end()
+        return min(self.pos + self.step, end) if self.parts else end
+
+    def next(self, ready: int) -> tuple[int, int, bool] | None:
+        """The next piece, (start, end, whether it ends its message), that
+        the `ready` bytes allow, or None."""
+        end = self.message_end()
+        if not self.parts:
+            upto = end if end <= ready else self.pos
+        else:
+            upto = min(ready, end)
+            if self.staging is not None:
+                upto = min(upto, self.pos + len(self.staging))
+        if upto <= self.pos:
+            return None
+        at, self.pos = self.pos, upto
+        return at, upto, upto == end
+
+    def payload(self, at: int, upto: int) -> Any:
+        if self.staging is None:
+            return self.src[at:upto]
+        return device.download(self.obj.buffer[at:upto], self.staging)
+
+
+async def stream_messages(server: DataServer, stream: Stream, obj: StoredObject, pos: int,
+                          end: int, size: int, stall: float) -> bool:
+    """The sending side of `Messages` and `Staged`: bytes [pos, end) of `obj`
+    as they become ready, in messages of `size` bytes, then a data frame
+    header whose length is the bytes sent (the end); keepalives while it
+    waits. False if it ended with an error frame instead. An empty range is
+    answered with nothing."""
+    if pos >= end:
         return True
-
-    async def on_head(self) -> None:
-        """A head came: a keepalive, the end marker, or an error frame."""
-        assert self.head is not None
-        kind, n = self.head.result()
-        self.head = None
-        stall = self.config.stall_timeout_s
-        if kind != FRAME_DATA:
-            try:
-                async with asyncio.timeout(stall):
-                    body = await recv_error_body(self.stream, n)
-            except TimeoutError:
-                raise Timeout(f"peer {self.address} sent half an error frame ({stall:g}s)") from None
-            raise_peer_error(self.address, body)
-        if n == self.end - self.start:
-            self.ended = True  # (it may come before the last messages: lanes are matched apart)
-        elif n:
-            raise ProtocolError(f"{self.address} ended an answer of {self.end - self.start} "
-                                f"bytes with {n}")
-        # else a keepalive: the sender is alive, its bytes are not ready yet
-
-    async def wait_heads(self, pending: asyncio.Future | None) -> None:
-        """Wait for `pending` (or, None, the end marker) while taking heads."""
-        while not (self.ended if pending is None else pending.done()):
-            if self.head is None and not self.ended:
-                self.head = asyncio.ensure_future(recv_frame_header(self.stream))
-            waiting = {f for f in (pending, self.head) if f is not None}
-            done, _ = await asyncio.wait(waiting, timeout=self.config.stall_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise self.stalled()
-            if self.head is not None and self.head in done:
-                await self.on_head()
-
-    @staticmethod
-    async def send(server: DataServer, stream: Stream, obj: StoredObject, ask: PullAsk,
-                   stall: float, mapped: bool = False) -> None:
-        if await server.refuse_range(stream, obj, ask):
-            return
-        size = ask.bare
-        if (type(size) is not int or size < 1 or mapped or ask.offset == ask.end
-                or not stream.caps.bare_messages or sendable(obj.buffer, stream.caps) is None):
-            await send_error_frame(stream, "ProtocolError",
-                                   f"cannot answer in bare messages of {size!r} bytes")
-            return
-        await stream_bare(server, stream, obj, ask.offset, ask.end, size, stall)
+    pieces = Pieces(obj, stream.caps, pos, end, size, server.config.chunk_size)
+    # Every message and frame goes out through the window (a staging buffer is
+    # reused for each piece, so it allows one send at a time).
+    async with SendWindow(stream, 1 if pieces.staging is not None else None) as out:
+        while pieces.pos < end:
+            if not await server._wait_or_keepalive(out, obj, pieces.need(), stall, pieces.pos):
+                return False
+            # (bytes ready from here on: past the watermark too, for a range of
+            # a copy that several sub-flows fill, such as a tree's of a multi-
+            # tree broadcast)
+            while (piece := pieces.next(min(obj.ready_from(pieces.pos), end))) is not None:
+                if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
+                    await send_error_frame(out, "ObjectNotFound", str(obj.removed))
+                    return False
+                at, upto, last = piece
+                if pieces.parts:
+                    await out.send_message_part(pieces.payload(at, upto), last=last)
+                else:
+                    await out.send_message(pieces.payload(at, upto))
+                log.debug("serve %s: %d bytes at %d handed over", obj.oid.hex(), upto - at, at)
+                await asyncio.sleep(0)  # let other pulls of this node progress too
+        await out.send(FRAME.pack(FRAME_DATA, end - pos))
+    return True
 
 
-async def stream_bare(server: DataServer, stream: Stream, obj: StoredObject, pos: int, end: int,
-                      size: int, stall: float) -> bool:
-    """Send bytes [pos, end) of `obj` as bare messages of `size` bytes (the
-    last one the rest), each once it is ready, then a data frame header
-    whose length is the bytes sent: the end of the answer. Heads in
-    between are keepalives, or an error frame that ends it instead."""
-    src = sendable(obj.buffer, stream.caps)
-    start = pos
+async def announce_ready(server: DataServer, stream: Stream, obj: StoredObject, pos: int,
+                         end: int, stall: float) -> bool:
+    """The sending side of `SharedCopy` (mode ``F``): how many more of bytes
+    [pos, end) are ready in the mapping the puller holds, in data frame
+    headers, as they become ready. False if it ended with an error frame."""
+    step = min(server.config.chunk_size, STEP)
     async with SendWindow(stream) as out:
         while pos < end:
-            upto = min(pos + size, end)
-            if not await server._wait_or_keepalive(out, obj, upto, stall):
+            if not await server._wait_or_keepalive(out, obj, min(pos + step, end), stall, pos):
                 return False
             if obj.removed is not None:  # dropped, deleted or reclaimed meanwhile
                 await send_error_frame(out, "ObjectNotFound", str(obj.removed))
                 return False
-            await out.send_bare(src[pos:upto])
-            log.debug("serve %s: bare message of %d bytes at %d handed over",
-                      obj.oid.hex(), upto - pos, pos)
+            upto = min(obj.ready_from(pos), end)
+            await out.send(FRAME.pack(FRAME_DATA, upto - pos))
             pos = upto
-            await asyncio.sleep(0)  # let other pulls of this node progress too
-        await out.send(FRAME.pack(FRAME_DATA, end - start))
+            await asyncio.sleep(0)
     return True
 
 
 class SharedCopy(Receiver):
     """Copy out of a same-host sender's mapping what it announces (mode
-    ``F``), or take frames (``B``) where it has nothing to map."""
+    ``F``), or take messages (``B``) where it has nothing to map."""
 
-    def request(self) -> dict:
+    def request(self) -> m.Pull:
         return pull_request(self.obj.oid, self.pos, self.end, self.config.stall_timeout_s,
-                            shm=True)
+                            self.size, shm=True)
 
     async def receive(self) -> bool:
-        mode, fd = await self.stream.recv_mode(self.config.stall_timeout_s)
+        mode, fd = await shm.recv_mode(self.stream, self.config.stall_timeout_s)
         if mode not in (b"F", b"B"):
             if fd is not None:
                 os.close(fd)
             raise ProtocolError(f"{self.address} answered a pull with mode {mode!r}")
         if fd is None:
-            framed = Framed(self.stream, self.obj, self.sink, self.pos, self.end, self.address,
-                            self.config, self.on_progress)
-            return await framed.receive()
+            return await Messages(self.stream, self.obj, self.sink, self.pos, self.end,
+                                  self.address, self.config, self.on_progress).receive()
         try:
             mapped = shm.map_readonly(fd, self.end)
         except (OSError, ValueError) as exc:
@@ -471,11 +450,10 @@ class SharedCopy(Receiver):
                 try:
                     async with asyncio.timeout(stall):
                         kind, n = await recv_frame_header(self.stream)
-                        body = await recv_error_body(self.stream, n) if kind != FRAME_DATA else None
                 except TimeoutError:
                     raise self.stalled() from None
-                if body is not None:
-                    raise_peer_error(self.address, body)
+                if kind != FRAME_DATA:
+                    await self.error_frame(n)
                 if n > end - pos:
                     raise ProtocolError(f"{self.address} announced {n} bytes at {pos}; "
                                         f"wanted at most {end - pos}")
@@ -502,20 +480,17 @@ class SharedCopy(Receiver):
         done = False
         try:
             try:
-                await stream.send_mode(b"B" if mapped is None else b"F",
-                                       None if mapped is None else mapped.fd,
-                                       server.config.stall_timeout_s)
+                await shm.send_mode(stream, b"B" if mapped is None else b"F",
+                                    None if mapped is None else mapped.fd,
+                                    server.config.stall_timeout_s)
             except BaseException:
                 done = True  # the descriptor never went: nobody reads through it
                 raise
-            if ask.bare is not None:  # (never asked with the mode: refused)
-                await Bare.send(server, stream, obj, ask, stall, mapped=mapped is not None)
+            if mapped is None:  # bytes, then
+                await Messages.send(server, stream, obj, ask, stall)
                 return
-            if await server.refuse_range(stream, obj, ask):
-                return
-            sent = await server._stream_range(stream, obj, ask.offset, ask.end, stall,
-                                              announce=mapped is not None)
-            if sent and mapped is not None:
+            sent = await server._stream_range(stream, obj, ask.offset, ask.end, stall, None)
+            if sent:
                 await server._await_ack(stream, "copied")
                 done = True
         finally:
@@ -531,9 +506,9 @@ class SharedMap:
     async def take(stream: Stream, oid: ObjectID, nbytes: int, address: str,
                    pool: PeerPool, config: Config) -> tuple[shm.SharedMap | None, bool]:
         """The mapping (or None), and whether `stream` may be reused."""
-        await send_msg(stream, pull_request(oid, 0, nbytes, config.stall_timeout_s,
+        await send_msg(stream, pull_request(oid, 0, nbytes, config.stall_timeout_s, None,
                                             shm=True, map=True))
-        mode, fd = await stream.recv_mode(config.stall_timeout_s)
+        mode, fd = await shm.recv_mode(stream, config.stall_timeout_s)
         if mode not in (b"M", b"N"):
             if fd is not None:
                 os.close(fd)
@@ -561,7 +536,7 @@ class SharedMap:
             obj = None
         mapped = shm.shared_map(obj.buffer) if obj is not None and obj.complete else None
         if mapped is None or len(mapped) < obj.size:
-            await stream.send_mode(b"N", None, server.config.stall_timeout_s)
+            await shm.send_mode(stream, b"N", None, server.config.stall_timeout_s)
             return
         # Until it says it holds its own lock, our count (and, if we are not
         # the owner, our own lock: `obj` stays referenced) keeps the pages.
@@ -570,7 +545,7 @@ class SharedMap:
         done = False
         try:
             try:
-                await stream.send_mode(b"M", mapped.fd, server.config.stall_timeout_s)
+                await shm.send_mode(stream, b"M", mapped.fd, server.config.stall_timeout_s)
             except BaseException:
                 done = True  # the descriptor never went: nobody holds the pages through it
                 raise

@@ -74,8 +74,7 @@ async def run_step(step: m.ReduceStep, store: ChunkStore, pool: PeerPool, config
             copy = StoredObject(oid, layout, store.alloc(layout))
         kids.append(copy)
         pulls.append(loop.create_task(
-            fetch_range(pool, child.address, copy, copy.size, config, lambda _pos: None,
-                        reduce_input=True)))
+            fetch_range(pool, child.address, copy, copy.size, config, lambda _pos: None)))
     try:
         await _fold(own, kids, inplace, out, step.reduce_op, step.count, dtype,
                     config, timeout, pulls)

@@ -1,23 +1,22 @@
 """Pulls between nodes on one host through shared memory instead of sockets.
 
 A node's large store buffers are memory-mapped *memfd* files. A puller on the
-same host reaches the sender's data server over a Unix socket in the
-abstract namespace, named after the sender's data address; the sender passes
-the buffer's file descriptor (SCM_RIGHTS) and then only says how many more
-bytes are ready, and the puller copies them straight from the mapping into
-its own buffer: one memory copy per hop instead of a send and a receive
-through the kernel's socket buffers.
+same host reaches the sender's data server over the ``local`` transport (a
+Unix socket in the abstract namespace named after the sender's data
+address: `hoplite_gpu.transports.local`); the sender passes the buffer's
+file descriptor (`send_mode`) and then only says how many more bytes are
+ready, and the puller copies them straight from the mapping into its own
+buffer: one memory copy per hop instead of a send and a receive through the
+kernel's socket buffers.
 
 A receiver that finds the sender's copy complete need not copy at all: it
 keeps a read-only mapping of the sender's pages as its own copy
 (`map_kept`), under a shared flock that tells the owner's pool the pages are
 still someone's (`read_elsewhere`).
 
-"Same host" means the same network namespace: abstract Unix sockets belong
-to one, so nodes in different namespaces (containers, the emulated hosts of
-`benchmarks/emulated.py`) never find each other this way and use their
-transport. The socket accepts only processes of the same user (SO_PEERCRED),
-and then the usual token handshake runs on it.
+"Same host" means the same network namespace (see the transport), and the
+socket accepts only processes of the same user; then the usual token
+handshake runs on it.
 
 A puller says when it has copied everything it was promised; until then the
 buffer counts a reader and the pool does not reuse it (the puller may still
@@ -29,35 +28,26 @@ and its pages go when the last mapping goes.
 
 from __future__ import annotations
 
-import array
-import asyncio
-import contextlib
 import fcntl
 import mmap
 import os
 import resource
-import socket
-import struct
 import sys
-import time
 import weakref
 from typing import Any
 
 import numpy as np
 
-from hoplite_gpu.errors import PeerLost, Timeout
-from hoplite_gpu.timers import Expired, until
-from hoplite_gpu.transports import StreamCaps
-from hoplite_gpu.transports.tcp import TCPStream
-
-_NAME = "hoplite-gpu-data "
+from hoplite_gpu import transports
+from hoplite_gpu.errors import PeerLost, Timeout, TransportError
+from hoplite_gpu.transports import Stream
 
 
 def usable() -> bool:
-    """Whether this platform has what sharing needs: memfd, abstract Unix
-    sockets, SO_PEERCRED and /proc/self/fd (Linux)."""
-    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create")
-            and hasattr(socket, "SO_PEERCRED"))
+    """Whether this platform has what sharing needs: memfd, /proc/self/fd and
+    the same-host transport (Linux)."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") \
+        and transports.usable("local")
 
 
 def domain() -> str:
@@ -232,80 +222,36 @@ def map_kept(fd: int, nbytes: int) -> SharedMap | None:
     return mapped
 
 
-def socket_name(address: str) -> bytes:
-    """The abstract Unix socket of the data server at `address`."""
-    return b"\0" + (_NAME + address).encode()
-
-
-def same_user(sock: socket.socket) -> bool:
-    """Whether the peer of a connected Unix socket runs as our user (a
-    listener checks who connected; a puller checks who listens, since any
-    user can bind a name in the abstract namespace first)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
-
-
-class LocalStream(TCPStream):
-    """A data connection over this host's Unix socket: a TCP stream's calls,
-    plus the one byte that says how a pull is served (`send_mode`)."""
-
-    caps = StreamCaps(local=True)
-
-    async def send_mode(self, mode: bytes, fd: int | None, timeout: float) -> None:
-        """One mode byte (see `hoplite_gpu.node.transfer`), with `fd` attached
-        where given."""
-        if fd is None:
-            await self.send(mode)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-        while True:
-            try:
-                self._sock.sendmsg([mode], rights)
-                return
-            except (BlockingIOError, InterruptedError):
-                if loop.time() > deadline:
-                    raise Timeout(f"could not pass a descriptor within {timeout:g}s") from None
-                await asyncio.sleep(0.001)
-            except OSError as exc:
-                await self.close()
-                raise PeerLost(f"connection to {self.peer} failed: {exc}") from exc
-
-    async def recv_mode(self, timeout: float) -> tuple[bytes, int | None]:
-        """The mode byte `send_mode` sent, and the descriptor if one came with it."""
-        return await _recv_mode(self._sock, timeout, self.peer)
-
-
 #: Mode bytes: F (a descriptor: copy what is announced), M (a descriptor of a
 #: complete object: keep it mapped), B (bytes follow), N (no mapping offered).
 MODES = {b"F": True, b"M": True, b"B": False, b"N": False}
 
 
-async def _recv_mode(sock: socket.socket, timeout: float, peer: str) -> tuple[bytes, int | None]:
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(sock, lambda: ready.done() or ready.set_result(None))
+async def send_mode(stream: Stream, mode: bytes, fd: int | None, timeout: float) -> None:
+    """The byte that says how a pull is served (`MODES`), with `fd` attached
+    where given (a same-host stream: `caps.local`)."""
     try:
-        await until(ready, time.monotonic() + timeout)
-    except Expired:
-        raise Timeout(f"peer {peer} sent nothing for {timeout:g}s (stall timeout)") from None
-    finally:
-        with contextlib.suppress(ValueError, OSError):  # (closed meanwhile)
-            loop.remove_reader(sock)
-    size = struct.calcsize("i")
+        await stream.send_descriptor(mode, fd, timeout)
+    except Timeout:
+        raise
+    except TransportError as exc:
+        raise PeerLost(str(exc)) from exc
+
+
+async def recv_mode(stream: Stream, timeout: float) -> tuple[bytes, int | None]:
+    """The mode byte `send_mode` sent, and the descriptor if one came with it."""
     try:
-        msg, anc, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(size))
-    except OSError as exc:
-        raise PeerLost(f"connection to {peer} failed: {exc}") from exc
-    fds = [struct.unpack("i", data[:size])[0] for level, kind, data in anc
-           if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= size]
+        msg, fds = await stream.recv_descriptor(timeout)
+    except Timeout:
+        raise
+    except TransportError as exc:
+        raise PeerLost(str(exc)) from exc
     if msg in MODES and len(fds) == int(MODES[msg]):
         return msg, (fds[0] if fds else None)
     for fd in fds:
         os.close(fd)
-    raise PeerLost(f"{peer} sent {msg!r} where a pull's mode belongs (connection closed?)")
+    raise PeerLost(f"{stream.peer} sent {msg!r} where a pull's mode belongs "
+                   "(connection closed?)")
 
 
 def map_readonly(fd: int, nbytes: int) -> mmap.mmap:

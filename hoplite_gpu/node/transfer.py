@@ -3,18 +3,21 @@ objects as their bytes become ready, and the client side that pulls a range
 straight into the destination buffer.
 
 Wire: after the handshake the puller sends ``{"op": "pull", "oid", "offset",
-"end", "stall"}``; the server answers with frames (see `protocol.FRAME`): data frames
-in order until ``end``, or one error frame. ``stall`` is the puller's stall
-timeout: the server's keepalives come at least three times within it, even
-where the server's own is longer. A connection serves one pull at a
-time and goes back to the pool afterwards.
+"end", "stall", "bare"}``; the server answers with the transport's messages
+of ``bare`` bytes each (the puller's chunk size) in order until ``end``,
+then a data frame header (see `protocol.FRAME`) whose length is the bytes
+sent; empty data frames (keepalives) while it waits for bytes, or one error
+frame instead. ``stall`` is the puller's stall timeout: the server's
+keepalives come at least three times within it, even where the server's own
+is longer. A connection serves one pull at a time and goes back to the pool
+afterwards.
 
 Between nodes on one host (`shm`) the pull goes over a Unix socket and may
 carry ``"shm": true``; the server then answers with one byte first: ``F``
 with the buffer's file descriptor attached, after which each data frame's
-length says how many more bytes are ready in the mapping and no payload
-follows, or ``B``: frames as above, with their bytes. How each mode's bytes
-move, on both sides, is in `pull_modes`.
+length says how many more bytes are ready in the mapping, or ``B``:
+messages as above. How each mode's bytes move, on both sides, is in
+`pull_modes`.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import collections
 import contextlib
 import functools
 import logging
-import socket
-import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -34,37 +35,41 @@ from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake, server_handshake
 from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
+    ConfigError,
     ConnectionRefused,
     HopliteError,
     ObjectNotFound,
     ProtocolError,
     Timeout,
+    TransportError,
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.protocol import (
     FRAME,
     FRAME_DATA,
+    LENGTH,
     SMALL_MESSAGE,
+    message_length,
     recv_msg,
     send_error_frame,
     send_msg,
 )
-from hoplite_gpu.transports import SendWindow, Stream, get_backend, split_address
+from hoplite_gpu.transports import Listener, SendWindow, Stream, get_backend, split_address
 
 from . import shm
-from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, BARE_RECEIVES: named here too)
-    BARE_RECEIVES,
+from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, POSTED_RECEIVES: named here too)
+    POSTED_RECEIVES,
     SHM_STEP,
     STEP,
-    Bare,
-    Framed,
+    Messages,
     PullAsk,
     SharedCopy,
     SharedMap,
     Sink,
+    announce_ready,
     receiving_mode,
     sending_mode,
-    stream_frames,
+    stream_messages,
 )
 from .store import ChunkStore, StoredObject
 
@@ -91,11 +96,8 @@ class DataServer:
         self.address = ""
         #: oid -> the tasks serving a pull of it now (see `release`).
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
-        #: this host's Unix socket for pulls through shared memory, and its connections
-        self._local: socket.socket | None = None
-        #: when a failed same-host accept was last logged (loop time)
-        self._accept_warned = float("-inf")
-        self._local_tasks: set[asyncio.Task] = set()
+        #: this host's listener for pulls through shared memory (`listen_local`)
+        self._local: Listener | None = None
         #: ids that left this node's store lately (at most `_DROPPED_KEPT`)
         self._dropped: collections.OrderedDict[ObjectID, None] = collections.OrderedDict()
         #: whether this node is making `oid` now (a pull, a reduce step, a
@@ -116,67 +118,24 @@ class DataServer:
         self.address = self._listener.address
         return self.address
 
-    def listen_local(self, address: str) -> None:
-        """Also serve pulls from this host through shared memory, on the Unix
-        socket named after `address` (the data address peers are given)."""
+    async def listen_local(self, address: str) -> None:
+        """Also serve pulls from this host through shared memory, on the
+        same-host transport, named after `address` (the data address peers
+        are given)."""
         if self._local is not None:
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _, host, port = split_address(address)
         try:
-            sock.bind(shm.socket_name(address))
-            sock.listen(128)
-        except OSError as exc:  # e.g. the name is taken: pulls from this host use the transport
+            self._local = await get_backend("local").listen(host, port, self._serve)
+        except (ConfigError, TransportError) as exc:
+            # e.g. the name is taken: pulls from this host use the transport
             log.warning("no same-host data socket for %s (%s): peers on this host pull "
                         "through the transport", address, exc)
-            sock.close()
-            return
-        sock.setblocking(False)
-        self._local = sock
-        asyncio.get_running_loop().add_reader(sock, self._accept_local)
-
-    def _accept_local(self) -> None:
-        assert self._local is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = self._local.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. out of descriptors: pause rather than spin
-                now = loop.time()
-                if now - self._accept_warned >= 10.0:  # (not ten lines a second)
-                    self._accept_warned = now
-                    log.warning("accept on the same-host data socket failed: %s", exc)
-                loop.remove_reader(self._local)
-                loop.call_later(0.1, self._resume_accept, self._local)
-                return
-            if not shm.same_user(conn):  # the token handshake follows for the rest
-                conn.close()
-                continue
-            stream = shm.LocalStream(conn, f"{self.address} (same host)")
-            task = loop.create_task(self._serve_local(stream))
-            self._local_tasks.add(task)
-            task.add_done_callback(self._local_tasks.discard)
-
-    def _resume_accept(self, sock: socket.socket) -> None:
-        if self._local is sock:  # (not closed meanwhile)
-            asyncio.get_running_loop().add_reader(sock, self._accept_local)
-
-    async def _serve_local(self, stream: Stream) -> None:
-        try:
-            await self._serve(stream)
-        finally:
-            await stream.close()
 
     async def close(self) -> None:
         if self._local is not None:
-            asyncio.get_running_loop().remove_reader(self._local)
-            self._local.close()
+            await self._local.close()
             self._local = None
-        for task in list(self._local_tasks):
-            task.cancel()
-        if self._local_tasks:
-            await asyncio.wait(list(self._local_tasks))
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
@@ -185,13 +144,29 @@ class DataServer:
         try:
             await server_handshake(stream, self.token, self.config.connect_timeout_s)
             while True:
-                # (a pull request is small)
-                req = await recv_msg(stream, SMALL_MESSAGE, m.decode_pull)
+                req = await self._next_request(stream)
                 if isinstance(req, m.Invalid):
                     raise ProtocolError(f"expected a pull from {stream.peer}: {req.message}")
                 await self._serve_pull(stream, req)
         except HopliteError as exc:
             log.debug("data connection from %s ended: %s", stream.peer, exc)
+
+    async def _next_request(self, stream: Stream) -> m.Pull | m.Invalid:
+        """The next pull request. A pooled connection may idle for long
+        between requests; one whose request has begun (its length is in)
+        has `stall_timeout_s` for the rest, or is dropped (a peer that sends
+        part of one and stops would hold the connection and this task)."""
+        n = message_length(await stream.recv_exactly(LENGTH.size), stream.peer)
+        if n > SMALL_MESSAGE:  # (a pull request is small)
+            raise ProtocolError(f"message of {n} bytes from {stream.peer} where at most "
+                                f"{SMALL_MESSAGE} may come")
+        try:
+            async with asyncio.timeout(self.config.stall_timeout_s):
+                body = await stream.recv_exactly(n)
+        except TimeoutError:
+            raise Timeout(f"{stream.peer} began a pull request of {n} bytes and did not "
+                          f"send the rest within {self.config.stall_timeout_s:g}s") from None
+        return m.decode_pull(stream.peer, body)
 
     async def _serve_pull(self, stream: Stream, req: m.Pull) -> None:
         ask = PullAsk.from_wire(req)
@@ -208,8 +183,8 @@ class DataServer:
         if obj is None:
             # A reduce parent may ask before our own step has created its output.
             if mode is SharedCopy:  # (bytes, then: there is nothing to map yet)
-                await stream.send_mode(b"B", None, self.config.stall_timeout_s)
-                mode = Bare if ask.bare is not None else Framed
+                await shm.send_mode(stream, b"B", None, self.config.stall_timeout_s)
+                mode = Messages
             obj = await self._find(stream, ask.oid, stall)
             if obj is None:
                 return
@@ -288,11 +263,15 @@ class DataServer:
             await asyncio.wait(stuck)
 
     async def _stream_range(self, stream: Stream, obj: StoredObject, pos: int, end: int,
-                            stall: float, announce: bool = False) -> bool:
-        """Send bytes [pos, end) of `obj` as they become ready, in frames; with
-        `announce` only how many more are ready (`pull_modes.stream_frames`).
-        False if it ended with an error frame instead."""
-        return await stream_frames(self, stream, obj, pos, end, stall, announce)
+                            stall: float, size: int | None) -> bool:
+        """Send bytes [pos, end) of `obj` as they become ready, in messages of
+        `size` bytes (`pull_modes.stream_messages`); with `size` None only how
+        many more are ready in the mapping the puller holds
+        (`pull_modes.announce_ready`). False if it ended with an error frame
+        instead."""
+        if size is None:
+            return await announce_ready(self, stream, obj, pos, end, stall)
+        return await stream_messages(self, stream, obj, pos, end, size, stall)
 
     async def _await_object(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject:
         """Wait up to `timeout_s` for `oid` to be made here, with keepalives: the
@@ -301,8 +280,10 @@ class DataServer:
                                      ObjectNotFound, stall)
 
     async def _wait_or_keepalive(self, out: SendWindow, obj: StoredObject, need: int,
-                                 stall: float) -> bool:
-        """Wait until `need` bytes of `obj` are ready, for up to `timeout_s`.
+                                 stall: float, start: int = 0) -> bool:
+        """Wait until bytes [start, need) of `obj` are ready, for up to
+        `timeout_s` (past its watermark too: a range of a copy that a plan of
+        several sub-flows fills, `StoredObject.wait_range`).
 
         A partial copy can be slow for good reasons (its own upstream, or a reduce
         waiting for inputs); keepalives tell the receiver we are alive, so only a
@@ -310,7 +291,8 @@ class DataServer:
         error frame) if the bytes never came.
         """
         try:
-            await self._keepalive(out.send, lambda t: obj.wait_ready(need, t), Timeout, stall)
+            await self._keepalive(out.send, lambda t: obj.wait_range(start, need, t), Timeout,
+                                  stall)
         except HopliteError as exc:
             await send_error_frame(out, type(exc).__name__, str(exc))
             return False
@@ -356,13 +338,13 @@ class PeerPool:
             collections.OrderedDict()
 
     async def acquire(self, address: str, local: bool = True) -> Stream:
-        """A connection to the peer at `address`: through this host's Unix
-        socket where `local` allows and the peer is here (host objects: see
-        `shm`), else through the transport (device objects keep UCX's own
-        paths, e.g. CUDA IPC)."""
+        """A connection to the peer at `address`: over the same-host
+        transport where `local` allows and the peer is here (host objects:
+        see `shm`), else over the address's own (device objects keep UCX's
+        own paths, e.g. CUDA IPC)."""
         local = local and self.config.shared_memory and address not in self._remote
         # (an idle transport connection to a peer here, left by a device pull,
-        # must not carry a host object: only a Unix socket's can be mapped)
+        # must not carry a host object: only a same-host stream's can be mapped)
         idle = self._idle.get((address, local))
         while idle:
             stream = idle.pop()
@@ -438,46 +420,25 @@ class PeerPool:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-#: What `_connect_local` returns when the peer's Unix socket is here but its
-#: backlog stays full: this pull goes through the transport, later ones try again.
+#: What `_connect_local` returns when the peer's same-host socket is here but
+#: its backlog stays full: this pull goes through the transport, later ones
+#: try again.
 BUSY = object()
 #: Seconds to retry a same-host connect whose peer's backlog is full.
 _BUSY_S = 0.5
 
 
 async def _connect_local(address: str) -> Stream | object | None:
-    """A connection to the data server at `address` through this host's Unix
-    socket; None where there is none (the peer is on another host or in
-    another network namespace, or runs without shared memory); BUSY if the
-    peer's backlog stayed full (a burst of pulls at once)."""
-    name = shm.socket_name(address)
-    give_up, pause = time.monotonic() + _BUSY_S, 0.001
-    while True:
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError as exc:  # e.g. no file descriptor left: the transport would fail alike
-            raise ConnectionRefused(f"cannot open a socket to {address}: "
-                                    f"{exc.strerror or exc}") from exc
-        sock.setblocking(False)
-        try:
-            # (a Unix socket connects at once or fails: no asyncio wait, which
-            # takes a full backlog's EAGAIN for "in progress", then "connected")
-            sock.connect(name)
-            # Only our own user's node: any user may bind the name first, and a
-            # node of another user refuses us (both then use the transport).
-            if shm.same_user(sock):
-                return shm.LocalStream(sock, f"{address} (same host)")
-            sock.close()
-            return None
-        except BlockingIOError:
-            sock.close()
-            if time.monotonic() >= give_up:
-                return BUSY
-        except OSError:
-            sock.close()
-            return None
-        await asyncio.sleep(pause)
-        pause = min(2 * pause, 0.05)
+    """A connection to the data server at `address` over the same-host
+    transport; None where there is none (the peer is on another host or in
+    another network namespace, runs without shared memory, or is another
+    user's); BUSY if the peer's backlog stayed full (a burst of pulls at once)."""
+    try:
+        return await get_backend("local").connect(address, _BUSY_S)
+    except Timeout:
+        return BUSY
+    except (ConnectionRefused, ConfigError):
+        return None
 
 
 async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
@@ -498,17 +459,15 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
 
 
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
-                      config: Config, on_progress: Callable[[int], None],
-                      reduce_input: bool = False, *, start: int | None = None,
-                      sink: Sink | None = None) -> None:
+                      config: Config, on_progress: Callable[[int], None], *,
+                      start: int | None = None, sink: Sink | None = None) -> None:
     """Pull bytes [start, end) of `obj` (from its watermark `obj.ready` by
     default) from the peer at `address` into its buffer, recording each
     piece in `sink` (the object's own watermark by default; a plan's
-    sub-flow passes its place in the plan's ledger). `reduce_input`: for a
-    reduce step, one of its children (see `Config.bare_pulls`).
+    sub-flow passes its place in the plan's ledger).
 
     The mode (`pull_modes`) is chosen once, from the connection's
-    capabilities and the config. Every frame must start within the stall
+    capabilities. Every message or frame must come within the stall
     timeout, or the peer counts as failed. On any error the connection is
     closed, never reused.
     """
@@ -518,8 +477,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     reusable = False
     try:
         pos = obj.ready if start is None else start
-        mode = receiving_mode(stream.caps, config, host=host, reduce_input=reduce_input,
-                              empty=pos >= end)
+        mode = receiving_mode(stream.caps, host=host)
         pull = mode(stream, obj, obj if sink is None else sink, pos, end, address, config,
                     on_progress, pool=pool)
         await send_msg(stream, pull.request())

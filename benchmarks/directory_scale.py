@@ -6,8 +6,8 @@ the server and the simulator feed them. Each row times one kind of event (the
 best of a few runs) at two scales and prints the cost per unit of work (per
 event, per answered get, per cancel) at each, and their ratio: about 1 where
 an event costs what it must touch itself, about 10 where it walks everything
-the directory knows. (tests/test_scale_review.py asserts the same ratios stay
-under 4 with smaller numbers; this prints them for the record.)
+the directory knows. (tests/test_directory_event_cost.py asserts the same
+ratios stay under 4 with smaller numbers; this prints them for the record.)
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """A node's store limit (`store_bytes`): pulled copies that another node also
 holds are evicted, least recently used first, to make room; what no eviction
-can make room for fails with `StoreFull`, and nothing is lost."""
+can make room for fails with `StoreFull`, and nothing is lost. Concurrent
+gets making room, copies a get result still views, and the one garbage
+collection a full store runs are checked on in-process nodes."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 import zlib
 
 import cluster_tasks as t
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import eventually, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages
@@ -19,6 +23,9 @@ from hoplite_gpu.cluster import LocalCluster
 MiB = 1 << 20
 LIMIT = 5 * MiB
 OBJ = 2 * MiB
+
+KiB = 1 << 10
+STALL = 1.0
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["shared-memory", "tcp"])
@@ -225,3 +232,188 @@ def test_a_non_contiguous_put_beyond_the_limit_is_refused_before_any_copy(monkey
         assert copies == [MiB]
 
     with_nodes(3 * MiB, body)
+
+
+def test_two_gets_making_room_at_once_both_get_it_when_enough_copies_may_go():
+    """docs/guide-memory.md: a get past HOPLITE_STORE_BYTES evicts pulled copies
+    held elsewhere, and fails with StoreFull only when it cannot make room.
+    A node with a 4 MiB limit holds two pulled 2 MiB copies (a, b), both also
+    on their origin; two gets (c, d, 2 MiB each) run at once, e.g. an async
+    actor gathering two `get_async`. Both offer [a, b] (`Memory.make_room`
+    offers every candidate, and skips none already offered by the other call:
+    `_offered` knows them). The directory frees a for the first; for the
+    second it counts a again, although this node no longer holds it
+    (`Directory._may_evict` says yes to a copy whose node is no holder), so
+    `need` is met by a alone and b is kept. The node frees nothing for that
+    answer (a is gone already), tried both, and the second get fails with
+    StoreFull although evicting b would have made room for it."""
+
+    async def body(directory, origin, reader):
+        a, b, c, d = (hg.ObjectID.from_name(f"review-room-{n}") for n in "abcd")
+        for i, oid in enumerate((a, b, c, d)):
+            await origin.put(np.full(2 * MiB, i + 1, np.uint8), oid)
+        await reader.fetch(a, 10)
+        await reader.fetch(b, 10)  # 4 MiB held of 4: each new get must evict one copy
+        got = await asyncio.gather(reader.get(c, 5, "numpy"), reader.get(d, 5, "numpy"),
+                                   return_exceptions=True)
+        failed = [g for g in got if isinstance(g, BaseException)]
+        assert not failed, (
+            f"a get failed with {failed[0]!r}, though b (a pulled copy its origin also "
+            f"holds) could have been evicted; store holds {reader.store.held // MiB} MiB")
+        assert [int(g[0]) for g in got] == [3, 4]
+
+    config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10.0)
+    run_nodes([config, config.replace(store_bytes=4 * MiB)], body, bound=30)
+
+
+def test_an_inline_object_a_get_just_pulled_is_not_evicted_under_its_result():
+    """docs/guide-memory.md: "The node offers only copies that no `get` result of
+    this process still views" (docs/fault-tolerance.md: "a copy a `get`
+    result still views is kept"). A node with a 100 KiB limit holds the
+    result of a get of z1 (60 KiB, inline) and gets z2 (60 KiB, inline):
+    `Pulls.store_inline` goes over the limit and starts `_trim` in the
+    background, which runs before the get's task resumes and offers z2 (z1
+    is viewed). `fetch` waits for an offered copy's fate only when it finds
+    the copy in the store, not for the copy its pull just returned, so the
+    get hands out a view of z2 and the directory's answer then evicts it. The
+    user's array outlives the store's copy: `held_bytes` no longer counts
+    it, and the next get of z2 pulls a second copy, so the process holds
+    more than HOPLITE_STORE_BYTES while its stats say it does not."""
+    KiB = 1 << 10
+
+    async def body(directory, origin, reader):
+        z1, z2 = (hg.ObjectID.from_name(f"review-inline-{n}") for n in "12")
+        await origin.put(np.full(60 * KiB, 1, np.uint8), z1)
+        await origin.put(np.full(60 * KiB, 2, np.uint8), z2)
+        first = await reader.get(z1, 5, "numpy")
+        second = await reader.get(z2, 5, "numpy")
+        await asyncio.sleep(0.3)  # the background eviction's answer is in
+        assert int(first[0]) == 1 and int(second[0]) == 2
+        held = reader.store.get(z2)
+        assert held is not None and np.shares_memory(held.buffer, second), (
+            f"z2 was evicted ({reader.evicted} copies evicted) while the get's result "
+            f"viewed it; the store counts {reader.store.held // KiB} KiB, the process "
+            f"holds {(first.nbytes + second.nbytes) // KiB} KiB in get results")
+
+    config = hg.Config(shared_memory=False, timeout_s=10.0)
+    run_nodes([config, config.replace(store_bytes=100 * (1 << 10))], body, bound=30)
+
+
+def test_a_get_that_cannot_get_room_evicts_nothing_when_the_directory_keeps_a_copy():
+    """docs/guide-memory.md: a call that cannot make room "fails with StoreFull ...
+    and changes nothing"; `Memory.make_room`: "Nothing is evicted for a call
+    that cannot get room". The node only checks that all its candidates
+    together would do, then offers them; the directory frees the ones it may
+    (a) and keeps the others (b: its origin is gone, this is the only copy).
+    The get still fails with StoreFull, but a is gone from the node: the user
+    loses a cached copy for a call that failed anyway, and the next get of it
+    pulls it over the network again."""
+
+    async def body(directory, origin, origin2, reader):
+        a, b, c = (hg.ObjectID.from_name(f"review-keep-{n}") for n in "abc")
+        await origin.put(np.full(2 * MiB, 1, np.uint8), a)
+        await origin2.put(np.full(2 * MiB, 2, np.uint8), b)
+        await origin.put(np.full(5 * MiB, 3, np.uint8), c)
+        await reader.fetch(a, 10)
+        await reader.fetch(b, 10)  # 4 MiB held of 6: c needs 3 MiB more, a and b together 4
+        await origin2.close()  # b's only other copy goes: the directory keeps the reader's
+        assert await eventually(lambda: origin2.node_id not in directory.state.nodes)
+        with pytest.raises(hg.StoreFull):
+            await reader.get(c, 10, "numpy")
+        # the failed get changed nothing: a is still here, and nothing was evicted
+        assert reader.store.get(a) is not None, "a was evicted by a get that failed anyway"
+        assert reader.evicted == 0
+
+    config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10.0)
+    run_nodes([config, config, config.replace(store_bytes=6 * MiB)], body, bound=30)
+
+
+def test_a_copy_read_while_its_eviction_is_asked_is_kept_or_read_anew():
+    """docs/guide-memory.md: "The node offers only copies that no get result of
+    this process still views." The refcount check is made when the copy is
+    offered, but the copy is freed when the directory's answer comes, without
+    looking again. A get of x that returns in between (another thread or
+    task of a memory-limited actor reading its cache while a get of z makes
+    room) gets a view of x, and then x is dropped from the store anyway: the
+    store no longer counts memory the user's array keeps alive, and the next
+    get of x pulls a second copy, so the process holds more than
+    HOPLITE_STORE_BYTES while `held_bytes` says it does not."""
+
+    async def body(directory, origin, reader):
+        x, y, z = (hg.ObjectID.from_name(f"review-viewed-{n}") for n in "xyz")
+        for i, oid in enumerate((x, y, z)):
+            await origin.put(np.full(2 * MiB, i + 1, np.uint8), oid)
+        await reader.fetch(x, 10)  # the oldest: the one a get of z offers
+        await reader.fetch(y, 10)
+        asking = reader.client.start
+        readers: list[asyncio.Task] = []
+
+        def start(msg, rid=None):
+            fut = asking(msg, rid)
+            if messages.op(msg) == "evict" and not readers:
+                # another task reads x from the cache while the eviction is asked
+                readers.append(asyncio.ensure_future(reader.get(x, 10, "numpy")))
+            return fut
+
+        reader.client.start = start
+        try:
+            got = await reader.get(z, 10, "numpy")
+        finally:
+            reader.client.start = asking
+        assert int(got[0]) == 3 and readers
+        view = await asyncio.wait_for(readers[0], 10)
+        assert int(view[0]) == 1
+        held = reader.store.get(x)
+        # x is viewed: the store still holds (and counts) the copy the user reads
+        assert held is not None, "x was evicted while a get result viewed it"
+        assert np.shares_memory(held.buffer, view)
+        assert reader.store.held <= 5 * MiB
+
+    config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=10.0)
+    run_nodes([config, config.replace(store_bytes=5 * MiB)], body, bound=30)
+
+
+def config(**settings) -> hg.Config:
+    base = dict(shared_memory=False, chunk_size=MiB, timeout_s=10.0, stall_timeout_s=STALL)
+    base.update(settings)
+    return hg.Config(**base)
+
+
+def test_inline_puts_over_the_store_limit_do_not_each_run_a_full_collection():
+    """Once a node with `store_bytes` holds more than its limit in objects
+    it cannot evict (its own inline puts: an inline object is made without
+    asking for room), every further inline put (or inline get, via
+    `Pulls.store_inline`) schedules `Memory._trim`, which calls `make_room(0, ...)`;
+    that found nothing to evict and then ran `gc.collect()` on
+    the node's event loop before giving up, on every call. The put itself
+    succeeds, so this is the hot path that must never collect.
+    A full collection walks the whole process heap and stalls the loop that
+    also serves pulls and heartbeats: measured here, 30 such puts of 60 KiB
+    took 2.36 s with a 3-million-object heap in the process, against 0.12 s
+    without the limit (about 80 ms of collection per put)."""
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info.get("generation") == 2:
+            collections.append(1)
+
+    async def body(directory, node):
+        for i in range(20):  # 1.2 MiB of inline objects: over the 1 MiB limit
+            await node.put(np.full(60 * KiB, i, np.uint8), hg.ObjectID.from_name(f"gc-a{i}"))
+        await asyncio.sleep(0.1)
+        assert node.store.used > node.config.store_bytes, "not over the limit: no test"
+        gc.callbacks.append(count)
+        try:
+            started = time.monotonic()
+            for i in range(30):
+                await node.put(np.full(60 * KiB, i, np.uint8), hg.ObjectID.from_name(f"gc-b{i}"))
+            await asyncio.sleep(0.1)  # (the background trims have run)
+            took = time.monotonic() - started
+        finally:
+            gc.callbacks.remove(count)
+        assert len(collections) <= 3, (
+            f"30 inline puts that all succeeded ran {len(collections)} full garbage "
+            f"collections on the node's loop ({took:.2f}s): `_trim` -> `_make_room(0)` "
+            "collects every time the store is over its limit")
+
+    run_nodes([config(store_bytes=MiB)], body, bound=30)

@@ -1,0 +1,171 @@
+"""A fabric with a routing and the fluid engine, driven by messages and timers.
+
+`send(src, dst, nbytes, done)` starts a message now, and `done(t)` is called
+once its bytes are all through; `send_many` starts many at once (arrays), and
+its `done(t, which)` gets the positions of those through at t. The router lays
+each message on the fabric as one or more flows. `at(t, fn)` calls `fn(t)` at
+time t. Messages sent at one instant (by the callbacks of one event and the
+timers due then) start together, as one batch the router sees whole. `run()`
+plays events until nothing is left.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from .engine import MERGE, FluidEngine
+from .routes import RouteTable
+from .routing import make_router
+from .topology import Fabric
+
+Done = Callable[[float], None]
+DoneMany = Callable[[float, np.ndarray], None]
+
+
+class _Grow:
+    """An int array that grows by doubling, indexed by message id."""
+
+    def __init__(self) -> None:
+        self.a = np.zeros(1024, np.int64)
+
+    def fit(self, n: int) -> np.ndarray:
+        if n > len(self.a):
+            grown = np.zeros(max(n, 2 * len(self.a)), np.int64)
+            grown[:len(self.a)] = self.a
+            self.a = grown
+        return self.a
+
+
+class Network:
+    def __init__(self, fabric: Fabric, routing: str, *, seed: int = 0, merge: float = MERGE,
+                 subflows: int | None = None) -> None:
+        if not 0 <= merge < 1:
+            raise InvalidArgument(f"Network: merge must be in [0, 1); got {merge!r}")
+        self.fabric = fabric
+        self.routes = RouteTable(fabric.links)
+        self.router = make_router(routing, fabric, self.routes, seed=seed, subflows=subflows)
+        self.engine = FluidEngine(fabric.capacity, self.routes, merge=merge)
+        self._timers: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self._batch: list[tuple[np.ndarray, np.ndarray, np.ndarray, DoneMany]] = []
+        self.messages = 0          # message ids handed out
+        self._left = _Grow()       # message -> parts not ended
+        self._group = _Grow()      # message -> its send's group
+        self._groups: dict[int, list] = {}   # group -> [first message, done, messages left]
+        self.host_bytes = np.zeros(fabric.links)
+        self._route_bytes = np.zeros(1024)
+        self.flows = 0
+
+    @property
+    def now(self) -> float:
+        return self.engine.t
+
+    def send(self, src: int, dst: int, nbytes: float, done: Done) -> None:
+        self.send_many(np.array([src]), np.array([dst]), np.array([nbytes], float),
+                       lambda t, _which: done(t))
+
+    def send_many(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                  done: DoneMany) -> None:
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        nbytes = np.asarray(nbytes, np.float64)
+        hosts = self.fabric.hosts
+        if not len(src) == len(dst) == len(nbytes) or not len(src):
+            raise InvalidArgument("Network.send_many: src, dst and nbytes need one entry per "
+                                  f"message; got {len(src)}, {len(dst)}, {len(nbytes)}")
+        if src.min() < 0 or dst.min() < 0 or max(src.max(), dst.max()) >= hosts:
+            raise InvalidArgument(f"Network.send: hosts are 0 to {hosts - 1}; got "
+                                  f"{int(min(src.min(), dst.min()))} to "
+                                  f"{int(max(src.max(), dst.max()))}")
+        if (src == dst).any():
+            raise InvalidArgument(f"Network.send: host {int(src[src == dst][0])} sending to "
+                                  "itself crosses no link")
+        if not ((nbytes > 0) & (nbytes < math.inf)).all():
+            raise InvalidArgument(f"Network.send: nbytes must be positive and finite; got "
+                                  f"{float(nbytes[~((nbytes > 0) & (nbytes < math.inf))][0])}")
+        self._batch.append((src, dst, nbytes, done))
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        if not t >= self.now:
+            raise InvalidArgument(f"Network.at: time {t!r} is before now ({self.now})")
+        heapq.heappush(self._timers, (t, next(self._seq), fn))
+
+    def run(self) -> float:
+        """Play every event; return the time of the last."""
+        engine = self.engine
+        while True:
+            self._start_batch()
+            due = self._timers[0][0] if self._timers else math.inf
+            if engine.active == 0 and due == math.inf:
+                return engine.t
+            self._ended(*engine.advance(due))
+            while self._timers and self._timers[0][0] <= engine.t:
+                _, _, fn = heapq.heappop(self._timers)
+                fn(engine.t)
+
+    def _start_batch(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        src = np.concatenate([b[0] for b in batch])
+        dst = np.concatenate([b[1] for b in batch])
+        nbytes = np.concatenate([b[2] for b in batch])
+        first = self.messages
+        self.messages += len(src)
+        left, group = self._left.fit(self.messages), self._group.fit(self.messages)
+        at = first
+        for s, _, _, done in batch:
+            gid = next(self._seq)
+            self._groups[gid] = [at, done, len(s)]
+            group[at:at + len(s)] = gid
+            at += len(s)
+        flow, route, size = self.router.assign(src, dst, nbytes)
+        left[first:self.messages] = np.bincount(flow, minlength=len(src))
+        np.add.at(self.host_bytes, self.fabric.host_up[src], nbytes)
+        np.add.at(self.host_bytes, self.fabric.host_down[dst], nbytes)
+        has = route >= 0
+        if has.any():
+            top = int(route.max()) + 1
+            if top > len(self._route_bytes):
+                grown = np.zeros(max(top, 2 * len(self._route_bytes)))
+                grown[:len(self._route_bytes)] = self._route_bytes
+                self._route_bytes = grown
+            np.add.at(self._route_bytes, route[has], size[has])
+        self.flows += len(flow)
+        self.engine.add(self.fabric.host_up[src[flow]], self.fabric.host_down[dst[flow]],
+                        route, size, flow + first)
+
+    def _ended(self, tags: np.ndarray, route: np.ndarray, nbytes: np.ndarray) -> None:
+        if not len(tags):
+            return
+        self.router.ended(route, nbytes)
+        left = self._left.a
+        ids, times = np.unique(tags, return_counts=True)
+        left[ids] -= times
+        through = ids[left[ids] == 0]
+        if not len(through):
+            return
+        # (message ids rise with their groups' ids: `through` is sorted by group)
+        gids, starts = np.unique(self._group.a[through], return_index=True)
+        for gid, mine in zip(gids.tolist(), np.split(through, starts[1:]), strict=True):
+            entry = self._groups[gid]
+            mine = mine - entry[0]
+            entry[2] -= len(mine)
+            if entry[2] == 0:
+                del self._groups[gid]
+            entry[1](self.engine.t, mine)
+
+    def link_bytes(self) -> np.ndarray:
+        """Bytes each link carried so far."""
+        carried = self.host_bytes.copy()
+        if len(self.routes):
+            rb = np.zeros(len(self.routes))
+            n = min(len(rb), len(self._route_bytes))
+            rb[:n] = self._route_bytes[:n]
+            carried += self.routes.link_bytes(rb)
+        return carried

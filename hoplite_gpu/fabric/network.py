@@ -61,6 +61,8 @@ class Network:
         self.host_bytes = np.zeros(fabric.links)
         self._route_bytes = np.zeros(1024)
         self.flows = 0
+        #: the largest part of a message that crossed a switch-to-switch link
+        self.largest_part = 0.0
 
     @property
     def now(self) -> float:
@@ -136,6 +138,7 @@ class Network:
                 grown[:len(self._route_bytes)] = self._route_bytes
                 self._route_bytes = grown
             np.add.at(self._route_bytes, route[has], size[has])
+            self.largest_part = max(self.largest_part, float(size[has].max()))
         self.flows += len(flow)
         self.engine.add(self.fabric.host_up[src[flow]], self.fabric.host_down[dst[flow]],
                         route, size, flow + first)

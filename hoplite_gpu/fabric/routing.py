@@ -9,15 +9,19 @@
   single-path flow of its own on the middle that is least loaded now.
 
 Ethereal's load is bytes, as in the paper: per link, the bytes of the
-sub-flows assigned to it that have not ended yet. A sub-flow goes to the
-middle whose most loaded link is least loaded; ties go to the middle whose
-most loaded link has carried the fewest bytes in all (every sub-flow ever
-assigned), then to the first middle. Flows are assigned in the order they
-start (the order their driver sent them at one instant), so the choice is
-deterministic. A source that starts f flows at one instant splits each into
-ceil(u / f) sub-flows, u being its leaf's working uplinks (at most
-`subflows`, at most the pair's number of middles), so that it starts at
-least u sub-flows; with f >= u nothing is split.
+sub-flows assigned to it that have not ended yet. A sub-flow's middle is
+chosen tier by tier (the paper's divide and conquer): first the pair of
+links it takes out of its source leaf and into its destination leaf (a
+spine, or a fat-tree's aggregation switches), the pair whose more loaded
+link is least loaded; then, among the middles through that pair, the one
+whose most loaded core link is least loaded. Ties go to the choice whose
+links have carried the fewest bytes in all (every sub-flow ever assigned),
+then to the first. Flows are assigned in the order they start (the order
+their driver sent them at one instant), so the choice is deterministic. A
+source that starts f flows at one instant splits each into ceil(u / f)
+sub-flows, u being its leaf's working uplinks (at most `subflows`, at most
+the pair's number of middles), so that it starts at least u sub-flows; with
+f >= u nothing is split.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgument
-from .routes import NO_ROUTE, RouteTable, csr_rows
+from .routes import NO_ROUTE, RouteTable
 from .topology import Fabric
 
 ROUTINGS = ("ecmp", "spray", "ethereal")
@@ -122,50 +126,84 @@ class Ethereal(Router):
             raise InvalidArgument(f"Ethereal: subflows must be a whole number of at least 1; "
                                   f"got {subflows!r}")
         self.subflows = subflows
-        self.active = np.zeros(fabric.links)   # bytes of sub-flows not ended, per link
-        self.total = np.zeros(fabric.links)    # bytes of every sub-flow assigned, per link
+        # (plain lists: a sub-flow's choice reads a few dozen of them, which
+        # Python does faster than NumPy's per-call cost)
+        self.active = [0.0] * fabric.links   # bytes of sub-flows not ended, per link
+        self.total = [0.0] * fabric.links    # bytes of every sub-flow assigned, per link
+        self._tiers_of: dict[tuple[int, int], tuple] = {}
+        self._links_of: dict[int, tuple[int, ...]] = {}
 
     def assign(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Parts:
         keys, cross = self._pair_keys(src, dst)
-        starting = np.bincount(src, minlength=self.fabric.hosts)[src]
+        starting = np.bincount(src, minlength=self.fabric.hosts)[src].tolist()
         first = np.zeros(len(src), np.int64)
-        count = np.zeros(len(src), np.int64)
         if cross.any():
-            first[cross], count[cross] = self._first_routes(keys[cross])
+            first[cross] = self._first_routes(keys[cross])[0]
         leaf = self.fabric.host_leaf
+        a_of, b_of = leaf[src].tolist(), leaf[dst].tolist()
         flow, route, size = [], [], []
-        for i, (c, f) in enumerate(zip(cross.tolist(), first.tolist(), strict=True)):
-            if not c:
-                flow.append(i), route.append(NO_ROUTE), size.append(float(nbytes[i]))
+        for i, (f, a, b, n) in enumerate(zip(first.tolist(), a_of, b_of, nbytes.tolist(),
+                                             strict=True)):
+            if a == b:
+                flow.append(i), route.append(NO_ROUTE), size.append(n)
                 continue
-            a, b = int(leaf[src[i]]), int(leaf[dst[i]])
-            middles = self.fabric.middles(a, b)
+            tiers = self._tiers(a, b)
             u = self.fabric.uplinks(a)
-            parts = max(1, min(-(-u // int(starting[i])), len(middles), self.subflows or u))
-            piece = float(nbytes[i]) / parts
+            parts = max(1, min(-(-u // starting[i]), tiers[0], self.subflows or u))
+            piece = n / parts
             for _ in range(parts):
-                j = self._least_loaded(middles)
-                links = middles[j]
-                self.active[links] += piece
-                self.total[links] += piece
+                j, links = self._least_loaded(tiers, 1e-6 * piece)
+                for link in links:
+                    self.active[link] += piece
+                    self.total[link] += piece
                 flow.append(i), route.append(f + j), size.append(piece)
         return np.array(flow, np.int64), np.array(route, np.int64), np.array(size)
 
-    def _least_loaded(self, middles: np.ndarray) -> int:
-        now = self.active[middles].max(axis=1)
-        best = now.min()
-        tied = np.flatnonzero(now <= best + 1e-9 * max(best, 1.0))
+    def _tiers(self, a: int, b: int) -> tuple:
+        """(number of middles, outer link pairs, per pair its middles as (index,
+        inner links, all links)) of a pair of leaves: a middle's outer pair is
+        its first and last link, its inner links the rest."""
+        got = self._tiers_of.get((a, b))
+        if got is None:
+            middles = self.fabric.middles(a, b).tolist()
+            groups: dict[tuple[int, int], list] = {}
+            for j, links in enumerate(middles):
+                groups.setdefault((links[0], links[-1]), []).append(
+                    (j, tuple(links[1:-1]), tuple(links)))
+            got = self._tiers_of[a, b] = (len(middles), list(groups), list(groups.values()))
+        return got
+
+    def _least_loaded(self, tiers: tuple, tol: float) -> tuple[int, tuple[int, ...]]:
+        _, pairs, members = tiers
+        g = members[self._pick(pairs, tol)]
+        if len(g) == 1 or not g[0][1]:
+            return g[0][0], g[0][2]
+        best = g[self._pick([inner for _, inner, _ in g], tol)]
+        return best[0], best[2]
+
+    def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
+        """The option (a tuple of links) whose most loaded link is least loaded;
+        among ties, the one whose links carried least in all; then the first."""
+        act = self.active
+        now = [max([act[link] for link in links]) for links in options]
+        best = min(now)
+        tied = [i for i, v in enumerate(now) if v <= best + tol]
         if len(tied) == 1:
-            return int(tied[0])
-        ever = self.total[middles[tied]].max(axis=1)
-        return int(tied[np.argmin(ever)])
+            return tied[0]
+        tot = self.total
+        ever = [max([tot[link] for link in options[i]]) for i in tied]
+        return tied[ever.index(min(ever))]
 
     def ended(self, route: np.ndarray, nbytes: np.ndarray) -> None:
-        has = route >= 0
-        if has.any():
-            ptr, link, _ = self.routes.flat()
-            pos, owner = csr_rows(ptr, route[has])
-            np.subtract.at(self.active, link[pos], nbytes[has][owner])
+        act, links_of = self.active, self._links_of
+        for r, n in zip(route.tolist(), nbytes.tolist(), strict=True):
+            if r < 0:
+                continue
+            links = links_of.get(r)
+            if links is None:
+                links = links_of[r] = tuple(self.routes.row(r)[0].tolist())
+            for link in links:
+                act[link] -= n
 
 
 def make_router(name: str, fabric: Fabric, routes: RouteTable, *, seed: int = 0,

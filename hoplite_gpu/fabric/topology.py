@@ -137,7 +137,8 @@ class Fabric:
             for i in range(self.leaves):
                 number[f"edge{i}"] = number[f"leaf{i}"] = i
                 number[f"agg{i}"] = i // half       # (a fat-tree has as many aggs as edges)
-            below = [u if lay % 2 == 0 else v for (u, v), lay in zip(self.ends, self.layer)]
+            below = [u if lay % 2 == 0 else v for (u, v), lay in zip(self.ends, self.layer,
+                                                                  strict=True)]
             self._owner = np.array([number[n] for n in below], dtype=np.int64)
         return self._owner
 

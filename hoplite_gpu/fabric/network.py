@@ -58,6 +58,7 @@ class Network:
         self._left = _Grow()       # message -> parts not ended
         self._group = _Grow()      # message -> its send's group
         self._groups: dict[int, list] = {}   # group -> [first message, done, messages left]
+        self._single: set[int] = set()       # messages sent alone (by `send`)
         self.host_bytes = np.zeros(fabric.links)
         self._route_bytes = np.zeros(1024)
         self.flows = 0
@@ -69,8 +70,15 @@ class Network:
         return self.engine.t
 
     def send(self, src: int, dst: int, nbytes: float, done: Done) -> None:
-        self.send_many(np.array([src]), np.array([dst]), np.array([nbytes], float),
-                       lambda t, _which: done(t))
+        hosts = self.fabric.hosts
+        if not (0 <= src < hosts and 0 <= dst < hosts):
+            raise InvalidArgument(f"Network.send: hosts are 0 to {hosts - 1}; got {src} to {dst}")
+        if src == dst:
+            raise InvalidArgument(f"Network.send: host {src} sending to itself crosses no link")
+        if not 0 < nbytes < math.inf:
+            raise InvalidArgument(f"Network.send: nbytes must be positive and finite; "
+                                  f"got {nbytes}")
+        self._batch.append((int(src), int(dst), float(nbytes), done))
 
     def send_many(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                   done: DoneMany) -> None:
@@ -81,15 +89,16 @@ class Network:
             raise InvalidArgument("Network.send_many: src, dst and nbytes need one entry per "
                                   f"message; got {len(src)}, {len(dst)}, {len(nbytes)}")
         if src.min() < 0 or dst.min() < 0 or max(src.max(), dst.max()) >= hosts:
-            raise InvalidArgument(f"Network.send: hosts are 0 to {hosts - 1}; got "
+            raise InvalidArgument(f"Network.send_many: hosts are 0 to {hosts - 1}; got "
                                   f"{int(min(src.min(), dst.min()))} to "
                                   f"{int(max(src.max(), dst.max()))}")
         if (src == dst).any():
-            raise InvalidArgument(f"Network.send: host {int(src[src == dst][0])} sending to "
-                                  "itself crosses no link")
-        if not ((nbytes > 0) & (nbytes < math.inf)).all():
-            raise InvalidArgument(f"Network.send: nbytes must be positive and finite; got "
-                                  f"{float(nbytes[~((nbytes > 0) & (nbytes < math.inf))][0])}")
+            raise InvalidArgument(f"Network.send_many: host {int(src[src == dst][0])} sending "
+                                  "to itself crosses no link")
+        ok = (nbytes > 0) & (nbytes < math.inf)
+        if not ok.all():
+            raise InvalidArgument(f"Network.send_many: nbytes must be positive and finite; got "
+                                  f"{float(nbytes[~ok][0])}")
         self._batch.append((src, dst, nbytes, done))
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
@@ -111,21 +120,31 @@ class Network:
                 fn(engine.t)
 
     def _start_batch(self) -> None:
+        """Start every message sent since the last event, in the order sent."""
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        src = np.concatenate([b[0] for b in batch])
-        dst = np.concatenate([b[1] for b in batch])
-        nbytes = np.concatenate([b[2] for b in batch])
         first = self.messages
-        self.messages += len(src)
-        left, group = self._left.fit(self.messages), self._group.fit(self.messages)
+        srcs, dsts, sizes, made = [], [], [], []
         at = first
-        for s, _, _, done in batch:
+        for s, d, n, done in batch:
             gid = next(self._seq)
-            self._groups[gid] = [at, done, len(s)]
-            group[at:at + len(s)] = gid
-            at += len(s)
+            if isinstance(s, int):     # one message: its `done` takes the time only
+                self._single.add(at)
+                srcs.append(s), dsts.append(d), sizes.append(n)
+                count = 1
+            else:
+                srcs.extend(s.tolist()), dsts.extend(d.tolist()), sizes.extend(n.tolist())
+                count = len(s)
+            self._groups[gid] = [at, done, count]
+            made.append((gid, at, count))
+            at += count
+        src, dst = np.array(srcs, np.int64), np.array(dsts, np.int64)
+        nbytes = np.array(sizes)
+        self.messages = at
+        left, group = self._left.fit(at), self._group.fit(at)
+        for gid, start, count in made:
+            group[start:start + count] = gid
         flow, route, size = self.router.assign(src, dst, nbytes)
         left[first:self.messages] = np.bincount(flow, minlength=len(src))
         np.add.at(self.host_bytes, self.fabric.host_up[src], nbytes)
@@ -157,11 +176,14 @@ class Network:
         gids, starts = np.unique(self._group.a[through], return_index=True)
         for gid, mine in zip(gids.tolist(), np.split(through, starts[1:]), strict=True):
             entry = self._groups[gid]
-            mine = mine - entry[0]
             entry[2] -= len(mine)
             if entry[2] == 0:
                 del self._groups[gid]
-            entry[1](self.engine.t, mine)
+            if entry[0] in self._single:
+                self._single.discard(entry[0])
+                entry[1](self.engine.t)
+            else:
+                entry[1](self.engine.t, mine - entry[0])
 
     def link_bytes(self) -> np.ndarray:
         """Bytes each link carried so far."""

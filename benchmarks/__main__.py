@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                     "against the simulator's best, per size, inputs and link")
     _module_command(sub, "directory-scale", "directory_scale", "what one event costs the "
                     "directory's state machine at n and 10 n objects, gets, ranks or waits")
+    _module_command(sub, "fabric-sim", "fabric_sim", "ECMP, spraying and Ethereal on a "
+                    "simulated 1,024-host fat-tree: ring allreduce, all-to-all, broadcast")
     _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
                     "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

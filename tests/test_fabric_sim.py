@@ -5,6 +5,9 @@ their closed forms, and hoplite-gpu's own broadcast and reduce."""
 from __future__ import annotations
 
 import math
+import pathlib
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -429,3 +432,14 @@ def test_bad_routing_and_ops_are_refused():
         TreeBroadcast(0, {1: 2, 2: 1}, S)
     with pytest.raises(InvalidArgument, match="HopliteReduce: a float32 input"):
         HopliteReduce([0, 1, 2], 7)
+
+
+def test_the_directory_driver_imports_with_the_standard_library_alone():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = (f"import sys; sys.path.insert(0, {str(root)!r}); "
+            "from hoplite_gpu.sim_directory import BroadcastDirector; "
+            "d = BroadcastDirector(2, 1 << 20); d.start(); "
+            "print([p.sender for p in d.locate('n1') + d.locate('n2')])")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "['n0', 'n1']", r.stderr

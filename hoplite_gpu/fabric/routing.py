@@ -14,7 +14,9 @@ chosen tier by tier (the paper's divide and conquer): first the pair of
 links it takes out of its source leaf and into its destination leaf (a
 spine, or a fat-tree's aggregation switches), the pair whose more loaded
 link is least loaded; then, among the middles through that pair, the one
-whose most loaded core link is least loaded. Ties go to the choice whose
+whose most loaded core link is least loaded. A flow's sub-flows take
+distinct outer pairs while there are some it has not used, so a flow split
+into u sub-flows puts one on each uplink. Ties go to the choice whose
 links have carried the fewest bytes in all (every sub-flow ever assigned),
 then to the first. Flows are assigned in the order they start (the order
 their driver sent them at one instant), so the choice is deterministic. A
@@ -151,8 +153,9 @@ class Ethereal(Router):
             u = self.fabric.uplinks(a)
             parts = max(1, min(-(-u // starting[i]), tiers[0], self.subflows or u))
             piece = n / parts
+            used: set[int] = set()
             for _ in range(parts):
-                j, links = self._least_loaded(tiers, 1e-6 * piece)
+                j, links = self._least_loaded(tiers, 1e-6 * piece, used)
                 for link in links:
                     self.active[link] += piece
                     self.total[link] += piece
@@ -173,9 +176,17 @@ class Ethereal(Router):
             got = self._tiers_of[a, b] = (len(middles), list(groups), list(groups.values()))
         return got
 
-    def _least_loaded(self, tiers: tuple, tol: float) -> tuple[int, tuple[int, ...]]:
+    def _least_loaded(self, tiers: tuple, tol: float,
+                      used: set[int]) -> tuple[int, tuple[int, ...]]:
+        """A middle for the next sub-flow of a flow whose earlier sub-flows took
+        the outer pairs in `used` (which it avoids while others are left)."""
         _, pairs, members = tiers
-        g = members[self._pick(pairs, tol)]
+        if len(used) == len(pairs):
+            used.clear()
+        free = [i for i in range(len(pairs)) if i not in used]
+        pick = free[self._pick([pairs[i] for i in free], tol)]
+        used.add(pick)
+        g = members[pick]
         if len(g) == 1 or not g[0][1]:
             return g[0][0], g[0][2]
         best = g[self._pick([inner for _, inner, _ in g], tol)]

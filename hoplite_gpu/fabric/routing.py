@@ -16,14 +16,14 @@ spine, or a fat-tree's aggregation switches), the pair whose more loaded
 link is least loaded; then, among the middles through that pair, the one
 whose most loaded core link is least loaded. A flow's sub-flows take
 distinct outer pairs while there are some it has not used, so a flow split
-into u sub-flows puts one on each uplink. Ties go to the choice whose
-links have carried the fewest bytes in all (every sub-flow ever assigned),
-then to the first. Flows are assigned in the order they start (the order
-their driver sent them at one instant), so the choice is deterministic. A
-source that starts f flows at one instant splits each into ceil(u / f)
-sub-flows, u being its leaf's working uplinks (at most `subflows`, at most
-the pair's number of middles), so that it starts at least u sub-flows; with
-f >= u nothing is split.
+into u sub-flows puts one on each uplink. Ties go to the first choice, so
+flows that start again between the same hosts once everything has ended
+(the steps of a ring) are laid out as before. Flows are assigned in the
+order they start (the order their driver sent them at one instant), so the
+choice is deterministic. A source that starts f flows at one instant splits
+each into ceil(u / f) sub-flows, u being its leaf's working uplinks (at
+most `subflows`, at most the pair's number of middles), so that it starts
+at least u sub-flows; with f >= u nothing is split.
 """
 
 from __future__ import annotations
@@ -131,7 +131,6 @@ class Ethereal(Router):
         # (plain lists: a sub-flow's choice reads a few dozen of them, which
         # Python does faster than NumPy's per-call cost)
         self.active = [0.0] * fabric.links   # bytes of sub-flows not ended, per link
-        self.total = [0.0] * fabric.links    # bytes of every sub-flow assigned, per link
         self._tiers_of: dict[tuple[int, int], tuple] = {}
         self._links_of: dict[int, tuple[int, ...]] = {}
 
@@ -158,7 +157,6 @@ class Ethereal(Router):
                 j, links = self._least_loaded(tiers, 1e-6 * piece, used)
                 for link in links:
                     self.active[link] += piece
-                    self.total[link] += piece
                 flow.append(i), route.append(f + j), size.append(piece)
         return np.array(flow, np.int64), np.array(route, np.int64), np.array(size)
 
@@ -193,17 +191,12 @@ class Ethereal(Router):
         return best[0], best[2]
 
     def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
-        """The option (a tuple of links) whose most loaded link is least loaded;
-        among ties, the one whose links carried least in all; then the first."""
+        """The first option (a tuple of links) whose most loaded link is least
+        loaded."""
         act = self.active
         now = [max([act[link] for link in links]) for links in options]
         best = min(now)
-        tied = [i for i, v in enumerate(now) if v <= best + tol]
-        if len(tied) == 1:
-            return tied[0]
-        tot = self.total
-        ever = [max([tot[link] for link in options[i]]) for i in tied]
-        return tied[ever.index(min(ever))]
+        return next(i for i, v in enumerate(now) if v <= best + tol)
 
     def ended(self, route: np.ndarray, nbytes: np.ndarray) -> None:
         act, links_of = self.active, self._links_of

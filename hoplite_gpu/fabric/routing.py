@@ -133,8 +133,33 @@ class Ethereal(Router):
         self.active = [0.0] * fabric.links   # bytes of sub-flows not ended, per link
         self._tiers_of: dict[tuple[int, int], tuple] = {}
         self._links_of: dict[int, tuple[int, ...]] = {}
+        self._live = 0     # sub-flows assigned and not ended
+        #: what a batch was laid out as on an empty fabric: (parts, load per link)
+        self._idle: dict[bytes, tuple[Parts, dict[int, float]]] = {}
 
     def assign(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Parts:
+        if self._live:
+            parts = self._assign(src, dst, nbytes)
+        else:
+            # Nothing in flight: the choice depends on the batch alone (the
+            # loads are all zero), so a batch seen before on an empty fabric
+            # (a ring's next step) is laid out as it was then.
+            self.active = [0.0] * len(self.active)   # (no rounding residue left)
+            key = b"".join(np.ascontiguousarray(a).tobytes() for a in (src, dst, nbytes))
+            got = self._idle.get(key)
+            if got is None:
+                parts = self._assign(src, dst, nbytes)
+                load = {i: v for i, v in enumerate(self.active) if v}
+                if len(self._idle) < 64:
+                    self._idle[key] = (parts, load)
+            else:
+                parts, load = got
+                for link, v in load.items():
+                    self.active[link] = v
+        self._live += len(parts[0])
+        return parts
+
+    def _assign(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Parts:
         keys, cross = self._pair_keys(src, dst)
         starting = np.bincount(src, minlength=self.fabric.hosts)[src].tolist()
         first = np.zeros(len(src), np.int64)
@@ -199,6 +224,7 @@ class Ethereal(Router):
         return next(i for i, v in enumerate(now) if v <= best + tol)
 
     def ended(self, route: np.ndarray, nbytes: np.ndarray) -> None:
+        self._live -= len(route)
         act, links_of = self.active, self._links_of
         for r, n in zip(route.tolist(), nbytes.tolist(), strict=True):
             if r < 0:

@@ -12,6 +12,7 @@ arrays plus a little per level.
 from __future__ import annotations
 
 import numpy as np
+from scipy.sparse import csr_matrix
 
 from .routes import csr_rows
 
@@ -22,7 +23,9 @@ SAME_LEVEL = 1e-9
 
 def _grouped(keys: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
     """(order, pointers): positions of `keys` sorted, and where each group starts."""
-    order = np.argsort(keys, kind="stable")
+    # (NumPy sorts 16-bit keys by radix: linear in their number)
+    small = keys.astype(np.int16) if groups < 1 << 15 else keys
+    order = np.argsort(small, kind="stable")
     return order, np.searchsorted(keys[order], np.arange(groups + 1))
 
 
@@ -46,6 +49,12 @@ class _Problem:
         self.r_link, self.r_weight, self.r_owner = link[pos], weight[pos], owner
         lengths = np.bincount(owner, minlength=self.nr)
         self.r_ptr = np.concatenate(([0], np.cumsum(lengths)))
+        # route -> link as sparse matrices (weights, and ones to count flows):
+        # a pass over many routes is one sparse product
+        self._weights = csr_matrix((self.r_weight, self.r_link, self.r_ptr),
+                                   shape=(self.nr, links)).T
+        self._ones = csr_matrix((np.ones(len(pos)), self.r_link, self.r_ptr),
+                                shape=(self.nr, links)).T
         # link -> flows through its host links; link -> routes; route -> flows
         ends = np.concatenate((up, down))
         order, self.hd_ptr = _grouped(ends, links)
@@ -59,6 +68,11 @@ class _Problem:
         links = len(self.cap)
         host = (np.bincount(self.up[flows], minlength=links)
                 + np.bincount(self.down[flows], minlength=links)).astype(np.float64)
+        if 4 * len(flows) >= self.nr:
+            per_route = np.bincount(self.rl[flows], minlength=self.nr + 1)[:self.nr]
+            per_route = per_route.astype(np.float64)
+            return host + self._ones @ per_route, host + self._weights @ per_route
+        # (few flows of many routes: only the routes they take)
         touched, per_route = np.unique(self.rl[flows], return_counts=True)
         keep = touched < self.nr
         touched, per_route = touched[keep], per_route[keep]

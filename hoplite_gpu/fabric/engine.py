@@ -55,6 +55,7 @@ class FluidEngine:
             setattr(self, name, np.zeros(1024, dtype=kind))
         self._new: list[tuple[np.ndarray, ...]] = []
         self._ended_level: float | None = None
+        self._gone: list[np.ndarray] = []    # slots ended since rates were last set
         self.load = np.zeros(len(capacity))
         self._order = np.zeros(0, np.int64)   # calendar: slots by end time ...
         self._ends = np.zeros(0)              # ... and those end times
@@ -119,7 +120,7 @@ class FluidEngine:
         if len(slots):
             self.alive[slots] = False
             self.live -= len(slots)
-            self.load -= self._link_load(slots, self.rate[slots])
+            self._gone.append(slots)
             level = float(self.rate[slots].min())
             self._ended_level = (level if self._ended_level is None
                                  else min(level, self._ended_level))
@@ -129,9 +130,13 @@ class FluidEngine:
     def _settle(self) -> None:
         """Recompute rates if flows started or ended since the last call."""
         if self._new:
+            self._gone = []     # (the load is recomputed whole)
             self._append()
             self._recompute_all()
         elif self._ended_level is not None:
+            gone = np.concatenate(self._gone)
+            self._gone = []
+            self.load -= self._link_load(gone, self.rate[gone])
             self._refill(self._ended_level)
         self._ended_level = None
 
@@ -163,9 +168,9 @@ class FluidEngine:
         self.full += 1
         idx = np.flatnonzero(self.alive[:self.n])
         self._rebase(idx)
-        self.rate[idx] = max_min_rates(self.cap, self.up[idx], self.down[idx],
-                                       self.route[idx], self.routes.flat())
-        self.load = self._link_load(idx, self.rate[idx])
+        self.rate[idx], self.load = max_min_rates(self.cap, self.up[idx], self.down[idx],
+                                                  self.route[idx], self.routes.flat(),
+                                                  with_load=True)
         ends = self.t + self.rem[idx] / self.rate[idx]
         order = np.argsort(ends, kind="stable")
         self._order, self._ends, self._pos = idx[order], ends[order], 0
@@ -188,10 +193,10 @@ class FluidEngine:
         self._rebase(redo)
         old = self._link_load(redo, self.rate[redo])
         residual = np.maximum(self.cap - (self.load - old), 0.0)
-        rates = max_min_rates(residual, self.up[redo], self.down[redo], self.route[redo],
-                              self.routes.flat())
+        rates, new = max_min_rates(residual, self.up[redo], self.down[redo], self.route[redo],
+                                   self.routes.flat(), with_load=True)
         self.rate[redo] = rates
-        self.load += self._link_load(redo, rates) - old
+        self.load += new - old
         ends = self.t + self.rem[redo] / rates
         stamps = self.stamp[redo] = self.events + 1
         for end, slot in zip(ends.tolist(), redo.tolist(), strict=True):

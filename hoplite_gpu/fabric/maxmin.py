@@ -12,7 +12,6 @@ arrays plus a little per level.
 from __future__ import annotations
 
 import numpy as np
-from scipy.sparse import csr_matrix
 
 from .routes import csr_rows
 
@@ -49,12 +48,6 @@ class _Problem:
         self.r_link, self.r_weight, self.r_owner = link[pos], weight[pos], owner
         lengths = np.bincount(owner, minlength=self.nr)
         self.r_ptr = np.concatenate(([0], np.cumsum(lengths)))
-        # route -> link as sparse matrices (weights, and ones to count flows):
-        # a pass over many routes is one sparse product
-        self._weights = csr_matrix((self.r_weight, self.r_link, self.r_ptr),
-                                   shape=(self.nr, links)).T
-        self._ones = csr_matrix((np.ones(len(pos)), self.r_link, self.r_ptr),
-                                shape=(self.nr, links)).T
         # link -> flows through its host links; link -> routes; route -> flows
         ends = np.concatenate((up, down))
         order, self.hd_ptr = _grouped(ends, links)
@@ -63,34 +56,54 @@ class _Problem:
         self.lr_route = self.r_owner[order]
         self.rf_flow, self.rf_ptr = _grouped(self.rl, self.nr + 1)
 
+    def _per_route(self, flows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(self.rl[flows], weights, minlength=self.nr + 1)[:self.nr]
+
+    def _spread(self, per_route: np.ndarray, weighted: bool,
+                touched: np.ndarray | None = None) -> np.ndarray:
+        """Per link, the sum over routes of per_route[r] (times the link's
+        weight in r, if `weighted`); over `touched` routes only, if given."""
+        links = len(self.cap)
+        if touched is None:
+            times = per_route[self.r_owner]
+            w = times * self.r_weight if weighted else times
+            return np.bincount(self.r_link, weights=w, minlength=links)
+        pos, owner = csr_rows(self.r_ptr, touched)
+        times = per_route[touched][owner]
+        w = times * self.r_weight[pos] if weighted else times
+        return np.bincount(self.r_link[pos], weights=w, minlength=links)
+
     def _load(self, flows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(flows, weighted load) per link that `flows` put there, at rate 1."""
         links = len(self.cap)
         host = (np.bincount(self.up[flows], minlength=links)
                 + np.bincount(self.down[flows], minlength=links)).astype(np.float64)
-        if 4 * len(flows) >= self.nr:
-            per_route = np.bincount(self.rl[flows], minlength=self.nr + 1)[:self.nr]
-            per_route = per_route.astype(np.float64)
-            return host + self._ones @ per_route, host + self._weights @ per_route
-        # (few flows of many routes: only the routes they take)
-        touched, per_route = np.unique(self.rl[flows], return_counts=True)
-        keep = touched < self.nr
-        touched, per_route = touched[keep], per_route[keep]
-        pos, owner = csr_rows(self.r_ptr, touched)
-        times = per_route[owner].astype(np.float64)
-        count = host + np.bincount(self.r_link[pos], weights=times, minlength=links)
-        weight = host + np.bincount(self.r_link[pos], weights=times * self.r_weight[pos],
-                                    minlength=links)
-        return count, weight
+        per_route = self._per_route(flows).astype(np.float64)
+        # (few flows of many routes, a million flows' levels: only their routes)
+        touched = np.flatnonzero(per_route) if 16 * len(flows) < self.nr else None
+        return (host + self._spread(per_route, False, touched),
+                host + self._spread(per_route, True, touched))
 
-    def _crossing(self, links: np.ndarray) -> np.ndarray:
-        """Every flow crossing one of `links` (repeats included)."""
+    def link_load(self, rate: np.ndarray) -> np.ndarray:
+        """Bytes/s on each link when the flows move at `rate`."""
+        links = len(self.cap)
+        host = (np.bincount(self.up, rate, minlength=links)
+                + np.bincount(self.down, rate, minlength=links))
+        return host + self._spread(self._per_route(np.arange(len(rate)), rate), True)
+
+    def _crossing(self, links: np.ndarray, frozen: np.ndarray) -> np.ndarray:
+        """The flows not frozen yet that cross one of `links`."""
         pos, _ = csr_rows(self.hd_ptr, links)
-        via_host = self.hd_flow[pos]
+        hit = np.zeros(len(frozen) + 1, dtype=bool)
+        hit[self.hd_flow[pos]] = True
         pos, _ = csr_rows(self.lr_ptr, links)
-        routes = np.unique(self.lr_route[pos])
-        pos, _ = csr_rows(self.rf_ptr, routes)
-        return np.concatenate((via_host, self.rf_flow[pos]))
+        routes = np.zeros(self.nr + 1, dtype=bool)
+        routes[self.lr_route[pos]] = True
+        pos, _ = csr_rows(self.rf_ptr, np.flatnonzero(routes))
+        hit[self.rf_flow[pos]] = True
+        hit[-1] = False
+        hit[:-1] &= ~frozen
+        return np.flatnonzero(hit)
 
     def solve(self) -> np.ndarray:
         n = len(self.up)
@@ -107,8 +120,7 @@ class _Problem:
             if level == np.inf:
                 return rate
             full = np.flatnonzero(share <= level * (1 + SAME_LEVEL))
-            flows = self._crossing(full)
-            flows = np.unique(flows[~frozen[flows]])
+            flows = self._crossing(full, frozen)
             rate[flows] = max(level, 0.0)
             frozen[flows] = True
             c, w = self._load(flows)
@@ -118,10 +130,15 @@ class _Problem:
 
 
 def max_min_rates(capacity: np.ndarray, up: np.ndarray, down: np.ndarray, route: np.ndarray,
-                  routes_flat: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+                  routes_flat: tuple[np.ndarray, np.ndarray, np.ndarray], *,
+                  with_load: bool = False):
     """The max-min fair rate of each flow (bytes/s). Flow i crosses links
     `up[i]` and `down[i]` with weight 1 and the links of route `route[i]`
-    (NO_ROUTE: none) with their weights; `routes_flat` is `RouteTable.flat()`."""
+    (NO_ROUTE: none) with their weights; `routes_flat` is `RouteTable.flat()`.
+    With `with_load`, also each link's load at those rates."""
     if len(up) == 0:
-        return np.zeros(0)
-    return _Problem(capacity, up, down, route, routes_flat).solve()
+        rate = np.zeros(0)
+        return (rate, np.zeros(len(capacity))) if with_load else rate
+    problem = _Problem(capacity, up, down, route, routes_flat)
+    rate = problem.solve()
+    return (rate, problem.link_load(rate)) if with_load else rate

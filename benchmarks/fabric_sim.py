@@ -7,14 +7,16 @@ fabric and placement; each row records the completion time, the fabric's
 bound, the most loaded switch link, Ethereal's largest sub-flow, and the
 ratios to spraying. The simulator is deterministic and CPU-only: its results
 do not depend on the machine; `wall_s` (the simulator's own time) does.
-Routings listed in `--skip` for an op (e.g. `ring-allreduce:ecmp`, whose
-ranks fall out of step and make an event of nearly every message) run on
-`--small-k` instead, and the row says so.
+Runs matching a `--small` pattern (op:routing:failed, shell-style, e.g.
+`ring-allreduce:ecmp:*`: a ring whose ranks fall out of step makes an event
+of nearly every message, two million at 1,024 hosts) run on `--small-k`
+instead, and the row says so (its `k`).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 
 import numpy as np
 from rich.table import Table
@@ -33,14 +35,15 @@ ROUTINGS = ("spray", "ethereal", "ecmp")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=at_least(2), default=16, help="fat-tree radix (16: 1,024 hosts)")
     p.add_argument("--small-k", type=at_least(2), default=8,
-                   help="radix for the op:routing pairs in --skip (default 8)")
+                   help="radix for the runs --small names (default 8)")
     p.add_argument("--size", type=size, default=64 << 20, help="bytes (default 64 MiB)")
     p.add_argument("--chunk", type=size, default=4 << 20, help="broadcast chunk (default 4 MiB)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     p.add_argument("--failed", type=int, nargs="+", default=[0, 1, 2],
                    help="failed cables per run (default 0 1 2)")
-    p.add_argument("--skip", nargs="*", default=["ring-allreduce:ecmp"],
-                   help="op:routing pairs run on --small-k only")
+    p.add_argument("--small", nargs="*", default=["ring-allreduce:ecmp:*"],
+                   help="op:routing:failed patterns run on --small-k (default "
+                        "ring-allreduce:ecmp:*)")
     p.add_argument("--seed", type=int, default=1, help="placement, failures, ECMP draws")
 
 
@@ -58,7 +61,9 @@ def run(args: argparse.Namespace, console) -> dict:
         for failed in args.failed:
             base = {}
             for routing in ROUTINGS:
-                k = args.small_k if f"{op}:{routing}" in args.skip else args.k
+                small = any(fnmatch.fnmatchcase(f"{op}:{routing}:{failed}", pattern)
+                            for pattern in args.small)
+                k = args.small_k if small else args.k
                 f = fat_tree(k, failed=failed, seed=args.seed)
                 hosts = np.random.default_rng(args.seed).permutation(f.hosts).tolist()
                 r = simulate(f, _op(op, hosts, args), routing, seed=args.seed)

@@ -463,3 +463,15 @@ def test_ethereal_lays_a_repeated_batch_on_an_empty_fabric_as_the_first_time():
     assert fresh.active == table
     busy = fresh.assign(src[:4], dst[:4], size[:4])   # in flight now: worked out afresh
     assert len(busy[0]) > 4
+
+
+def test_a_reduce_bound_spares_the_tightest_leaf_which_may_hold_the_root():
+    """Leaf 0 lost one of its two uplinks (a quarter of B each): a reduce whose
+    root the directory picks may put it there, so the bound is the next leaf's
+    S / (B/2); a broadcast from leaf 1 must get into leaf 0: S / (B/4)."""
+    from hoplite_gpu.fabric.bounds import spread_bound
+    f = leaf_spine(2, 3, 2, oversubscription=4.0, failed=[("leaf0", "spine0")])
+    inputs = np.arange(6)
+    assert spread_bound(f, None, inputs, S, inward=False) == pytest.approx(2 * S / B)
+    assert spread_bound(f, 2, np.array([0, 1, 3, 4, 5]), S, inward=True) == pytest.approx(
+        4 * S / B)

@@ -11,7 +11,8 @@ path. Failed links are not in their cut.
   rank sends its 2(p-1) pieces one after another through its own uplink;
 * broadcast: the object must enter every receiver and every leaf (pod) with
   a receiver but not the root, so S over the slowest of those cuts; reduce
-  likewise, out of every input's host, leaf and pod but the root's.
+  likewise, out of every input's host, leaf and pod but the root's (which
+  the directory picks: the slowest may be spared).
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ def _tiers(fabric: Fabric):
     return tiers
 
 
-def spread_bound(fabric: Fabric, root: int, others: np.ndarray, size: float, *,
+def spread_bound(fabric: Fabric, root: int | None, others: np.ndarray, size: float, *,
                  inward: bool) -> float:
     """The object of `size` bytes entering (inward: a broadcast) or leaving (a
     reduce) every host of `others` and every leaf and pod with one of them
-    but without `root`."""
+    but without `root`. With no `root` (a reduce whose root the schedule
+    picks among `others`), the tightest host, leaf and pod may hold it."""
     others = np.asarray(others)
-    host_cap = fabric.capacity[fabric.host_down if inward else fabric.host_up][others]
-    worst = size / float(host_cap.min())
+    host_cap = np.sort(fabric.capacity[fabric.host_down if inward else fabric.host_up][others])
+    worst = size / float(host_cap[0 if root is not None else min(1, len(host_cap) - 1)])
     for group_of, up, down, groups in _tiers(fabric):
         touched = np.unique(group_of[others])
-        touched = touched[touched != group_of[root]]
-        if len(touched):
-            c = _cut_capacity(fabric, down if inward else up, groups)[touched]
-            worst = max(worst, size / float(c.min()))
+        if root is not None:
+            touched = touched[touched != group_of[root]]
+        caps = np.sort(_cut_capacity(fabric, down if inward else up, groups)[touched])
+        if root is None:
+            caps = caps[1:]
+        if len(caps):
+            worst = max(worst, size / float(caps[0]))
     return worst

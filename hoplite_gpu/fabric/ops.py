@@ -107,13 +107,14 @@ class RingAllreduce(Op):
         self.net.send(self.ring[rank], self.ring[to], self.piece, self._sent_cb(rank))
 
     def _sent_cb(self, rank: int):
-        to = (rank + 1) % len(self.ring)
+        deliver = self._deliver(self._got, (rank + 1) % len(self.ring))
 
         def sent(t: float) -> None:
             self.sending[rank] = False
             self.sent[rank] += 1
             self._next(rank)
-        return lambda t: (sent(t), self._deliver(self._got, to)(t))
+            deliver(t)
+        return sent
 
     def _got(self, t: float, rank: int) -> None:
         self.received[rank] += 1

@@ -80,13 +80,12 @@ def op_bound(fabric: Fabric, op: Op) -> float:
     raise TypeError(f"op_bound: no bound for {type(op).__name__}")
 
 
-def _root_and_others(op: Op) -> tuple[int, np.ndarray]:
+def _root_and_others(op: Op) -> tuple[int | None, np.ndarray]:
     if isinstance(op, HopliteBroadcast):
         return op.hosts[0], np.array(op.hosts[1:])
     if isinstance(op, HopliteReduce):
-        # (the directory picks the root among the inputs' nodes: bound by the
-        # best case, the requester's host)
-        return op.hosts[-1], np.array(op.hosts[:-1])
+        # (the directory picks the root among the inputs' nodes)
+        return None, np.array(op.hosts[:-1])
     return op.root, np.array([h for h in op.children if h != op.root])
 
 

@@ -475,3 +475,14 @@ def test_a_reduce_bound_spares_the_tightest_leaf_which_may_hold_the_root():
     assert spread_bound(f, None, inputs, S, inward=False) == pytest.approx(2 * S / B)
     assert spread_bound(f, 2, np.array([0, 1, 3, 4, 5]), S, inward=True) == pytest.approx(
         4 * S / B)
+
+
+@pytest.mark.slow
+def test_all_to_all_on_1024_hosts_sprayed_meets_the_host_bound():
+    """A million flows at once (1,024 hosts, fat-tree k = 16): spraying keeps
+    every host link the bottleneck, so all end together at (p-1)/p S/B."""
+    f = fat_tree(16)
+    r = simulate(f, AllToAll(list(range(f.hosts)), S), "spray")
+    assert r.flows == 1024 * 1023
+    assert r.completion_s == pytest.approx(1023 / 1024 * S / B, rel=1e-9)
+    assert r.completion_s == pytest.approx(r.bound_s, rel=1e-9)

@@ -61,6 +61,7 @@ class FluidEngine:
         self._ends = np.zeros(0)              # ... and those end times
         self._pos = 0
         self._moved: list[tuple[float, int, int]] = []   # (end, stamp, slot) heap
+        self._stamps = 0    # a slot's stamp: 0 on the calendar, else its heap entry's
         #: counters for reports: events, full and partial recomputations
         self.events = self.full = self.partial = 0
 
@@ -198,7 +199,8 @@ class FluidEngine:
         self.rate[redo] = rates
         self.load += new - old
         ends = self.t + self.rem[redo] / rates
-        stamps = self.stamp[redo] = self.events + 1
+        self._stamps += 1
+        stamps = self.stamp[redo] = self._stamps
         for end, slot in zip(ends.tolist(), redo.tolist(), strict=True):
             heapq.heappush(self._moved, (end, stamps, slot))
 

@@ -445,26 +445,6 @@ def test_the_directory_driver_imports_with_the_standard_library_alone():
     assert r.returncode == 0 and r.stdout.strip() == "['n0', 'n1']", r.stderr
 
 
-def test_ethereal_lays_a_repeated_batch_on_an_empty_fabric_as_the_first_time():
-    """A batch met again with nothing in flight (a ring's next step) is laid
-    out from memory: the same parts and the same load table as working it
-    out afresh."""
-    f = fat_tree(8)
-    src = np.random.default_rng(5).permutation(f.hosts)
-    dst = np.roll(src, -1)
-    size = np.full(f.hosts, 4096.0)
-    fresh = Network(f, "ethereal").router
-    first = fresh.assign(src, dst, size)
-    table = list(fresh.active)
-    fresh.ended(first[1], first[2])
-    again = fresh.assign(src, dst, size)
-    for a, b in zip(first, again, strict=True):
-        assert np.array_equal(a, b)
-    assert fresh.active == table
-    busy = fresh.assign(src[:4], dst[:4], size[:4])   # in flight now: worked out afresh
-    assert len(busy[0]) > 4
-
-
 def test_a_reduce_bound_spares_the_tightest_leaf_which_may_hold_the_root():
     """Leaf 0 lost one of its two uplinks (a quarter of B each): a reduce whose
     root the directory picks may put it there, so the bound is the next leaf's

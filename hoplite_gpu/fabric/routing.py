@@ -16,13 +16,13 @@ spine, or a fat-tree's aggregation switches), the pair whose more loaded
 link is least loaded; then, among the middles through that pair, the one
 whose most loaded core link is least loaded. A flow's sub-flows take
 distinct outer pairs while there are some it has not used, so a flow split
-into u sub-flows puts one on each uplink. Ties go to the first choice, so
-flows that start again between the same hosts once everything has ended
-(the steps of a ring) are laid out as before. Flows are assigned in the
-order they start (the order their driver sent them at one instant), so the
-choice is deterministic. A source that starts f flows at one instant splits
-each into ceil(u / f) sub-flows, u being its leaf's working uplinks (at
-most `subflows`, at most the pair's number of middles), so that it starts
+into u sub-flows puts one on each uplink. Ties go to the choice whose most
+used link has carried the fewest bytes in all (every sub-flow ever
+assigned), then to the first. Flows are assigned in the order they start
+(the order their driver sent them at one instant), so the choice is
+deterministic. A source that starts f flows at one instant splits each into
+ceil(u / f) sub-flows, u being its leaf's working uplinks (at most
+`subflows`, at most the pair's number of middles), so that it starts
 at least u sub-flows; with f >= u nothing is split.
 """
 
@@ -131,35 +131,11 @@ class Ethereal(Router):
         # (plain lists: a sub-flow's choice reads a few dozen of them, which
         # Python does faster than NumPy's per-call cost)
         self.active = [0.0] * fabric.links   # bytes of sub-flows not ended, per link
+        self.total = [0.0] * fabric.links    # bytes of every sub-flow assigned, per link
         self._tiers_of: dict[tuple[int, int], tuple] = {}
         self._links_of: dict[int, tuple[int, ...]] = {}
-        self._live = 0     # sub-flows assigned and not ended
-        #: what a batch was laid out as on an empty fabric: (parts, load per link)
-        self._idle: dict[bytes, tuple[Parts, dict[int, float]]] = {}
 
     def assign(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Parts:
-        if self._live:
-            parts = self._assign(src, dst, nbytes)
-        else:
-            # Nothing in flight: the choice depends on the batch alone (the
-            # loads are all zero), so a batch seen before on an empty fabric
-            # (a ring's next step) is laid out as it was then.
-            self.active = [0.0] * len(self.active)   # (no rounding residue left)
-            key = b"".join(np.ascontiguousarray(a).tobytes() for a in (src, dst, nbytes))
-            got = self._idle.get(key)
-            if got is None:
-                parts = self._assign(src, dst, nbytes)
-                load = {i: v for i, v in enumerate(self.active) if v}
-                if len(self._idle) < 64:
-                    self._idle[key] = (parts, load)
-            else:
-                parts, load = got
-                for link, v in load.items():
-                    self.active[link] = v
-        self._live += len(parts[0])
-        return parts
-
-    def _assign(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> Parts:
         keys, cross = self._pair_keys(src, dst)
         starting = np.bincount(src, minlength=self.fabric.hosts)[src].tolist()
         first = np.zeros(len(src), np.int64)
@@ -182,6 +158,7 @@ class Ethereal(Router):
                 j, links = self._least_loaded(tiers, 1e-6 * piece, used)
                 for link in links:
                     self.active[link] += piece
+                    self.total[link] += piece
                 flow.append(i), route.append(f + j), size.append(piece)
         return np.array(flow, np.int64), np.array(route, np.int64), np.array(size)
 
@@ -216,15 +193,20 @@ class Ethereal(Router):
         return best[0], best[2]
 
     def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
-        """The first option (a tuple of links) whose most loaded link is least
-        loaded."""
+        """The option (a tuple of links) whose most loaded link is least loaded;
+        among ties, the one whose most used link carried least in all; then
+        the first."""
         act = self.active
         now = [max([act[link] for link in links]) for links in options]
         best = min(now)
-        return next(i for i, v in enumerate(now) if v <= best + tol)
+        tied = [i for i, v in enumerate(now) if v <= best + tol]
+        if len(tied) == 1:
+            return tied[0]
+        tot = self.total
+        ever = [max([tot[link] for link in options[i]]) for i in tied]
+        return tied[ever.index(min(ever))]
 
     def ended(self, route: np.ndarray, nbytes: np.ndarray) -> None:
-        self._live -= len(route)
         act, links_of = self.active, self._links_of
         for r, n in zip(route.tolist(), nbytes.tolist(), strict=True):
             if r < 0:

@@ -398,6 +398,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"] and any(a == "--fabric" or a.startswith("--fabric=")
+                                        for a in argv[1:]):
+        from .fabric.cli import main as fabric_main  # (a fabric has flags of its own)
+
+        return fabric_main(argv[1:])
     if argv[:1] == ["bench"]:  # (its options are the benchmarks', --help included)
         args = argparse.Namespace(rest=argv[1:], func=_bench, command="bench")
     else:

@@ -37,8 +37,11 @@ demo: $(BASE)
 RUNTIME_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py \
 	tests/test_channel.py tests/test_store.py tests/test_auth.py tests/test_liveness.py
 
+# The default set: everything but the slow emulation and benchmark runs
+# (marked `slow`: end-to-end launches of the benchmarks on emulated hosts,
+# 256 MiB transfers on every transport), which `make test-slow` runs.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
 	@# Nodes of one machine pull through shared memory by default; the runtime's
 	@# tests again with it off, so their bytes cross the transports: TCP, then
 	@# UCX where ucxx is installed (UCX over TCP here; README "Tests and benchmarks").
@@ -53,6 +56,11 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: test test-slow
 
 lint: setup
 	$(BIN)/ruff check hoplite_gpu kernels transports tests benchmarks

@@ -12,6 +12,7 @@ import selectors
 import signal
 import sys
 import threading
+from typing import Any
 
 from .config import Config, format_size, parse_size
 from .errors import ConfigError, HopliteError
@@ -302,6 +303,37 @@ def _port(text: str) -> int:
     return port
 
 
+def _simulate_parser(sub: Any) -> None:
+    """`hoplite-gpu simulate`'s flags (a fabric's, with `--fabric`, are
+    `fabric/cli.py`'s: `main` hands those over before parsing)."""
+    s = sub.add_parser("simulate", help="simulate a broadcast or a reduce at any scale with the "
+                                         "real scheduler")
+    s.add_argument("--op", choices=["broadcast", "reduce"], default="broadcast",
+                   help="what to simulate (default broadcast)")
+    s.add_argument("--receivers", type=_at_least_one, default=1000,
+                   help="broadcast: receivers (default 1000)")
+    s.add_argument("--inputs", type=_at_least_one, default=1000,
+                   help="reduce: inputs, one per node (default 1000)")
+    s.add_argument("--gap", type=_positive(float, "a number of seconds", zero=True), default=0.0,
+                   help="reduce: also simulate inputs arriving this many seconds apart "
+                        "(default 0: only all at once)")
+    s.add_argument("--size", type=_positive_size, default="256MiB",
+                   help="object (or each input) size (default 256MiB)")
+    s.add_argument("--bandwidth", type=_positive(float, "a number (e.g. 1.25e9)"), default=1.25e9,
+                   help="bytes/s per link direction (default 1.25e9)")
+    s.add_argument("--latency", type=_positive(float, "a number of seconds", zero=True),
+                   default=1e-4, help="seconds per message and hop (default 1e-4)")
+    s.add_argument("--chunk", type=_positive_size, default="4MiB",
+                   help="pipeline chunk size (default 4MiB)")
+    s.add_argument("--arrival-spread", type=_positive(float, "a number of seconds", zero=True),
+                   default=0.0, help="broadcast: receivers arrive evenly over this many "
+                                     "seconds (default 0: all at once)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object: the schedule of the settings in force "
+                        "(`seconds`, `bound_s` = S/B, `ratio_to_bound`) and every other one")
+    s.set_defaults(func=_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hoplite-gpu", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -334,32 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed gets of each size (default 5)")
     c.set_defaults(func=_calibrate)
 
-    s = sub.add_parser("simulate", help="simulate a broadcast or a reduce at any scale with the "
-                                         "real scheduler")
-    s.add_argument("--op", choices=["broadcast", "reduce"], default="broadcast",
-                   help="what to simulate (default broadcast)")
-    s.add_argument("--receivers", type=_at_least_one, default=1000,
-                   help="broadcast: receivers (default 1000)")
-    s.add_argument("--inputs", type=_at_least_one, default=1000,
-                   help="reduce: inputs, one per node (default 1000)")
-    s.add_argument("--gap", type=_positive(float, "a number of seconds", zero=True), default=0.0,
-                   help="reduce: also simulate inputs arriving this many seconds apart "
-                        "(default 0: only all at once)")
-    s.add_argument("--size", type=_positive_size, default="256MiB",
-                   help="object (or each input) size (default 256MiB)")
-    s.add_argument("--bandwidth", type=_positive(float, "a number (e.g. 1.25e9)"), default=1.25e9,
-                   help="bytes/s per link direction (default 1.25e9)")
-    s.add_argument("--latency", type=_positive(float, "a number of seconds", zero=True),
-                   default=1e-4, help="seconds per message and hop (default 1e-4)")
-    s.add_argument("--chunk", type=_positive_size, default="4MiB",
-                   help="pipeline chunk size (default 4MiB)")
-    s.add_argument("--arrival-spread", type=_positive(float, "a number of seconds", zero=True),
-                   default=0.0, help="broadcast: receivers arrive evenly over this many "
-                                     "seconds (default 0: all at once)")
-    s.add_argument("--json", action="store_true",
-                   help="print one JSON object: the schedule of the settings in force "
-                        "(`seconds`, `bound_s` = S/B, `ratio_to_bound`) and every other one")
-    s.set_defaults(func=_simulate)
+    _simulate_parser(sub)
 
     i = sub.add_parser("info", help="show versions, configuration, transports and GPUs")
     i.set_defaults(func=_info)

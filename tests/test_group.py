@@ -172,7 +172,8 @@ def test_each_calls_objects_are_freed_by_a_later_call_and_close_frees_the_rest(l
     assert hg.node_stats()["held_bytes"] == 0
 
 
-@pytest.mark.slow  # 4 processes, 50 x 16 MiB on two cores: about 15 s
+# (4 processes, 50 x 16 MiB on two cores: about 10 s; in the default set: the
+# flat memory of a training loop is what the Group promises)
 def test_a_loop_of_allreduces_keeps_every_nodes_memory_flat_without_deletes():
     size, calls, nbytes = 4, 50, 16 << 20
     with LocalCluster(size) as c:

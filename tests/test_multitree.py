@@ -120,7 +120,6 @@ async def _eventually(check, timeout=5.0):
     return await eventually(check, timeout)
 
 
-@pytest.mark.slow  # 4 processes: about 10 s on two cores
 def test_a_group_on_a_topology_broadcasts_over_its_trees_and_frees_each_call():
     import cluster_tasks as t
 

@@ -64,17 +64,27 @@ def test_a_node_starts_with_the_first_directory_that_answers():
 
 def test_nodes_move_to_the_standby_when_the_directory_goes_during_a_broadcast():
     """The first directory closes while two receivers pull a 32 MiB object
-    in a chain: every node moves to the second and re-announces what it
-    holds, and both receivers end with byte-identical copies."""
+    in a chain (the origin holds its bytes back until it has): every node
+    moves to the second and re-announces what it holds, and both receivers
+    end with byte-identical copies."""
     value = (np.arange(32 * MiB) % 233).astype(np.uint8)
 
     async def body(first, second, origin, r1, r2):
         oid = await origin.put(value, hg.ObjectID.from_name("standby-broadcast"))
+        go = asyncio.Event()
+        real = origin.server._stream_range
+
+        async def held_back(*args):  # (the pulls are under way when the directory goes)
+            await go.wait()
+            return await real(*args)
+
+        origin.server._stream_range = held_back
         gets = [asyncio.ensure_future(r.get(oid, 30.0, "numpy")) for r in (r1, r2)]
-        assert await eventually(lambda: any(
-            0 < h.nbytes < value.nbytes for h in first.state.objects[oid.binary].holders.values()
-            if not h.origin), 5.0), "no receiver was seen part-way"
+        holders = first.state.objects[oid.binary].holders
+        assert await eventually(lambda: all(r.node_id in holders for r in (r1, r2)), 5.0), \
+            "the receivers were not given senders"
         await first.close()
+        go.set()
         for got in await asyncio.gather(*gets):
             np.testing.assert_array_equal(got, value)
         assert all(n.directory_address == second.address for n in (origin, r1, r2))

@@ -13,8 +13,10 @@ sub-flows assigned to it that have not ended yet. A sub-flow's middle is
 chosen tier by tier (the paper's divide and conquer): first the pair of
 links it takes out of its source leaf and into its destination leaf (a
 spine, or a fat-tree's aggregation switches), the pair whose more loaded
-link is least loaded; then, among the middles through that pair, the one
-whose most loaded core link is least loaded. A flow's sub-flows take
+link is least loaded (or whose least loaded way on through the core, if
+that is more loaded: a pair behind a failed core link has fewer ways);
+then, among the middles through that pair, the one whose most loaded core
+link is least loaded. A flow's sub-flows take
 distinct outer pairs while there are some it has not used, so a flow split
 into u sub-flows puts one on each uplink. Ties go to the choice whose most
 used link has carried the fewest bytes in all (every sub-flow ever
@@ -184,7 +186,13 @@ class Ethereal(Router):
         if len(used) == len(pairs):
             used.clear()
         free = [i for i in range(len(pairs)) if i not in used]
-        pick = free[self._pick([pairs[i] for i in free], tol)]
+        # (a pair is as loaded as its outer links, or as its least loaded way
+        # through the core if that is busier: a pair behind a failed core
+        # link has fewer ways, which fill sooner)
+        act = self.active
+        floor = [min(max([act[x] for x in inner], default=0.0) for _, inner, _ in members[i])
+                 for i in free]
+        pick = free[self._pick([pairs[i] for i in free], tol, floor)]
         used.add(pick)
         g = members[pick]
         if len(g) == 1 or not g[0][1]:
@@ -192,12 +200,15 @@ class Ethereal(Router):
         best = g[self._pick([inner for _, inner, _ in g], tol)]
         return best[0], best[2]
 
-    def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
-        """The option (a tuple of links) whose most loaded link is least loaded;
-        among ties, the one whose most used link carried least in all; then
-        the first."""
+    def _pick(self, options: list[tuple[int, ...]], tol: float,
+              floor: list[float] | None = None) -> int:
+        """The option (a tuple of links) whose most loaded link (or `floor`,
+        if higher) is least loaded; among ties, the one whose most used link
+        carried least in all; then the first."""
         act = self.active
         now = [max([act[link] for link in links]) for links in options]
+        if floor is not None:
+            now = [max(v, w) for v, w in zip(now, floor, strict=True)]
         best = min(now)
         tied = [i for i, v in enumerate(now) if v <= best + tol]
         if len(tied) == 1:

@@ -186,13 +186,7 @@ class Ethereal(Router):
         if len(used) == len(pairs):
             used.clear()
         free = [i for i in range(len(pairs)) if i not in used]
-        # (a pair is as loaded as its outer links, or as its least loaded way
-        # through the core if that is busier: a pair behind a failed core
-        # link has fewer ways, which fill sooner)
-        act = self.active
-        floor = [min(max([act[x] for x in inner], default=0.0) for _, inner, _ in members[i])
-                 for i in free]
-        pick = free[self._pick([pairs[i] for i in free], tol, floor)]
+        pick = self._pick_pair(free, pairs, members, tol)
         used.add(pick)
         g = members[pick]
         if len(g) == 1 or not g[0][1]:
@@ -200,15 +194,34 @@ class Ethereal(Router):
         best = g[self._pick([inner for _, inner, _ in g], tol)]
         return best[0], best[2]
 
-    def _pick(self, options: list[tuple[int, ...]], tol: float,
-              floor: list[float] | None = None) -> int:
-        """The option (a tuple of links) whose most loaded link (or `floor`,
-        if higher) is least loaded; among ties, the one whose most used link
-        carried least in all; then the first."""
+    def _pick_pair(self, free: list[int], pairs: list, members: list, tol: float) -> int:
+        """The outer pair (of `free`) for a sub-flow: a pair is as loaded as its
+        more loaded link, or as its least loaded way on through the core if
+        that is busier (a pair behind a failed core link has fewer ways, which
+        fill sooner). Pairs are looked at from the least loaded outer links
+        up, and only while they could still tie the best."""
+        act = self.active
+        outer = {i: max(act[pairs[i][0]], act[pairs[i][1]]) for i in free}
+        best, seen = np.inf, {}
+        for i in sorted(free, key=outer.__getitem__):
+            if outer[i] > best + tol:
+                break
+            way = min(max([act[x] for x in inner], default=0.0) for _, inner, _ in members[i])
+            seen[i] = max(outer[i], way)
+            best = min(best, seen[i])
+        tied = sorted(i for i, v in seen.items() if v <= best + tol)
+        if len(tied) == 1:
+            return tied[0]
+        tot = self.total
+        ever = [max(tot[pairs[i][0]], tot[pairs[i][1]]) for i in tied]
+        return tied[ever.index(min(ever))]
+
+    def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
+        """The option (a tuple of links) whose most loaded link is least loaded;
+        among ties, the one whose most used link carried least in all; then
+        the first."""
         act = self.active
         now = [max([act[link] for link in links]) for links in options]
-        if floor is not None:
-            now = [max(v, w) for v, w in zip(now, floor, strict=True)]
         best = min(now)
         tied = [i for i, v in enumerate(now) if v <= best + tol]
         if len(tied) == 1:

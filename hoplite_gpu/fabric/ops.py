@@ -186,7 +186,42 @@ class _Stream:
         self.src, self.dst, self.next, self.busy = src, dst, 0, False
 
 
-class TreeBroadcast(Op):
+class _Pipelined(Op):
+    """Chunks along the edges of a tree (child -> parent), one in flight per
+    edge, each sent once its sender has it (`_have`)."""
+
+    def __init__(self, root: int, parent: dict[int, int], size: float, chunks: int,
+                 latency: float) -> None:
+        super().__init__(latency)
+        where = type(self).__name__
+        self.size = _positive(where, "size", size)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise InvalidArgument(f"{where}: chunks must be a whole number of at least 1; "
+                                  f"got {chunks!r}")
+        self.root, self.chunks = int(root), chunks
+        self.children = _tree(where, self.root, parent)
+        self.parent = dict(parent)
+
+    def _have(self, host: int) -> int:
+        raise NotImplementedError
+
+    def _got(self, t: float, s: _Stream) -> None:
+        raise NotImplementedError
+
+    def _pump(self, s: _Stream) -> None:
+        if s.busy or s.next >= self.chunks or self._have(s.src) <= s.next:
+            return
+        s.busy = True
+        self.net.send(s.src, s.dst, self.size / self.chunks, lambda t: self._left(t, s))
+
+    def _left(self, t: float, s: _Stream) -> None:
+        s.busy = False
+        s.next += 1
+        self._deliver(self._got, s)(t)
+        self._pump(s)
+
+
+class TreeBroadcast(_Pipelined):
     """Broadcast `size` bytes from `root` down a tree (child -> parent) in
     `chunks` pipelined chunks: a host forwards chunk i to each child once it
     has it and that child's chunk i-1 has left."""
@@ -195,15 +230,9 @@ class TreeBroadcast(Op):
 
     def __init__(self, root: int, parent: dict[int, int], size: float, chunks: int = 1, *,
                  latency: float = 0.0) -> None:
-        super().__init__(latency)
-        self.size = _positive("TreeBroadcast", "size", size)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise InvalidArgument(f"TreeBroadcast: chunks must be a whole number of at least 1; "
-                                  f"got {chunks!r}")
-        self.root, self.chunks = int(root), chunks
-        self.children = _tree("TreeBroadcast", self.root, parent)
-        self.have = {h: 0 for h in self.children}
-        self.have[self.root] = chunks
+        super().__init__(root, parent, size, chunks, latency)
+        self.held = {h: 0 for h in self.children}
+        self.held[self.root] = chunks
         self.streams = {h: [_Stream(h, c) for c in kids] for h, kids in self.children.items()}
 
     def start(self, net: Network) -> None:
@@ -211,27 +240,19 @@ class TreeBroadcast(Op):
         for s in self.streams[self.root]:
             self._pump(s)
 
-    def _pump(self, s: _Stream) -> None:
-        if s.busy or s.next >= self.chunks or self.have[s.src] <= s.next:
-            return
-        s.busy = True
-        self.net.send(s.src, s.dst, self.size / self.chunks, lambda t: self._left(t, s))
+    def _have(self, host: int) -> int:
+        return self.held[host]
 
-    def _left(self, t: float, s: _Stream) -> None:
-        s.busy = False
-        s.next += 1
-        self._deliver(self._got, s.dst)(t)
-        self._pump(s)
-
-    def _got(self, t: float, host: int) -> None:
-        self.have[host] += 1
-        if self.have[host] == self.chunks:
+    def _got(self, t: float, s: _Stream) -> None:
+        host = s.dst
+        self.held[host] += 1
+        if self.held[host] == self.chunks:
             self.done_at[host] = t
-        for s in self.streams[host]:
-            self._pump(s)
+        for out in self.streams[host]:
+            self._pump(out)
 
 
-class TreeReduce(Op):
+class TreeReduce(_Pipelined):
     """Reduce `size`-byte inputs up a tree (child -> parent) to `root` in
     `chunks` pipelined chunks: a host's chunk i of its partial result exists
     once chunk i of every child's has arrived (folding is free), and goes to
@@ -241,18 +262,11 @@ class TreeReduce(Op):
 
     def __init__(self, root: int, parent: dict[int, int], size: float, chunks: int = 1, *,
                  latency: float = 0.0) -> None:
-        super().__init__(latency)
-        self.size = _positive("TreeReduce", "size", size)
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise InvalidArgument(f"TreeReduce: chunks must be a whole number of at least 1; "
-                                  f"got {chunks!r}")
-        self.root, self.chunks = int(root), chunks
-        self.children = _tree("TreeReduce", self.root, parent)
-        self.parent = dict(parent)
+        super().__init__(root, parent, size, chunks, latency)
         self.arrived = {h: 0 for h in self.children}   # chunks in from each child (as a child)
         self.up = {h: _Stream(h, self.parent[h]) for h in self.parent}
 
-    def _made(self, host: int) -> int:
+    def _have(self, host: int) -> int:
         kids = self.children[host]
         return min((self.arrived[c] for c in kids), default=self.chunks)
 
@@ -263,23 +277,11 @@ class TreeReduce(Op):
         if not self.parent:
             self.done_at[self.root] = 0.0
 
-    def _pump(self, s: _Stream) -> None:
-        if s.busy or s.next >= self.chunks or self._made(s.src) <= s.next:
-            return
-        s.busy = True
-        self.net.send(s.src, s.dst, self.size / self.chunks, lambda t: self._left(t, s))
-
-    def _left(self, t: float, s: _Stream) -> None:
-        s.busy = False
-        s.next += 1
-        self._deliver(self._got, s.src)(t)
-        self._pump(s)
-
-    def _got(self, t: float, child: int) -> None:
-        self.arrived[child] += 1
-        host = self.parent[child]
+    def _got(self, t: float, s: _Stream) -> None:
+        self.arrived[s.src] += 1
+        host = s.dst
         if host == self.root:
-            if self._made(host) == self.chunks:
+            if self._have(host) == self.chunks:
                 self.done_at[host] = t
         else:
             self._pump(self.up[host])

@@ -13,8 +13,10 @@ sub-flows assigned to it that have not ended yet. A sub-flow's middle is
 chosen tier by tier (the paper's divide and conquer): first the pair of
 links it takes out of its source leaf and into its destination leaf (a
 spine, or a fat-tree's aggregation switches), the pair whose more loaded
-link is least loaded; then, among the middles through that pair, the one
-whose most loaded core link is least loaded. A flow's sub-flows take
+link is least loaded (or whose least loaded way on through the core, if
+that is more loaded: a pair behind a failed core link has fewer ways);
+then, among the middles through that pair, the one whose most loaded core
+link is least loaded. A flow's sub-flows take
 distinct outer pairs while there are some it has not used, so a flow split
 into u sub-flows puts one on each uplink. Ties go to the choice whose most
 used link has carried the fewest bytes in all (every sub-flow ever
@@ -184,13 +186,35 @@ class Ethereal(Router):
         if len(used) == len(pairs):
             used.clear()
         free = [i for i in range(len(pairs)) if i not in used]
-        pick = free[self._pick([pairs[i] for i in free], tol)]
+        pick = self._pick_pair(free, pairs, members, tol)
         used.add(pick)
         g = members[pick]
         if len(g) == 1 or not g[0][1]:
             return g[0][0], g[0][2]
         best = g[self._pick([inner for _, inner, _ in g], tol)]
         return best[0], best[2]
+
+    def _pick_pair(self, free: list[int], pairs: list, members: list, tol: float) -> int:
+        """The outer pair (of `free`) for a sub-flow: a pair is as loaded as its
+        more loaded link, or as its least loaded way on through the core if
+        that is busier (a pair behind a failed core link has fewer ways, which
+        fill sooner). Pairs are looked at from the least loaded outer links
+        up, and only while they could still tie the best."""
+        act = self.active
+        outer = {i: max(act[pairs[i][0]], act[pairs[i][1]]) for i in free}
+        best, seen = np.inf, {}
+        for i in sorted(free, key=outer.__getitem__):
+            if outer[i] > best + tol:
+                break
+            way = min(max([act[x] for x in inner], default=0.0) for _, inner, _ in members[i])
+            seen[i] = max(outer[i], way)
+            best = min(best, seen[i])
+        tied = sorted(i for i, v in seen.items() if v <= best + tol)
+        if len(tied) == 1:
+            return tied[0]
+        tot = self.total
+        ever = [max(tot[pairs[i][0]], tot[pairs[i][1]]) for i in tied]
+        return tied[ever.index(min(ever))]
 
     def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
         """The option (a tuple of links) whose most loaded link is least loaded;

@@ -231,3 +231,22 @@ def hold_child_pulls(monkeypatch: Any, only_from: Any = None) -> dict[str, async
 
     monkeypatch.setattr(reducer, "fetch_range", held)
     return gate
+
+
+def count_writes(node: Any, counts: Any) -> None:
+    """Count in `counts` (one int per byte), for every sub-flow `node` pulls,
+    how often its sink recorded each byte: a byte written twice, or never,
+    shows."""
+    real = node.pulls._fetch_from
+
+    async def fetch(obj: Any, flow: Any, sink: Any) -> None:
+        class Counting:
+            def advance(self, ready: int, _pos: list = [flow.start]) -> None:  # noqa: B006
+                if ready > _pos[0]:
+                    counts[_pos[0]:ready] += 1
+                    _pos[0] = ready
+                sink.advance(ready)
+
+        return await real(obj, flow, Counting())
+
+    node.pulls._fetch_from = fetch

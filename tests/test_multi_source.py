@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from in_process import eventually, run_nodes
+from in_process import count_writes, eventually, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -188,19 +188,7 @@ def test_a_holder_dying_midway_leaves_its_bytes_to_the_others():
 
         b.server._stream_range = dies_halfway
         counts = np.zeros(size, np.int64)
-        real_fetch = reader.pulls._fetch_from
-
-        async def counting(obj, flow, sink):
-            class Counting:
-                def advance(self, ready, _pos=[flow.start]):  # noqa: B006 (one per call)
-                    if ready > _pos[0]:
-                        counts[_pos[0]:ready] += 1
-                        _pos[0] = ready
-                    sink.advance(ready)
-
-            return await real_fetch(obj, flow, Counting())
-
-        reader.pulls._fetch_from = counting
+        count_writes(reader, counts)
         failed = []
         real_failed = reader.pulls._flow_failed
         reader.pulls._flow_failed = lambda o, f, e: (failed.append(f.sender), real_failed(o, f, e))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from in_process import run_nodes
+from in_process import count_writes, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu.errors import PeerLost, Timeout
@@ -336,23 +336,6 @@ def _config(how: tuple[str, bool]) -> hg.Config:
                      transport=transport)
 
 
-def _counting(node, counts: np.ndarray):
-    """Count, per byte, how often a sink of `node`'s sub-flows recorded it."""
-    real = node.pulls._fetch_from
-
-    async def fetch(obj, flow, sink):
-        class Counting:
-            def advance(self, ready, _pos=[flow.start]):  # noqa: B006 (one per call)
-                if ready > _pos[0]:
-                    counts[_pos[0]:ready] += 1
-                    _pos[0] = ready
-                sink.advance(ready)
-
-        return await real(obj, flow, Counting())
-
-    node.pulls._fetch_from = fetch
-
-
 @pytest.mark.parametrize("how", TRANSPORTS)
 def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object(how):
     size = 12 * MiB
@@ -364,7 +347,7 @@ def test_a_plan_of_three_sub_flows_from_two_senders_fills_the_object(how):
         await b.fetch(oid, 10)  # a second complete copy
         obj = reader.store.create(oid, _raw(size))
         counts = np.zeros(size, np.int64)
-        _counting(reader, counts)
+        count_writes(reader, counts)
         plan = Plan.split(oid, size, [(a.node_id, a.server.address), (b.node_id, b.server.address)],
                           parts=3)
         assert len({f.sender for f in plan.flows}) == 2
@@ -402,7 +385,7 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monke
         a.server._stream_range = dies_halfway
         obj = reader.store.create(oid, _raw(size))
         counts = np.zeros(size, np.int64)
-        _counting(reader, counts)
+        count_writes(reader, counts)
         failed = []
         real_failed = reader.pulls._flow_failed
         reader.pulls._flow_failed = lambda o, flow, exc: (failed.append(flow), real_failed(o, flow, exc))

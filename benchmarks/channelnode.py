@@ -23,7 +23,6 @@ Commands (each carries a `timeout` in seconds; an error is answered as
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import hoplite_gpu as hg
 from hoplite_gpu.channel import WeightChannel, _part
 
-from .payload import eth0_address
+from .payload import join, serve_commands
 from .weights import crc, empty_like, mixed_sizes, state_dict
 
 #: How often `reach` asks the directory (its progress reports come every 0.1 s)
@@ -94,34 +93,8 @@ def main() -> int:
     p.add_argument("--channel", required=True)
     p.add_argument("--size", type=int, required=True, help="the state dict's bytes")
     args = p.parse_args()
-    for attempt in range(4):
-        try:
-            hg.init(args.address, token=args.token, node_host=args.node_host)
-            break
-        except hg.RuntimeClosed:
-            # (as in benchmarks/netnode.py: a loaded machine can refuse the
-            # runtime's first call before its loop thread runs; try again)
-            hg.shutdown()
-            if attempt == 3:
-                raise
-            time.sleep(0.2)
-    try:
-        print(json.dumps({"ready": True, "node": hg.node_id(), "host": eth0_address()}),
-              flush=True)
-        commands = Commands(args.channel, mixed_sizes(args.size))
-        for line in sys.stdin:
-            request = json.loads(line)
-            op = request.pop("op", None)
-            try:
-                if op not in OPS:
-                    raise ValueError(f"unknown command {op!r}; known: {', '.join(OPS)}")
-                answer = getattr(commands, op)(**request)
-            except Exception as exc:  # (answered: the harness says which command failed)
-                answer = {"error": f"{op}: {type(exc).__name__}: {exc}"}
-            print(json.dumps(answer), flush=True)
-        return 0
-    finally:
-        hg.shutdown()
+    join(args.address, args.token, args.node_host)
+    return serve_commands(Commands(args.channel, mixed_sizes(args.size)), OPS)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Commands (each carries a `timeout` in seconds; an error is answered as
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import zlib
@@ -31,7 +30,7 @@ from typing import Any
 
 import hoplite_gpu as hg
 
-from .payload import check, eth0_address, make_input
+from .payload import check, join, make_input, serve_commands
 
 #: How often `complete` and `reach` ask the directory: well within the 0.1 s
 #: between a pull's progress reports, and light on the directory's CPU
@@ -107,34 +106,8 @@ def main() -> int:
     p.add_argument("--token", required=True)
     p.add_argument("--node-host", required=True)
     args = p.parse_args()
-    for attempt in range(4):
-        try:
-            hg.init(args.address, token=args.token, node_host=args.node_host)
-            break
-        except hg.RuntimeClosed:
-            # (as in benchmarks/netnode.py: a loaded machine can refuse the
-            # runtime's first call before its loop thread runs; try again)
-            hg.shutdown()
-            if attempt == 3:
-                raise
-            time.sleep(0.2)
-    try:
-        print(json.dumps({"ready": True, "node": hg.node_id(), "host": eth0_address()}),
-              flush=True)
-        commands = Commands()
-        for line in sys.stdin:
-            request = json.loads(line)
-            op = request.pop("op", None)
-            try:
-                if op not in OPS:
-                    raise ValueError(f"unknown command {op!r}; known: {', '.join(OPS)}")
-                answer = getattr(commands, op)(**request)
-            except Exception as exc:  # (answered: the harness says which command failed)
-                answer = {"error": f"{op}: {type(exc).__name__}: {exc}"}
-            print(json.dumps(answer), flush=True)
-        return 0
-    finally:
-        hg.shutdown()
+    join(args.address, args.token, args.node_host)
+    return serve_commands(Commands(), OPS)
 
 
 if __name__ == "__main__":

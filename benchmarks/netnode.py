@@ -19,7 +19,7 @@ import time
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
 
-from .payload import OPS, check, cpu_seconds, eth0_address, make_input, page_faults
+from .payload import OPS, check, cpu_seconds, eth0_address, join, make_input, page_faults
 
 
 def main() -> int:
@@ -43,19 +43,7 @@ def main() -> int:
                         "deletes the previous call's objects (as a training loop would)")
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
-    init_retries = 0
-    while True:
-        try:
-            hg.init(args.address, token=args.token, node_host=args.node_host, **settings)
-            break
-        except hg.RuntimeClosed:
-            # Runtime.__init__ submits its first call before its loop thread runs
-            # the loop; on a loaded machine that can refuse it. Try again.
-            init_retries += 1
-            if init_retries > 3:
-                raise
-            hg.shutdown()
-            time.sleep(0.2)
+    init_retries = join(args.address, args.token, args.node_host, **settings)
     try:
         value = make_input(args.rank, args.size) if args.op != "broadcast" or args.rank == 0 else None
         fn = getattr(collectives, args.op)

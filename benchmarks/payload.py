@@ -163,3 +163,51 @@ def cpu_seconds() -> float:
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+def join(address: str, token: str, node_host: str, **settings: object) -> int:
+    """`hg.init` on an emulated host; returns how many times it was tried
+    again. `Runtime.__init__` submits its first call before its loop thread
+    runs the loop: on a loaded machine that can refuse it (RuntimeClosed)."""
+    import time
+
+    import hoplite_gpu as hg
+
+    for retries in range(4):
+        try:
+            hg.init(address, token=token, node_host=node_host, **settings)
+            return retries
+        except hg.RuntimeClosed:
+            hg.shutdown()
+            if retries == 3:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+def serve_commands(commands: object, ops: Sequence[str]) -> int:
+    """A node script's loop: say it is ready, then answer each JSON command
+    on standard input (`{"op": name, ...}` -> `commands.name(...)`) with one
+    JSON line (`{"error": ...}` naming the command if it failed), until
+    standard input ends; the runtime is shut down however it ends."""
+    import json
+    import sys
+
+    import hoplite_gpu as hg
+
+    try:
+        print(json.dumps({"ready": True, "node": hg.node_id(), "host": eth0_address()}),
+              flush=True)
+        for line in sys.stdin:
+            request = json.loads(line)
+            op = request.pop("op", None)
+            try:
+                if op not in ops:
+                    raise ValueError(f"unknown command {op!r}; known: {', '.join(ops)}")
+                answer = getattr(commands, op)(**request)
+            except Exception as exc:  # (answered: the harness says which command failed)
+                answer = {"error": f"{op}: {type(exc).__name__}: {exc}"}
+            print(json.dumps(answer), flush=True)
+        return 0
+    finally:
+        hg.shutdown()

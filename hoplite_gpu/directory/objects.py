@@ -205,11 +205,9 @@ class Objects:
     # ------------------------------------------------------------ gets ---
     def locate(self, ev: Locate, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
-        if entry is None:
-            failure = self._reduces.failure(ev.oid)
-            if failure is not None:
-                out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", failure)))
-                return
+        if entry is None and (failure := self._reduces.failure(ev.oid)) is not None:
+            out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", failure)))
+            return
         if entry is None and self.gone.get(ev.oid):
             # Lost, not deleted: a get asked after the loss is told so too,
             # at once, as the gets waiting then were, instead of waiting out

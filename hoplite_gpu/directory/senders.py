@@ -142,11 +142,17 @@ class Senders:
         mine.upstream = sender
         entry.holders[sender].serving.add(receiver)
         entry.edges.append((receiver, sender))
-        also = self.more_sources(entry, receiver, sender)
+        # (the check of `more_sources`, inline: once per assignment)
+        also = (self.more_sources(entry, receiver, sender)
+                if entry.size >= self.settings.multi_source_bytes else None)
+        if not also:
+            mine.also, mine.several = (), False
+            return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag,
+                              sender=sender, address=self._nodes[sender])
         for node in also:
             entry.holders[node].serving.add(receiver)
             entry.edges.append((receiver, node))
-        mine.also, mine.several = tuple(also), bool(also)
+        mine.also, mine.several = tuple(also), True
         return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, sender=sender,
                           address=self._nodes[sender],
                           also=[m.Source(sender=n, address=self._nodes[n]) for n in also])

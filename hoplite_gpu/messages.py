@@ -150,6 +150,16 @@ class Source(Struct, kw_only=True):
     address: str
 
 
+class Stripe(Struct, kw_only=True):
+    """One stripe of a striped pull (`Location.stripes`): bytes [start, end)
+    of the object, from `sender` at its data `address`."""
+
+    start: NonNegative
+    end: NonNegative
+    sender: str
+    address: str
+
+
 class Located(Message, tag="located"):
     """A push: the answer to a locate of `oid` that a direct connection of
     the node asked (a sender, or `local`), for the node to start the pull."""
@@ -162,6 +172,23 @@ class Located(Message, tag="located"):
     sender: str | None = None
     address: str | None = None
     also: list[Source] = []
+    stripes: list[Stripe] = []
+    seq: int = 0
+    piece: int = 0
+
+
+class Restripe(Message, tag="restripe"):
+    """A push: the senders of the node's striped pull of `oid` changed (a
+    stripe moved to another sender: a new receiver took its place in the
+    tree, or the sender failed or left). `stripes` is the whole assignment,
+    `seq` its number: the node keeps the newest it has heard, reply or push,
+    and pulls what it still lacks from these senders, in messages of
+    `piece` bytes (0: its own chunk size)."""
+
+    oid: bytes
+    stripes: list[Stripe]
+    seq: int
+    piece: int = 0
 
 
 class DirectoryLost(Message, tag="directory_lost"):
@@ -318,7 +345,10 @@ class Failure(Body, kw_only=True):
 class Location(Body, kw_only=True):
     """The answer to a `locate`: `size`, `layout` and one of `inline` /
     `local` / `sender` with its `address`, and with a sender, `also` the
-    other senders of a pull from several; `reduce_tag` while the object is
+    other senders of a pull from several, or `stripes` (the sender of each
+    stripe of a striped object; `sender` is then the first stripe's) with
+    their number `seq` and the size of the messages to pull them in,
+    `piece` (see `Restripe`); `reduce_tag` while the object is
     an unfinished tree reduce's result. A direct connection's locate may be
     answered `pushed` (the assignment went to the node as `Located`) or
     `held` (the node holds or pulls it already) instead."""
@@ -331,6 +361,9 @@ class Location(Body, kw_only=True):
     sender: str | None = None
     address: str | None = None
     also: list[Source] = []
+    stripes: list[Stripe] = []
+    seq: int = 0
+    piece: int = 0
     pushed: bool = False
     held: bool = False
 
@@ -357,8 +390,9 @@ class Current(Body, kw_only=True):
     current: bool
 
 
-class HolderInfo(Struct, kw_only=True):
-    """One holder of an object, as `query` describes it (every field sent)."""
+class HolderInfo(Struct, omit_defaults=True, kw_only=True):
+    """One holder of an object, as `query` describes it (every field sent,
+    but `stripes` only when it has any)."""
 
     node: str
     address: str
@@ -367,6 +401,9 @@ class HolderInfo(Struct, kw_only=True):
     origin: bool
     upstream: str | None
     serving: list[str]
+    #: a striped object's: the holder's sender of each stripe (a sender
+    #: lost and not replaced yet is left out)
+    stripes: list[Stripe] = []
 
 
 class Description(Body, kw_only=True):
@@ -460,7 +497,7 @@ ToDirectory = (Ping | Nodes | Put | Locate | Cancel | Progress | Complete | Fail
 Hello = Register | Attach
 #: What the directory pushes to a node unasked (a node tells them from
 #: replies by their `op`; replies have none).
-Push = Drop | ReduceStep | Located
+Push = Drop | ReduceStep | Located | Restripe
 #: The body of the reply to each request that succeeds (one that fails is
 #: answered with a `Failure`).
 REPLIES: dict[type, type[Body]] = {

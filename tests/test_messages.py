@@ -88,7 +88,7 @@ def test_from_map_names_the_bad_field():
 
 
 # ------------------------------------------------ the directory to a node ---
-PUSHES = [m.Drop, m.ReduceStep, m.Located]
+PUSHES = [m.Drop, m.ReduceStep, m.Located, m.Restripe]
 
 
 def _doc_section(title: str) -> str:

@@ -2,8 +2,8 @@
 
 The driver (the server, a simulator) carries each one out: a reply to a
 request, a drop, a reduce step to start, an inline reduce to compute, a
-located sender pushed to a node, a connection to close. `Command` is their
-union.
+located sender or a striped pull's new senders pushed to a node, a
+connection to close. `Command` is their union.
 """
 
 from __future__ import annotations
@@ -73,6 +73,16 @@ class PushLocated:
 
 
 @dataclass(frozen=True)
+class PushRestripe:
+    """Send `node` the new senders of its striped pull of `oid` (`body`):
+    one of its stripes moved to another sender (stripes.py)."""
+
+    node: NodeId
+    oid: Key
+    body: m.Restripe
+
+
+@dataclass(frozen=True)
 class Disconnect:
     """Close `node`'s control connection: its lease expired and it counts as dead."""
 
@@ -80,4 +90,5 @@ class Disconnect:
     reason: str
 
 
-Command = Reply | Drop | StartReduceStep | InlineReduce | PushLocated | Disconnect
+Command = (Reply | Drop | StartReduceStep | InlineReduce | PushLocated | PushRestripe
+           | Disconnect)

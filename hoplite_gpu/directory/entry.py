@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .events import NodeId
+
+if TYPE_CHECKING:
+    from .stripes import Trees
 
 #: pull assignments an object's entry keeps for `describe` (object_info)
 EDGES_KEPT = 1024
@@ -193,6 +196,10 @@ class Entry:
     #: those copies, kept in step with `open` and `Holder.complete` through
     #: the methods below, so it never outgrows `open`.
     senders: EarliestFirst = field(default_factory=EarliestFirst)
+    #: a striped object's stripes and their trees (stripes.py); its receivers
+    #: then have no `Holder.upstream`, and each holder's `serving` is who it
+    #: sends any stripe to
+    stripes: Trees | None = None
 
     def detach(self, node: NodeId) -> None:
         """`node` stops pulling: free the slots it used at its senders."""

@@ -112,6 +112,8 @@ class Objects:
             if complete:
                 holder.complete, holder.nbytes = True, ev.size
                 entry.ranked(ev.node)
+        if entry.stripes is not None:  # (it makes every stripe's bytes: it may send any)
+            entry.stripes.add_root(ev.node)
         out.append(Reply(ev.node, ev.request, m.Done(ok=True)))
         waiters = self.pending.pop(ev.oid, ())
         entry.waiting.extend(waiters)
@@ -174,6 +176,8 @@ class Objects:
         holder.complete, holder.nbytes = True, entry.size
         entry.ranked(ev.node)
         entry.detach(ev.node)
+        if entry.stripes is not None:
+            entry.stripes.add_root(ev.node)
         self._senders.serve_waiting(ev.oid, entry, out)
         self._reduces.input_ready(ev.oid, ev.node, out)
         if holder.origin:
@@ -253,7 +257,9 @@ class Objects:
             return
         holder.nbytes = max(holder.nbytes, min(ev.have, entry.size))
         holder.failed_from.add(ev.sender)
-        if holder.several:  # one of several senders: the pull goes on with the others
+        if entry.stripes is not None and ev.node in entry.stripes.up:
+            entry.stripes.fail(ev.node, ev.sender)  # (its stripes from that sender move)
+        elif holder.several:  # one of several senders: the pull goes on with the others
             entry.lose_source(ev.node, ev.sender)
         else:
             entry.detach(ev.node)
@@ -341,10 +347,12 @@ class Objects:
         entry = self.objects.get(oid)
         if entry is None:
             return error_body("ObjectNotFound", f"object {oid.hex()} is not known to the directory")
+        striping = self._senders.striping
         holders = [
             m.HolderInfo(node=n, address=self._nodes.get(n, ""), nbytes=h.nbytes,
                          complete=h.complete, origin=h.origin, upstream=h.upstream,
-                         serving=sorted(h.serving))
+                         serving=sorted(h.serving),
+                         stripes=[] if entry.stripes is None else striping.stripes_of(entry, n))
             for n, h in entry.holders.items()
         ]
         return m.Description(size=entry.size, layout=entry.layout,
@@ -450,6 +458,8 @@ class Objects:
 
     def forget_holder(self, oid: Key, entry: Entry, node: NodeId) -> None:
         entry.detach(node)
+        if entry.stripes is not None:  # (its receivers lack its stripes: `settle` mends)
+            entry.stripes.remove(node)
         gone = entry.holders.pop(node)
         entry.close(node)
         entry.epoch += 1

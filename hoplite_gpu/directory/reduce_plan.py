@@ -182,3 +182,85 @@ def allreduce_slices(nbytes: int, ranks: int, chunk: int) -> int:
     if ranks < 2 or nbytes < ranks * max(chunk, 1):
         return 1
     return ranks
+
+
+# ------------------------------------------------------------- striping ---
+#: Stripes are chosen only where the model says they save at least this share
+#: of S/B over a single tree: the model leaves out what striping costs a
+#: real node (k pulls and connections instead of one, a pull moved to another
+#: sender as the trees grow), and a gain of a few percent is within what it
+#: cannot see.
+STRIPE_MARGIN = 0.05
+#: The stripes a striped object is cut into. Two is the most a tree of
+#: arrivals can take without over-filling an uplink (docs/design.md,
+#: "Striped broadcast"): a new receiver needs a slot in every stripe it is a
+#: leaf of, and beside the origin's the free slots are only those of the
+#: receivers before it.
+STRIPES = 2
+
+
+#: A striped pull's messages are sized so that its tree's pipeline fill (a
+#: hop waits for k of them: its sender's k children of the stripe take
+#: turns) stays within this share of S/B, as far as `MIN_PIECE` allows
+STRIPE_FILL = 0.05
+#: ... and no smaller than this: a relay over TCP passes bytes on every
+#: 256 KiB whatever the message (node/pull_modes.py, STEP), and a message
+#: transport pays a cost per message
+MIN_PIECE = 1 << 18
+#: Pieces are sized for trees of at least this many receivers: the first
+#: receivers to ask sit at the top of the trees, and the pieces they pull
+#: in set the top levels' fill however many come after them
+STRIPE_PLAN = 1024
+
+
+def stripe_piece(size: int, receivers: int, k: int, chunk: int) -> int:
+    """Bytes per message of a striped pull: chunk/k (so that a hop, k
+    messages, costs a chain's one chunk), smaller where a tree of
+    `receivers` (at least `STRIPE_PLAN`) is deep enough that its fill would
+    pass `STRIPE_FILL` of S/B, down to `MIN_PIECE`; a multiple of 4 KiB
+    where it can be."""
+    top = -(-chunk // k)
+    fit = int(STRIPE_FILL * size / (k * stripe_depth(max(receivers, STRIPE_PLAN), k)))
+    piece = max(min(top, MIN_PIECE), min(top, fit))
+    return piece // 4096 * 4096 if piece >= 4096 else max(1, piece)
+
+
+def stripe_depth(receivers: int, k: int) -> int:
+    """Hops from the origin to the deepest receiver of one stripe's tree: the
+    stripe's home receivers (N/k of them) as a k-ary tree under the origin,
+    filled level by level, and every other receiver a leaf below them."""
+    if receivers <= 1:
+        return 1
+    interior, levels, width = -(-receivers // k), 0, 1
+    while interior > 0:
+        interior -= width
+        width *= k
+        levels += 1
+    return levels + 1
+
+
+def stripe_time(size: int, receivers: int, k: int, latency_s: float, bytes_per_s: float,
+                chunk: int, relay: int) -> float:
+    """Modelled time of a broadcast in k stripes: every uplink and downlink
+    carries S in all, and a hop of a stripe's tree adds a latency and k of
+    the units its relays pass on (its sender's k children take turns): a
+    message (`stripe_piece`), or `relay` bytes if fewer."""
+    unit = min(stripe_piece(size, receivers, k, chunk), relay, -(-size // k)) if size else 1
+    return size / bytes_per_s + stripe_depth(receivers, k) * (latency_s + k * unit / bytes_per_s)
+
+
+@functools.lru_cache(maxsize=4096)
+def broadcast_stripes(size: int, receivers: int, latency_s: float, bytes_per_s: float,
+                      chunk: int, relay: int, fanout: int) -> int:
+    """Stripes for a broadcast of `size` bytes to `receivers` nodes: `STRIPES`
+    where the model says they beat the single tree of `fanout` receivers per
+    sender (0: the cost model's, `broadcast_fanout`) by more than
+    `STRIPE_MARGIN` of S/B, else 1. `relay` is the bytes a relay waits for
+    before it passes them on (over TCP a receive step, over UCX a message)."""
+    if receivers < 2 or size < STRIPES:
+        return 1
+    if fanout < 1:
+        fanout = broadcast_fanout(size, receivers, latency_s, bytes_per_s, relay)
+    single = reduce_time(size, receivers + 1, fanout, latency_s, bytes_per_s, relay)
+    striped = stripe_time(size, receivers, STRIPES, latency_s, bytes_per_s, chunk, relay)
+    return STRIPES if single - striped > STRIPE_MARGIN * size / bytes_per_s else 1

@@ -26,6 +26,7 @@ from .objects import _held, _held_body
 from .reduce_plan import broadcast_fanout
 from .requests import Requests
 from .settings import Settings
+from .stripes import Striping
 
 if TYPE_CHECKING:
     from .objects import Objects
@@ -44,6 +45,8 @@ class Senders:
         #: the direct locates (`Requests.direct`, read here)
         self._direct = requests.direct
         self._objects = objects
+        #: striped objects' senders
+        self.striping = Striping(settings, leases, objects)
         self._tasks: dict[Key, ReduceTask]
         #: Pick every sender by the scan of `Entry.open` alone, never by the
         #: earliest open complete copy (`Entry.senders`): the reference that
@@ -60,8 +63,11 @@ class Senders:
         """Hand senders to waiting receivers, oldest first, while any sender is free.
 
         Each assignment creates a new partial holder that an earlier waiter may
-        pull from, so passes repeat until one assigns nobody.
+        pull from, so passes repeat until one assigns nobody. (A striped
+        object's receivers that lack a sender of some stripe get one first.)
         """
+        if entry.stripes is not None:
+            self.striping.settle(oid, entry, out)
         progress = True
         while progress and entry.waiting:
             progress = False
@@ -80,13 +86,14 @@ class Senders:
         # (a direct call's thread keeps no copy of inline bytes: it
         # is no holder, or a later drop would be mistaken for newer
         # than the node's next put of the id)
-        body = self.assign(oid, entry, node, record=(node, request) not in self._direct)
+        body = self.assign(oid, entry, node, record=(node, request) not in self._direct, out=out)
         if body is None:
             return False
         if (node, request) in self._direct and body.inline is None:
             out.append(PushLocated(node, oid, m.Located(
                 oid=oid, size=body.size, layout=body.layout, reduce_tag=body.reduce_tag,
-                local=body.local, sender=body.sender, address=body.address, also=body.also)))
+                local=body.local, sender=body.sender, address=body.address, also=body.also,
+                stripes=body.stripes, seq=body.seq, piece=body.piece)))
             body = m.Location(size=entry.size, layout=entry.layout, pushed=True)
         out.append(Reply(node, request, body))
         return True
@@ -111,8 +118,10 @@ class Senders:
                 return
             node = entry.relay[at + 1]
 
-    def assign(self, oid: Key, entry: Entry, receiver: NodeId,
-               record: bool = True) -> m.Location | None:
+    def assign(self, oid: Key, entry: Entry, receiver: NodeId, record: bool = True,
+               out: list[Command] | None = None) -> m.Location | None:
+        """`receiver`'s answer to a locate of `oid` (None: it waits). Pushes
+        the assignment makes (a striped object's receivers moved) go to `out`."""
         task = self._tasks.get(oid)
         reducing = task is not None and not (task.done or task.failed or task.inline)
         tag = task.tag if reducing else None  # (confirm the copy before handing it out)
@@ -132,6 +141,12 @@ class Senders:
         if entry.size == 0:
             self._objects.new_holder(oid, entry, receiver, Holder(complete=True))
             return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, local=True)
+        if entry.stripes is None and (k := self.striping.wanted(entry, reducing)):
+            self.striping.start(oid, entry, k, [] if out is None else out)
+        if entry.stripes is not None:
+            if mine is not None and mine.origin:
+                return None  # (its put makes the bytes here: its own completion answers it)
+            return self.striping.assign(oid, entry, receiver, tag, [] if out is None else out)
         if mine is not None and mine.upstream is not None:
             entry.detach(receiver)  # asked again while pulling: free the old slot
         sender = self.pick_sender(entry, receiver)

@@ -115,7 +115,8 @@ class DirectoryServer:
                  max_receivers_per_sender: int = 1, latency_s: float = 1e-4,
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 1.0,
-                 max_sources: int = 1, multi_source_bytes: int = 16 << 20) -> None:
+                 max_sources: int = 1, multi_source_bytes: int = 16 << 20,
+                 stripes: int = 1, relay_bytes: int = 0) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
         self.handshake_timeout = handshake_timeout
@@ -124,7 +125,8 @@ class DirectoryServer:
                                      chunk_size=chunk_size, lease_s=lease_s,
                                      instance=os.urandom(8), tick_s=heartbeat_interval_s / 2,
                                      max_sources=max_sources,
-                                     multi_source_bytes=multi_source_bytes)
+                                     multi_source_bytes=multi_source_bytes,
+                                     stripes=stripes, relay_bytes=relay_bytes)
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ticker: asyncio.Task | None = None
         self.peers: dict[str, _Peer] = {}
@@ -190,7 +192,7 @@ class DirectoryServer:
                 peer.outbox.post(m.answering(cmd.body, cmd.request))
         elif isinstance(cmd, state.StartReduceStep):
             peer.outbox.post(cmd.step)
-        elif isinstance(cmd, state.PushLocated):
+        elif isinstance(cmd, state.PushLocated | state.PushRestripe):
             peer.outbox.post(cmd.body)
         else:
             peer.outbox.post(m.Drop(oid=cmd.oid, reason=cmd.reason, retry=cmd.retry,

@@ -24,3 +24,13 @@ class Settings:
     #: copies that serve nobody (1: one sender per pull)
     max_sources: int = 1
     multi_source_bytes: int = 16 << 20
+    #: stripes of an object of at least `multi_source_bytes` (stripes.py):
+    #: 1 off, 2 always, 0 where the cost model says they beat one tree
+    stripes: int = 1
+    #: bytes a relay waits for before it passes them on (0: `chunk_size`):
+    #: the broadcast model's unit of pipeline fill
+    relay_bytes: int = 0
+
+    @property
+    def relay(self) -> int:
+        return self.relay_bytes or self.chunk_size

@@ -42,6 +42,7 @@ from .commands import (
     Drop,
     InlineReduce,
     PushLocated,
+    PushRestripe,
     Reply,
     StartReduceStep,
     error_body,
@@ -102,8 +103,8 @@ __all__ = [
     "ChannelPublish", "Command", "Completed", "Delete", "DeleteMany", "Directory",
     "Disconnect", "Drop", "Dropped", "EarliestFirst", "Entry", "Event", "Evict", "Heartbeat",
     "Holder", "InlineReduce", "InlineReduced", "Key", "Locate", "NodeId", "NodeJoined",
-    "NodeLost", "Progress", "PushLocated", "Put", "Query", "ReduceConfirm", "ReduceFailed",
-    "ReduceRequested", "ReduceTask", "ReducedInputs", "Reply", "StartReduceStep", "StepLost",
+    "NodeLost", "Progress", "PushLocated", "PushRestripe", "Put", "Query", "ReduceConfirm",
+    "ReduceFailed", "ReduceRequested", "ReduceTask", "ReducedInputs", "Reply", "StartReduceStep", "StepLost",
     "Tick", "TransferFailed", "Waiters", "broadcast_fanout", "choose_degree", "error_body",
     "fold_unit", "inorder_tree", "step_id", "tree_root",
     "_GONE_KEPT", "_check_reduce_args", "_held", "_held_body", "_lost_reason",
@@ -137,9 +138,13 @@ class Directory:
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, instance: bytes = b"",
                  tick_s: float | None = None, fold_step: int = FOLD_STEP,
-                 max_sources: int = 1, multi_source_bytes: int = 16 << 20) -> None:
+                 max_sources: int = 1, multi_source_bytes: int = 16 << 20,
+                 stripes: int = 1, relay_bytes: int = 0) -> None:
+        if stripes not in (0, 1, 2):
+            raise ValueError(f"stripes must be 0 (the cost model's choice), 1 or 2; got {stripes!r}")
         self._settings = Settings(max_receivers_per_sender, latency_s, bytes_per_s, chunk_size,
-                                  fold_step, max_sources, multi_source_bytes)
+                                  fold_step, max_sources, multi_source_bytes, stripes,
+                                  relay_bytes)
         self._leases = Leases(lease_s, tick_s)
         self._requests = Requests()
         self._channels = Channels(self._requests)
@@ -262,6 +267,8 @@ class Directory:
     fold_step = _setting("fold_step")
     max_sources = _setting("max_sources")
     multi_source_bytes = _setting("multi_source_bytes")
+    stripes = _setting("stripes")
+    relay_bytes = _setting("relay_bytes")
 
     # --------------------------- the sender choice, for tests that probe it ---
     def _pick_sender(self, entry: Entry, receiver: NodeId) -> NodeId | None:

@@ -17,6 +17,10 @@ _PREFIX = "HOPLITE_"
 DEVICE_TRANSPORTS = ("ucx",)
 KiB = 1024
 MiB = 1024 * KiB
+#: A relay over a byte stream (TCP) passes received bytes on every this many
+#: (node/pull_modes.py, STEP); over a message transport (UCX), a message at a
+#: time. The directory's broadcast model counts a hop's fill in these.
+RELAY_STEP = 256 * KiB
 #: The longest deadline a call or setting may have (a year): "forever" is
 #: not a deadline, and longer ones overflow the waits they bound.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
@@ -82,6 +86,12 @@ class Config:
     max_sources: int = 4
     #: Objects at least this large may be pulled from several senders.
     multi_source_bytes: int = 16 * MiB
+    #: Stripes of a broadcast object of at least `multi_source_bytes`: its
+    #: bytes in contiguous ranges, each sent down a tree of its own in which
+    #: a receiver relays at most one (docs/design.md, "Striped broadcast").
+    #: 0: where the cost model says two stripes beat one tree (many
+    #: receivers: a chain or tree of them fills too slowly); 1: never; 2: always.
+    stripes: int = 0
     #: Default deadline, in seconds, of every blocking call that is given none.
     timeout_s: float = 300.0
     #: Deadline for connecting (and authenticating) to the directory or a peer.
@@ -152,6 +162,10 @@ class Config:
                 f"max_receivers_per_sender must be >= 1, or 0 for automatic; "
                 f"got {self.max_receivers_per_sender}"
             )
+        if self.stripes not in (0, 1, 2):
+            raise ConfigError(f"stripes must be 0 (the cost model's choice), 1 (off) or 2; "
+                              f"got {self.stripes} (more than two stripes would over-fill "
+                              "uplinks as receivers arrive: docs/design.md, \"Striped broadcast\")")
         if not 1 <= self.max_sources <= 64:
             raise ConfigError(f"max_sources must be between 1 and 64; got {self.max_sources}")
         if not 0 <= self.shutdown_grace_s <= MAX_TIMEOUT_S:
@@ -212,6 +226,11 @@ class Config:
         return self.device_chunk_size if device and self.transport in DEVICE_TRANSPORTS \
             else self.chunk_size
 
+    def relay_bytes(self) -> int:
+        """Bytes a relay passes on at a time (host objects): `RELAY_STEP` over
+        TCP, a whole message (`chunk_size`) over a message transport."""
+        return min(self.chunk_size, RELAY_STEP) if self.transport == "tcp" else self.chunk_size
+
     def replace(self, **changes: object) -> Config:
         return dataclasses.replace(self, **changes)
 
@@ -220,6 +239,7 @@ class Config:
         return {"transport": self.control_transport, "handshake_timeout": self.connect_timeout_s,
                 "max_receivers_per_sender": self.max_receivers_per_sender,
                 "max_sources": self.max_sources, "multi_source_bytes": self.multi_source_bytes,
+                "stripes": self.stripes, "relay_bytes": self.relay_bytes(),
                 "latency_s": self.link_latency_s, "bytes_per_s": self.link_bytes_per_s,
                 "chunk_size": self.chunk_size, "lease_s": self.node_lease_s,
                 "heartbeat_interval_s": self.heartbeat_interval_s}

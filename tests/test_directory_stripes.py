@@ -324,10 +324,14 @@ def test_a_lost_relay_has_every_receiver_of_it_moved_and_all_still_complete():
 @pytest.mark.parametrize("n, size, striped_", [(7, 256 << 20, False), (15, 64 << 20, False),
                                                (16, 256 << 20, False), (200, 256 << 20, True)])
 def test_the_cost_model_keeps_one_tree_for_a_few_receivers(n, size, striped_):
-    """A directory whose relays pass bytes on every 256 KiB (TCP) keeps the
-    chain for 7 receivers of 256 MiB and 15 of 64 MiB (the emulated 8- and
-    16-host broadcasts): two stripes beat it only from about 45 receivers
-    of 256 MiB, 18 of 64 MiB."""
+    """The runtime's own directory (`Config.directory_settings`: TCP, whose
+    relays pass bytes on every 256 KiB) keeps the chain for the emulated
+    8- and 16-host broadcasts (7 receivers of 256 MiB, 15 of 64 MiB): two
+    stripes beat it only from about 45 receivers of 256 MiB, 18 of 64 MiB."""
+    from hoplite_gpu.config import Config
+
+    settings = Config().directory_settings()
+    assert settings["stripes"] == 0 and settings["relay_bytes"] == 256 << 10
     MiB = 1 << 20
     assert (broadcast_stripes(size, n + 1, 1e-4, 1.25e9, 4 * MiB, 256 << 10, 1) == 2) is striped_
     d = Directory(stripes=0, relay_bytes=256 << 10)

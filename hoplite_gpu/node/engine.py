@@ -19,6 +19,8 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from hoplite_gpu.errors import PeerLost
+
 from .plan import Ledger, Plan, SubFlow
 from .pull_modes import Sink
 from .store import StoredObject
@@ -63,12 +65,18 @@ PIECE_MIN, PIECE_MAX, PIECES_PER_SENDER = 1 << 20, 16 << 20, 4
 
 
 def plan_for(obj: StoredObject, sender: str, address: str,
-             also: Sequence[tuple[str, str]] = ()) -> Plan:
+             also: Sequence[tuple[str, str]] = (),
+             stripes: Sequence[tuple[int, int, str, str]] = (), piece: int = 0) -> Plan:
     """The plan that fills what `obj` still misses: from one sender, today's
     pull (from the watermark on), or, after a plan of several sub-flows
     failed, each range its ledger lacks; with `also` other senders, pieces
-    that the senders take in turn (`Plan.pieces`)."""
+    that the senders take in turn (`Plan.pieces`); with `stripes` (start,
+    end, sender, address), each stripe's missing bytes from its sender, in
+    messages of `piece` bytes (`Plan.striped`)."""
     missing = None if obj.ledger is None else obj.ledger.missing()
+    if stripes:
+        return Plan.striped(obj.oid, obj.size, stripes,
+                            [(obj.ready, obj.size)] if missing is None else missing, piece)
     if also:
         senders = [(sender, address), *also]
         ranges = [(obj.ready, obj.size)] if missing is None else missing
@@ -120,8 +128,11 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
         # (one sub-flow's error is the pull's; the others were cancelled for it)
         raise _first(group) from None
     if not obj.ledger.complete:
-        assert queue.error is not None  # (the queue is empty only once every byte is in)
-        raise queue.error
+        if queue.error is not None:
+            raise queue.error
+        # (a plan that names no sender for some bytes: asking again finds one)
+        raise PeerLost(f"pull of {obj.oid.hex()}: no sender for bytes "
+                       f"{obj.ledger.missing()[:4]} (the plan named none)")
     obj.ledger = None
 
 
@@ -138,6 +149,8 @@ class _Queue:
     def __init__(self, plan: Plan, obj: StoredObject, ledger: Ledger, fetch: Fetch,
                  failed: Failed, retry_on: tuple[type[BaseException], ...]) -> None:
         self.flows = collections.deque(plan.flows)
+        #: whether a worker done with its own sub-flow takes what failed ones left
+        self.spares = plan.spares
         self.obj, self.ledger, self.fetch, self.failed = obj, ledger, fetch, failed
         self.retry_on = retry_on
         self.busy = 0
@@ -156,6 +169,8 @@ class _Queue:
         while True:
             if own is not None:  # (counted as pulling by `take_all`)
                 flow, own = own, None
+            elif not self.spares:
+                return  # (its own sub-flow done: what others leave goes nowhere else)
             else:
                 async with self.changed:
                     await self.changed.wait_for(lambda: self.flows or not self.busy)

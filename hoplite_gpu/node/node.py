@@ -130,6 +130,7 @@ class Node:
         self.link.handle(m.Drop, self._on_drop)
         self.link.handle(m.ReduceStep, self.steps.start)
         self.link.handle(m.Located, self.pulls.located)
+        self.link.handle(m.Restripe, self.pulls.restripe)
 
     def making(self, oid: ObjectID) -> bool:
         """Whether `oid` is being made here (pulled, reduced or put): a pull

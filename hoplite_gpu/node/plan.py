@@ -23,12 +23,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SubFlow:
-    """Bytes [start, end) of an object, from `sender` through `address`."""
+    """Bytes [start, end) of an object, from `sender` through `address`, in
+    messages of `piece` bytes (0: the puller's chunk size)."""
 
     start: int
     end: int
     sender: str
     address: str
+    piece: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.end:
@@ -60,6 +62,11 @@ class Plan:
     #: range from that tree's parent); only what a failed one left moves to
     #: another. Else the sub-flows are a queue for whichever sender is free.
     pinned: bool = False
+    #: what a failed sub-flow left may move to another of the plan's
+    #: senders. Not in a striped pull: another stripe's sender may be one
+    #: this node sends that stripe to, and each would wait on the other's
+    #: bytes; the directory names a new sender instead (`Restripe`).
+    spares: bool = True
 
     def __post_init__(self) -> None:
         last = 0
@@ -113,6 +120,17 @@ class Plan:
                  for i, (lo, b) in enumerate((lo, b) for a, b in ranges
                                              for lo in range(a, b, piece))]
         return cls(oid, size, tuple(flows), tuple(senders))
+
+    @classmethod
+    def striped(cls, oid: Any, size: int, stripes: Sequence[tuple[int, int, str, str]],
+                missing: Iterable[tuple[int, int]], piece: int = 0) -> Plan:
+        """A striped pull: of each stripe (start, end, sender, address), what
+        `missing` lacks of it, from that stripe's sender, all at once."""
+        missing = list(missing)
+        flows = tuple(SubFlow(lo, hi, sender, address, piece)
+                      for start, end, sender, address in stripes for a, b in missing
+                      if (lo := max(a, start)) < (hi := min(b, end)))
+        return cls(oid, size, flows, pinned=True, spares=False)
 
     @property
     def senders(self) -> list[tuple[str, str]]:

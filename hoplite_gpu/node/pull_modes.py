@@ -34,7 +34,7 @@ import numpy as np
 
 from hoplite_gpu import device
 from hoplite_gpu import messages as m
-from hoplite_gpu.config import Config
+from hoplite_gpu.config import RELAY_STEP, Config
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import HopliteError, ObjectNotFound, PeerLost, ProtocolError, Timeout
 from hoplite_gpu.ids import ObjectID
@@ -63,7 +63,8 @@ log = logging.getLogger("hoplite_gpu.transfer")
 #: parts), so each hop of a chain adds about STEP / B, not chunk / B. On the
 #: emulated 8-host, 1 Gbit/s cluster a 256 MiB broadcast took 2.33 s with
 #: 1 MiB steps and 2.28 s with 256 KiB (a 7-hop chain fills 4x sooner).
-STEP = 1 << 18
+#: (The directory's broadcast model counts in it too: config.RELAY_STEP.)
+STEP = RELAY_STEP
 #: Message receives a pull keeps posted at once: UCX starts fetching the next
 #: message as soon as it is announced, and a byte stream reads on into it
 #: without waiting for the pull's task.
@@ -165,14 +166,15 @@ class Receiver:
 
     def __init__(self, stream: Stream, obj: StoredObject, sink: Sink, pos: int, end: int,
                  address: str, config: Config, on_progress: Callable[[int], None],
-                 pool: PeerPool | None = None) -> None:
+                 pool: PeerPool | None = None, message: int = 0) -> None:
         self.stream, self.obj, self.sink = stream, obj, sink
         self.pos, self.end = pos, end
         self.address, self.config, self.on_progress = address, config, on_progress
         self.pool = pool
         self.view = sendable(obj.buffer, stream.caps)
-        #: the size of the answer's messages: the chunk size for this object
-        self.size = config.chunk_bytes(device.is_device_buffer(obj.buffer))
+        #: the size of the answer's messages: the chunk size for this object,
+        #: or what the pull asks (a striped pull's piece)
+        self.size = message or config.chunk_bytes(device.is_device_buffer(obj.buffer))
 
     def request(self) -> m.Pull:
         return pull_request(self.obj.oid, self.pos, self.end, self.config.stall_timeout_s,

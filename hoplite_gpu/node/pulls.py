@@ -90,6 +90,12 @@ class Pulls:
         #: not evictable until one has (the eviction their store may start
         #: runs before the gets do)
         self._fresh: set[ObjectID] = set()
+        #: the newest striped assignment pushed for each pull (`restripe`);
+        #: the pull tasks waiting inside a plan, which a newer one stops; the
+        #: pulls so stopped, until they take it
+        self._restripes: dict[ObjectID, m.Restripe] = {}
+        self._planning: dict[ObjectID, asyncio.Task] = {}
+        self._moving: set[ObjectID] = set()
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
 
@@ -275,6 +281,7 @@ class Pulls:
             elif (error := task.exception()) is None:
                 result = task.result()
         # (this pull's leftovers: none may outlive it)
+        self._restripes.pop(oid, None)
         self._pull_errors.pop(oid, None)
         self._failed_at.pop(oid, None)
         self._pull_deadlines.pop(oid, None)
@@ -309,7 +316,7 @@ class Pulls:
                 # The directory thinks we hold it but we do not: correct it, ask again.
                 self._post(m.Dropped(oid=oid.binary))
                 continue
-            sender, address = reply.sender, reply.address
+            address = reply.address
             if obj is not None and obj.own and obj.error is None:
                 # Put here meanwhile: that copy is the object, not one to pull
                 # into; once it is whole, `complete` frees the sender's slot.
@@ -324,8 +331,7 @@ class Pulls:
                     return obj
             obj.reduce_tag = reply.reduce_tag
             try:
-                also = [(s.sender, s.address) for s in reply.also]
-                await self.pull_plan(obj, plan_for(obj, sender, address, also))
+                await self._pull_assigned(obj, reply)
             except PEER_FAILURES:  # (reported: `_flow_failed`)
                 failures += 1
                 if not await self._retry_after(obj, failures, deadline):
@@ -411,6 +417,56 @@ class Pulls:
                 self.withdrawn(oid)
             raise
 
+    def restripe(self, msg: m.Restripe) -> None:
+        """The directory moved a stripe of a pull of ours to another sender:
+        the pull goes on from the newest assignment (`_pull_assigned`). One
+        for an object no pull here makes any more is void."""
+        oid = ObjectID(msg.oid)
+        if oid not in self._pulls:
+            return
+        newest = self._restripes.get(oid)
+        if newest is not None and msg.seq <= newest.seq:
+            return
+        self._restripes[oid] = msg
+        task = self._planning.get(oid)
+        if task is not None and oid not in self._moving:
+            # (the pull task waits inside its plan: it stops there, `_pull_assigned`
+            # takes it back, and what is missing comes from the new senders)
+            self._moving.add(oid)
+            task.cancel(f"the pull of {oid.hex()} goes on from other senders")
+
+    async def _pull_assigned(self, obj: StoredObject, reply: m.Location | m.Located) -> None:
+        """Fill `obj` from the senders `reply` names. A striped object's
+        receiver may be told newer senders while it pulls (`restripe`): the
+        plan then stops, keeping every byte written, and what is missing
+        comes from the newest assignment. (A pull of the whole object from
+        one sender may be so told too: the directory stripes an object once
+        enough receivers came.)"""
+        oid, seq, me = obj.oid, reply.seq, asyncio.current_task()
+        sender, address = reply.sender, reply.address
+        also = [(s.sender, s.address) for s in reply.also]
+        stripes = [(s.start, s.end, s.sender, s.address) for s in reply.stripes]
+        piece = reply.piece
+        while not obj.complete:
+            newest = self._restripes.get(oid)
+            if newest is not None and newest.seq > seq:
+                seq, piece, also = newest.seq, newest.piece, []
+                stripes = [(s.start, s.end, s.sender, s.address) for s in newest.stripes]
+            plan = plan_for(obj, sender, address, also, stripes, piece)
+            self._planning[oid] = me
+            try:
+                await self.pull_plan(obj, plan)
+                return
+            except asyncio.CancelledError:
+                # Stopped by `restripe` alone (not given up from outside as
+                # well): go on. Else the cancel is the pull's.
+                if oid not in self._moving or me.cancelling() > 1:
+                    raise
+                me.uncancel()
+            finally:
+                self._planning.pop(oid, None)
+                self._moving.discard(oid)
+
     def withdrawn(self, oid: ObjectID) -> None:
         """A locate given up. The directory may have named a sender just
         before (made this node a holder pulling from it, in one of that
@@ -450,7 +506,7 @@ class Pulls:
                 self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
 
         await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
-                          start=flow.start, sink=sink)
+                          start=flow.start, sink=sink, message=flow.piece)
 
     def store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)

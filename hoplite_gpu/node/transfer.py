@@ -460,11 +460,13 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
 
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                       config: Config, on_progress: Callable[[int], None], *,
-                      start: int | None = None, sink: Sink | None = None) -> None:
+                      start: int | None = None, sink: Sink | None = None,
+                      message: int = 0) -> None:
     """Pull bytes [start, end) of `obj` (from its watermark `obj.ready` by
     default) from the peer at `address` into its buffer, recording each
     piece in `sink` (the object's own watermark by default; a plan's
-    sub-flow passes its place in the plan's ledger).
+    sub-flow passes its place in the plan's ledger), in messages of
+    `message` bytes (0: the chunk size for the object).
 
     The mode (`pull_modes`) is chosen once, from the connection's
     capabilities. Every message or frame must come within the stall
@@ -479,7 +481,7 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         pos = obj.ready if start is None else start
         mode = receiving_mode(stream.caps, host=host)
         pull = mode(stream, obj, obj if sink is None else sink, pos, end, address, config,
-                    on_progress, pool=pool)
+                    on_progress, pool=pool, message=message)
         await send_msg(stream, pull.request())
         reusable = await pull.receive()
     finally:

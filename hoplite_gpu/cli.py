@@ -88,7 +88,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 #: Most chunk transfers (chunks x receivers) `simulate` replays per schedule:
-#: some 30,000 a second on one core, five schedules per run.
+#: some 30,000 a second on one core, seven broadcast schedules per run.
 MAX_SIM_HOPS = 1 << 20
 
 
@@ -106,35 +106,52 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _simulate_broadcast(args: argparse.Namespace, size: int, chunk: int) -> int:
+    """The schedule of the settings in force, then for comparison every
+    single tree (fan-outs 1, 2, 4, all, and the cost model's) and two
+    stripes always."""
+    from .directory.reduce_plan import STRIPES, stripe_piece
     from .simulator import simulate_broadcast
 
-    bw = float(args.bandwidth)
-    hops = -(-size // chunk) * args.receivers
+    bw, n = float(args.bandwidth), args.receivers
+    config = Config.from_env()  # (the settings in force)
+    # (a striped pull moves in pieces, the smallest for the deepest trees)
+    piece = min(chunk, stripe_piece(size, n + 1, STRIPES, chunk))
+    hops = -(-size // piece) * n
     if hops > MAX_SIM_HOPS:
-        raise SystemExit(f"hoplite-gpu simulate: {-(-size // chunk)} chunks to {args.receivers} "
+        raise SystemExit(f"hoplite-gpu simulate: {-(-size // piece)} chunks to {n} "
                          f"receivers is {hops} chunk transfers per schedule; at most "
-                         f"{MAX_SIM_HOPS} are simulated (about 30 s each, five schedules). "
+                         f"{MAX_SIM_HOPS} are simulated (about 30 s each, seven schedules). "
                          "Use a larger --chunk or fewer --receivers")
-    n, spread = args.receivers, args.arrival_spread
+    spread = args.arrival_spread
     arrivals = [i * spread / max(1, n - 1) for i in range(n)] if spread else None
-    default = Config.from_env().max_receivers_per_sender  # (the settings in force)
     bound = size / bw
     if not args.json:
         print(f"simulated broadcast of {format_size(size)} to {n} receivers"
               + (f" arriving over {spread:g} s" if spread else "")
               + f", {bw / 1e9:.2f} GB/s links, {args.latency * 1e6:.3g} us latency, "
               f"{format_size(chunk)} chunks (the real directory state machine decides)")
+    default = (config.max_receivers_per_sender, config.stripes)
+    others = [(fanout, 1) for fanout in sorted({0, 1, 2, 4, n})] + [(default[0], STRIPES)]
     schedules = []
-    for fanout in [default, *sorted({0, 1, 2, 4, n} - {default})]:
+    for fanout, stripes in [default, *(s for s in others if s != default)]:
         r = simulate_broadcast(n, size, bandwidth=bw, latency=args.latency, chunk=chunk,
-                               max_receivers_per_sender=fanout, arrivals=arrivals)
+                               max_receivers_per_sender=fanout, arrivals=arrivals,
+                               stripes=stripes, multi_source_bytes=config.multi_source_bytes)
         label = "auto" if fanout == 0 else str(fanout)
-        schedules.append({"max_receivers_per_sender": label, "seconds": r.makespan,
-                          "ratio_to_bound": r.makespan / bound, "depth": r.depth()})
+        striped = {0: "auto", 1: "off"}.get(stripes, str(stripes))
+        schedules.append({"max_receivers_per_sender": label, "stripes": striped,
+                          "seconds": r.makespan, "ratio_to_bound": r.makespan / bound,
+                          "depth": r.depth(), "after_asking_s": r.after_asking,
+                          "after_asking_ratio": r.after_asking / bound,
+                          "after_last_ask_s": r.after_last_ask,
+                          "after_last_ask_ratio": r.after_last_ask / bound})
         if not args.json:
-            mark = "  (the setting in force)" if fanout == default else ""
-            print(f"  max_receivers_per_sender={label:<5s} time {r.makespan * 1e3:9.1f} ms = "
-                  f"{r.makespan / bound:7.3f} x S/B, tree depth {r.depth()}{mark}")
+            mark = "  (the settings in force)" if (fanout, stripes) == default else ""
+            waits = (f", {r.after_asking / bound:.3f} x S/B the longest from a locate, "
+                     f"{r.after_last_ask / bound:.3f} x from the last") if spread else ""
+            print(f"  max_receivers_per_sender={label:<5s} stripes={striped:<4s} time "
+                  f"{r.makespan * 1e3:9.1f} ms = {r.makespan / bound:7.3f} x S/B{waits}, "
+                  f"tree depth {r.depth()}{mark}")
     if args.json:
         print(json.dumps({"op": "broadcast", "receivers": n, "size_bytes": size,
                           "chunk_bytes": chunk, "bandwidth_bytes_per_s": bw,
@@ -330,7 +347,9 @@ def _simulate_parser(sub: Any) -> None:
                                      "seconds (default 0: all at once)")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object: the schedule of the settings in force "
-                        "(`seconds`, `bound_s` = S/B, `ratio_to_bound`) and every other one")
+                        "(`seconds`, `bound_s` = S/B, `ratio_to_bound`; broadcast: also "
+                        "`after_asking_s`, the longest any receiver took from its locate, "
+                        "and `after_last_ask_s`, from the last locate) and every other one")
     s.set_defaults(func=_simulate)
 
 

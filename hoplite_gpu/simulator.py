@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from . import messages as m
 from .directory import state as s
-from .directory.reduce_plan import fold_unit, tree_depth, tree_walk_time
+from .directory.reduce_plan import MIN_PIECE, STRIPES, fold_unit, tree_depth, tree_walk_time
 from .errors import InvalidArgument
 
 _KEY = b"\x01" * 20
@@ -28,11 +28,21 @@ _KEY = b"\x01" * 20
 MAX_SIM_CHUNKS = 1 << 20
 
 
-@dataclass
+@dataclass(eq=False)
 class _Transfer:
+    """One receiver's pull of one range (the whole object, or a stripe) from
+    one sender: bytes [pos, end) still to send. A pull the directory moves
+    to another sender is cut (`live` False: its chunks on the way are lost,
+    as a real node drops a cut connection's unrecorded bytes)."""
+
     receiver: str
     sender: str
-    next_chunk: int = 0
+    j: int
+    pos: int
+    end: int
+    #: bytes per chunk (a striped pull's `piece`)
+    unit: int
+    live: bool = True
 
 
 @dataclass
@@ -41,23 +51,40 @@ class SimResult:
     receivers: int
     #: receiver -> time it held every byte
     done_at: dict[str, float] = field(default_factory=dict)
+    #: receiver -> time it asked
+    asked_at: dict[str, float] = field(default_factory=dict)
     #: (receiver, sender) pairs, as the directory assigned them
     edges: list[tuple[str, str]] = field(default_factory=list)
+    #: receiver -> its latest sender of each range (one range, or the stripes)
+    senders: dict[str, list[str | None]] = field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
         return max(self.done_at.values()) if self.done_at else 0.0
 
+    @property
+    def after_asking(self) -> float:
+        """The longest any receiver waited from its locate to its last byte."""
+        return max((t - self.asked_at.get(r, 0.0) for r, t in self.done_at.items()), default=0.0)
+
+    @property
+    def after_last_ask(self) -> float:
+        """From the last receiver's locate to the last byte anywhere."""
+        return self.makespan - max(self.asked_at.values(), default=0.0)
+
     def depth(self) -> int:
-        """Hops from the origin to the farthest receiver (last assignment of each)."""
-        up = dict(self.edges)
+        """Hops from the origin to the farthest receiver (of each range, the
+        latest sender of each receiver)."""
+        ranges = max((len(ups) for ups in self.senders.values()), default=0)
         best = 0
-        for node in up:
-            hops, seen = 0, set()
-            while node in up and node not in seen:
-                seen.add(node)
-                node, hops = up[node], hops + 1
-            best = max(best, hops)
+        for j in range(ranges):
+            up = {r: ups[j] for r, ups in self.senders.items() if len(ups) > j and ups[j]}
+            for node in up:
+                hops, seen = 0, set()
+                while node in up and node not in seen:
+                    seen.add(node)
+                    node, hops = up[node], hops + 1
+                best = max(best, hops)
         return best
 
 
@@ -74,27 +101,49 @@ def _check_model(bandwidth: float, latency: float, chunk: int) -> None:
 
 class BroadcastSim:
     """Simulate one object of `size` bytes put on node "n0" at time 0 and gotten by
-    `receivers` other nodes, each asking at its `arrivals` time (default all at 0)."""
+    `receivers` other nodes, each asking at its `arrivals` time (default all at 0).
+
+    A receiver's downlink carries B in all too: a chunk crosses its sender's
+    uplink and then the receiver's downlink, each one chunk at a time (cut
+    through: a chunk's last byte arrives no sooner than its sender sent it,
+    nor than the downlink has carried what came before). A pull of one
+    sender never meets its own downlink busy; a striped receiver's pulls
+    share it. A striped object (`stripes`, as the directory's setting) moves
+    in chunks of chunk/k per stripe, as a real node pulls a stripe
+    (docs/cost-model.md); a pull the directory moves (`Restripe`) restarts
+    from the bytes its receiver has.
+    """
 
     def __init__(self, receivers: int, size: int, *, bandwidth: float = 1.25e9,
                  latency: float = 1e-4, chunk: int = 4 << 20,
-                 max_receivers_per_sender: int = 1, arrivals: list[float] | None = None) -> None:
+                 max_receivers_per_sender: int = 1, arrivals: list[float] | None = None,
+                 stripes: int = 1, multi_source_bytes: int = 16 << 20) -> None:
         _check_model(bandwidth, latency, chunk)
         self.n, self.size, self.bw, self.lat, self.chunk = receivers, size, bandwidth, latency, chunk
-        self.chunks = max(1, -(-size // chunk))
-        if self.chunks > MAX_SIM_CHUNKS:
-            raise InvalidArgument(f"{size} bytes in chunks of {chunk} is {self.chunks} chunks; "
+        # (a striped pull's messages are at least MIN_PIECE, or chunk/k if smaller)
+        unit = chunk if stripes == 1 else min(MIN_PIECE, -(-chunk // STRIPES))
+        chunks = max(1, -(-size // unit))
+        if chunks > MAX_SIM_CHUNKS:
+            raise InvalidArgument(f"{size} bytes in chunks of {chunk} is {chunks} chunks; "
                                   f"at most {MAX_SIM_CHUNKS} are simulated")
         if arrivals is not None and len(arrivals) != receivers:
             raise InvalidArgument(f"arrivals needs one time per receiver ({receivers}); "
                                   f"got {len(arrivals)}")
         self.arrivals = [0.0] * receivers if arrivals is None else list(arrivals)
+        # (a relay here passes on whole chunks: the model's unit of fill)
         self.dir = s.Directory(max_receivers_per_sender=max_receivers_per_sender,
-                               latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
+                               latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk,
+                               stripes=stripes, relay_bytes=chunk,
+                               multi_source_bytes=multi_source_bytes)
         self._events: list[tuple[float, int, str, tuple]] = []
         self._seq = itertools.count()
-        self.have: dict[str, int] = {"n0": self.chunks}    # chunks held
+        #: the ranges the object moves in (the whole, or its stripes), their
+        #: chunk size, and each node's bytes of each range (a prefix)
+        self.ranges: list[tuple[int, int]] = [(0, size)]
+        self.held: dict[str, list[int]] = {"n0": [size]}
+        self.flows: dict[tuple[str, int], _Transfer] = {}
         self.uplink_free: dict[str, float] = {}
+        self.downlink_free: dict[str, float] = {}
         self.waiting_on: dict[tuple[str, int], list[_Transfer]] = {}
         self.result = SimResult(size, receivers)
 
@@ -115,48 +164,98 @@ class BroadcastSim:
 
     # ------------------------------------------------------------- events ---
     def _locate(self, t: float, node: str) -> None:
+        self.result.asked_at[node] = t
         self._apply(t + self.lat, self.dir.handle(s.Locate(node, 1, _KEY)))
 
     def _apply(self, t: float, commands: list) -> None:
         for cmd in commands:
-            if not (isinstance(cmd, s.Reply) and isinstance(cmd.body, m.Location)):
+            if isinstance(cmd, s.PushRestripe):
+                self._assigned(t, cmd.node, cmd.body.stripes, cmd.body.piece)
+            elif not (isinstance(cmd, s.Reply) and isinstance(cmd.body, m.Location)):
                 continue
-            if cmd.body.sender is not None:
-                self.result.edges.append((cmd.node, cmd.body.sender))
-                self.have.setdefault(cmd.node, 0)
-                self._at(t + self.lat, "send", _Transfer(cmd.node, cmd.body.sender))
+            elif cmd.body.stripes:
+                self._assigned(t, cmd.node, cmd.body.stripes, cmd.body.piece)
+            elif cmd.body.sender is not None:
+                self._assigned(t, cmd.node, [m.Stripe(start=0, end=self.size,
+                                                      sender=cmd.body.sender, address="")])
             elif cmd.body.local or cmd.body.inline is not None:  # (nothing to move: 0 bytes)
                 self.result.done_at[cmd.node] = t + self.lat
 
+    def _assigned(self, t: float, node: str, stripes: list[m.Stripe], piece: int = 0) -> None:
+        """`node` pulls each range from the sender named, from t + latency on
+        (a pull it has from another sender is cut; one from the same goes on)."""
+        if node in self.result.done_at:
+            return  # (a push that crossed its completion)
+        ranges = [(st.start, st.end) for st in stripes]
+        if len(ranges) > 1 and self.ranges != ranges:
+            self._cut_into(ranges)
+        ups = self.result.senders.setdefault(node, [None] * len(self.ranges))
+        held = self.held.setdefault(node, [0] * len(self.ranges))
+        for st in stripes:
+            j = self.ranges.index((st.start, st.end))
+            self.result.edges.append((node, st.sender))
+            ups[j] = st.sender
+            old = self.flows.get((node, j))
+            if old is not None and old.live and old.sender == st.sender:
+                continue
+            if old is not None:
+                old.live = False
+            tr = self.flows[node, j] = _Transfer(node, st.sender, j, st.start + held[j], st.end,
+                                                 piece or self.chunk)
+            self._at(t + self.lat, "send", tr)
+
+    def _cut_into(self, ranges: list[tuple[int, int]]) -> None:
+        """The object is striped from now on: each node's bytes are counted
+        per stripe, and the pulls of the whole object stop (the directory
+        tells each receiver its stripes' senders)."""
+        for node, held in self.held.items():
+            have = held[0]
+            self.held[node] = [min(max(have - lo, 0), hi - lo) for lo, hi in ranges]
+        for tr in self.flows.values():
+            tr.live = False
+        self.flows.clear()
+        self.waiting_on.clear()
+        self.ranges = ranges
+        for ups in self.result.senders.values():
+            ups[:] = [None] * len(ranges)
+
     def _send(self, t: float, tr: _Transfer) -> None:
         """Put the transfer's next chunk on the sender's uplink once the sender
-        has it and the uplink is free."""
-        i = tr.next_chunk
-        if i >= self.chunks:
+        has it and the uplink is free; it crosses the receiver's downlink."""
+        if not tr.live or tr.pos >= tr.end:
             return
-        if self.have[tr.sender] <= i:  # the sender does not have it yet: wait for it
-            self.waiting_on.setdefault((tr.sender, i), []).append(tr)
+        lo = self.ranges[tr.j][0]
+        nbytes = min(tr.unit, tr.end - tr.pos)
+        have = self.held.get(tr.sender)
+        if have is None or have[tr.j] < tr.pos + nbytes - lo:  # not there yet: wait for it
+            self.waiting_on.setdefault((tr.sender, tr.j), []).append(tr)
             return
         start = max(t, self.uplink_free.get(tr.sender, 0.0))
-        nbytes = min(self.chunk, self.size - i * self.chunk) or 1
-        end = start + nbytes / self.bw
-        self.uplink_free[tr.sender] = end
-        self._at(end, "sent", tr)
-        self._at(end + self.lat, "arrive", tr.receiver)  # every hop pays the latency
+        sent = start + nbytes / self.bw
+        down = max(start, self.downlink_free.get(tr.receiver, 0.0))
+        end = max(sent, down + nbytes / self.bw)
+        self.uplink_free[tr.sender], self.downlink_free[tr.receiver] = sent, end
+        tr.pos += nbytes
+        self._at(sent, "send", tr)  # (no acks: the stream goes on)
+        self._at(end + self.lat, "arrive", tr, nbytes)  # every hop pays the latency
 
-    def _sent(self, t: float, tr: _Transfer) -> None:
-        """A chunk left the sender: the stream goes on with the next (no acks)."""
-        tr.next_chunk += 1
-        self._send(t, tr)
-
-    def _arrive(self, t: float, r: str) -> None:
-        self.have[r] += 1
-        for waiter in self.waiting_on.pop((r, self.have[r] - 1), []):
+    def _arrive(self, t: float, tr: _Transfer, nbytes: int) -> None:
+        if not tr.live:
+            return  # (its pull was cut: the next one asks for these bytes again)
+        r, j = tr.receiver, tr.j
+        held = self.held[r]
+        held[j] += nbytes
+        for waiter in self.waiting_on.pop((r, j), []):
             self._at(t, "send", waiter)
-        if self.have[r] < self.chunks:
+        if sum(held) < self.size:
             # (a real node reports its progress now and then; the directory
             # serves a late receiver from the copy furthest ahead)
-            self._apply(t, self.dir.handle(s.Progress(r, _KEY, self.have[r] * self.chunk)))
+            prefix = 0
+            for (lo, hi), have in zip(self.ranges, held, strict=True):
+                prefix += have
+                if have < hi - lo:
+                    break
+            self._apply(t, self.dir.handle(s.Progress(r, _KEY, prefix)))
             return
         self.result.done_at[r] = t
         self._apply(t, self.dir.handle(s.Completed(r, _KEY)))

@@ -132,14 +132,17 @@ def test_cli_simulate_json_gives_the_setting_in_force_against_the_bound(capsys, 
     import json
 
     monkeypatch.setenv("HOPLITE_MAX_RECEIVERS_PER_SENDER", "2")
+    monkeypatch.setenv("HOPLITE_STRIPES", "1")
     assert cli.main(["simulate", "--receivers", "7", "--size", "64MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_receivers_per_sender"] == "2" and out["bound_s"] == 64 * 2**20 / 1.25e9
+    assert out["stripes"] == "off"
     assert out["ratio_to_bound"] == pytest.approx(out["seconds"] / out["bound_s"])
     expected = simulate_broadcast(7, 64 * 2**20, bandwidth=1.25e9, latency=1e-4,
                                   chunk=4 * 2**20, max_receivers_per_sender=2)
     assert out["seconds"] == pytest.approx(expected.makespan)
-    assert {s["max_receivers_per_sender"] for s in out["schedules"]} == {"2", "auto", "1", "4", "7"}
+    assert {(s["max_receivers_per_sender"], s["stripes"]) for s in out["schedules"]} == {
+        ("2", "off"), ("auto", "off"), ("1", "off"), ("4", "off"), ("7", "off"), ("2", "2")}
 
 
 def test_cli_simulate_spreads_the_arrivals_it_is_told(capsys):

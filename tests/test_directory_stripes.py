@@ -347,3 +347,34 @@ def test_the_cost_model_keeps_one_tree_for_a_few_receivers(n, size, striped_):
     if striped_:  # the chain's receivers were moved into the trees, and told
         assert set(e.stripes.up) == {f"n{i}" for i in range(1, n + 1)}
         assert all(h.upstream is None for h in e.holders.values())
+
+
+def test_a_striped_broadcast_costs_the_directory_the_same_per_receiver_at_ten_times_the_size():
+    """Each get places one receiver (heaps of free slots and of leaves,
+    a walk up a tree of log n levels), and each completion turns one into
+    a complete copy: neither may walk every receiver, or a broadcast to n
+    nodes costs the directory O(n^2). (About 35 us a get on a 2-core VM.)"""
+    import time
+
+    layout = {"kind": "bytes", "nbytes": 256 << 20}
+
+    def per_receiver(n: int) -> float:
+        d = Directory(stripes=2)
+        for i in range(n + 1):
+            d.handle(NodeJoined(f"n{i}", f"addr{i}"))
+        d.handle(Put("n0", 1, OID, 256 << 20, layout))
+        d.handle(Completed("n0", OID))
+        start = time.perf_counter()
+        for i in range(1, n + 1):
+            d.handle(Locate(f"n{i}", 2, OID))
+        trees = d.objects[OID].stripes
+        for node in sorted(trees.up, key=lambda x: int(x[1:])):  # (arrival order: the top first)
+            d.handle(Completed(node, OID))
+        took = time.perf_counter() - start
+        assert not trees.up and len(trees.roots) == n + 1
+        return took / n
+
+    few = min(per_receiver(200) for _ in range(3))
+    many = min(per_receiver(2000) for _ in range(2))
+    assert many < 3 * few, (f"a receiver of a striped broadcast costs {many * 1e6:.0f} us "
+                            f"among 2,000 and {few * 1e6:.0f} us among 200")

@@ -200,6 +200,8 @@ class Entry:
     #: then have no `Holder.upstream`, and each holder's `serving` is who it
     #: sends any stripe to
     stripes: Trees | None = None
+    #: not striped while it has fewer holders than this (`Striping.wanted`)
+    unstriped_until: int = 0
 
     def detach(self, node: NodeId) -> None:
         """`node` stops pulling: free the slots it used at its senders."""

@@ -453,14 +453,17 @@ class Striping:
             return STRIPES
         k = broadcast_stripes(entry.size, self.seen(entry), s.latency_s, s.bytes_per_s,
                               s.chunk_size, s.relay, s.max_receivers_per_sender)
-        if k < 2:
+        if k < 2 or len(entry.holders) < entry.unstriped_until:
             return 0
         # The model counts receivers that come together. A pull far along
         # already (they come apart: a chain then fills as fast as they come)
-        # would lose time to the move: its new senders start behind it.
+        # would lose time to the move: its new senders start behind it. (Then
+        # the holders are looked at again only once an eighth more came: a
+        # get does not pay a walk over every holder.)
         far = STRIPE_MARGIN * entry.size
         if any(h.nbytes > far for h in entry.holders.values()
                if h.upstream is not None and not (h.complete or h.origin)):
+            entry.unstriped_until = len(entry.holders) + len(entry.holders) // 8 + 1
             return 0
         return k
 

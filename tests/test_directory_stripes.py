@@ -378,3 +378,28 @@ def test_a_striped_broadcast_costs_the_directory_the_same_per_receiver_at_ten_ti
     many = min(per_receiver(2000) for _ in range(2))
     assert many < 3 * few, (f"a receiver of a striped broadcast costs {many * 1e6:.0f} us "
                             f"among 2,000 and {few * 1e6:.0f} us among 200")
+
+
+def test_a_long_lived_object_read_by_receiver_after_receiver_keeps_its_trees_small():
+    """Receivers come, complete and leave one after another (a hot object
+    read over hours): the lazy heaps of free slots are rebuilt from what
+    holds, so they stay within a few entries per node present, however
+    many came before."""
+    d = striped()
+    d.handle(NodeJoined("n0", "addr0"))
+    d.handle(Put("n0", 1, OID, SIZE, LAYOUT))
+    d.handle(Completed("n0", OID))
+    for i in range(1, 3000):
+        a, b = f"a{i}", f"b{i}"
+        for node in (a, b):
+            d.handle(NodeJoined(node, "addr-" + node))
+            d.handle(Locate(node, 2, OID))
+        t = d.objects[OID].stripes
+        assert not t.orphans
+        for node in (a, b):
+            d.handle(Completed(node, OID))
+            d.handle(NodeLost(node))
+        present = len(t.up) + len(t.roots)
+        entries = len(t._free_roots) + sum(map(len, t._high)) + sum(map(len, t._low))
+        assert entries <= 12 * present + 96, (i, entries, present)
+    assert set(t.roots) == {"n0"} and not t.up

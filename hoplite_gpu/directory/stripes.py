@@ -71,9 +71,9 @@ class Trees:
         self.orphans: dict[NodeId, set[int]] = {}
         #: receivers that heard their senders: a change is pushed to them
         self.told: set[NodeId] = set()
-        #: receivers whose senders changed since `moves` was last read
+        #: receivers whose senders changed since `take_moved` last read them
         self.moved: set[NodeId] = set()
-        #: (receiver, sender) links made since `links` was last read
+        #: (receiver, sender) links made since `Striping.settle` recorded them
         self.linked: list[tuple[NodeId, NodeId]] = []
         #: numbers the assignments: moves on with every link made or undone
         self.seq = 0
@@ -181,7 +181,7 @@ class Trees:
         if self.home[child] == j:
             self._offer(child, j)
         else:
-            heapq.heappush(self._high[j], (self.depth[child][j], True, self._rank[child], child))
+            self._leaf_entry(child, j)
 
     def unlink(self, child: NodeId, j: int) -> NodeId | None:
         """`child` no longer pulls stripe `j` from its sender (returned)."""
@@ -212,6 +212,30 @@ class Trees:
                     heapq.heappush(self._low[i], (-(level + 1), -rank, node))
         if node in self.roots and self.room(node, j) > 0:
             heapq.heappush(self._free_roots, (self._rank[node], node))
+        present = len(self.up) + len(self.roots)
+        if len(self._free_roots) + sum(map(len, self._high)) > 8 * present + 64:
+            self._rebuild()
+
+    def _leaf_entry(self, node: NodeId, j: int) -> None:
+        heapq.heappush(self._high[j], (self.depth[node][j], True, self._rank[node], node))
+
+    def _rebuild(self) -> None:
+        """The heaps anew, of what holds now: stale entries of deep places
+        are never reached by a choice that stops at the first good one, and
+        a long-lived object read by receiver after receiver would otherwise
+        grow them for ever."""
+        self._high = [[] for _ in range(self.k)]
+        self._low = [[] for _ in range(self.k)]
+        self._free_roots = []
+        self._rank = {n: r for n, r in self._rank.items() if n in self.roots or n in self.up}
+        for node in self._rank:
+            if node in self.roots:
+                self._offer(node, 0)
+                continue
+            self._offer(node, self.home[node])
+            for j in range(self.k):
+                if self.is_leaf(node, j):
+                    self._leaf_entry(node, j)
 
     # ---------------------------------------------------------- choosing ---
     def _pick_high(self, j: int, receiver: NodeId) -> tuple[NodeId, bool] | None:

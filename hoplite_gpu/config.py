@@ -89,8 +89,10 @@ class Config:
     #: Stripes of a broadcast object of at least `multi_source_bytes`: its
     #: bytes in contiguous ranges, each sent down a tree of its own in which
     #: a receiver relays at most one (docs/design.md, "Striped broadcast").
-    #: 0: where the cost model says two stripes beat one tree (many
-    #: receivers: a chain or tree of them fills too slowly); 1: never; 2: always.
+    #: 0: where the cost model says two stripes beat the chain, or its own
+    #: fan-out with `max_receivers_per_sender` 0 (many receivers: a chain or
+    #: tree of them fills too slowly; a fan-out set above 1 is kept); 1:
+    #: never; 2: always.
     stripes: int = 0
     #: Default deadline, in seconds, of every blocking call that is given none.
     timeout_s: float = 300.0

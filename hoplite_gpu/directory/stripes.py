@@ -475,6 +475,8 @@ class Striping:
             return 0
         if s.stripes == STRIPES:
             return STRIPES
+        if s.max_receivers_per_sender > 1:
+            return 0  # (a tree of that fan-out was asked for: it is kept)
         k = broadcast_stripes(entry.size, self.seen(entry), s.latency_s, s.bytes_per_s,
                               s.chunk_size, s.relay, s.max_receivers_per_sender)
         if k < 2 or len(entry.holders) < entry.unstriped_until:

@@ -119,6 +119,9 @@ class BroadcastSim:
                  max_receivers_per_sender: int = 1, arrivals: list[float] | None = None,
                  stripes: int = 1, multi_source_bytes: int = 16 << 20) -> None:
         _check_model(bandwidth, latency, chunk)
+        if stripes not in (0, 1, STRIPES):
+            raise InvalidArgument(f"simulate_broadcast: stripes must be 0 (the cost model's "
+                                  f"choice), 1 (off) or 2; got {stripes!r}")
         self.n, self.size, self.bw, self.lat, self.chunk = receivers, size, bandwidth, latency, chunk
         # (a striped pull's messages are at least MIN_PIECE, or chunk/k if smaller)
         unit = chunk if stripes == 1 else min(MIN_PIECE, -(-chunk // STRIPES))

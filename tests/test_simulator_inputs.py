@@ -128,6 +128,12 @@ def test_a_model_that_means_nothing_is_refused(sim, bad, says):
     assert (r.makespan if sim is simulate_broadcast else r.done_at) > 0
 
 
+@pytest.mark.parametrize("stripes", [3, -1, 1.5])
+def test_a_stripe_count_the_directory_does_not_take_is_refused_by_name(stripes):
+    with pytest.raises(InvalidArgument, match="simulate_broadcast: stripes must be"):
+        simulate_broadcast(4, 8 * MiB, stripes=stripes)
+
+
 def test_cli_simulate_json_gives_the_setting_in_force_against_the_bound(capsys, monkeypatch):
     import json
 

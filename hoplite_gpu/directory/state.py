@@ -141,7 +141,8 @@ class Directory:
                  max_sources: int = 1, multi_source_bytes: int = 16 << 20,
                  stripes: int = 1, relay_bytes: int = 0) -> None:
         if stripes not in (0, 1, 2):
-            raise ValueError(f"stripes must be 0 (the cost model's choice), 1 or 2; got {stripes!r}")
+            raise ValueError(f"Directory: stripes must be 0 (the cost model's choice), 1 (off) "
+                             f"or 2; got {stripes!r}")
         self._settings = Settings(max_receivers_per_sender, latency_s, bytes_per_s, chunk_size,
                                   fold_step, max_sources, multi_source_bytes, stripes,
                                   relay_bytes)

@@ -411,3 +411,12 @@ def test_a_fan_out_asked_for_keeps_its_tree():
     d, got = _broadcast(30, stripes=0, max_receivers_per_sender=30)
     assert d.objects[OID].stripes is None
     assert all(body.sender == "n0" and not body.stripes for body in got.values())
+
+
+@pytest.mark.parametrize("raw", ["3", "-1"])
+def test_a_stripe_count_other_than_0_1_or_2_is_refused_with_the_reason(raw):
+    import hoplite_gpu as hg
+    from hoplite_gpu.config import Config
+
+    with pytest.raises(hg.ConfigError, match="stripes must be 0 .* or 2; got .*over-fill"):
+        Config.from_env({"HOPLITE_STRIPES": raw})

@@ -1,4 +1,10 @@
+"""Shared fixtures. `local` is a runtime of this process alone (its own
+directory), shut down after the test; a module changes its settings by
+defining its own `runtime_settings` fixture."""
+
 import pytest
+
+import hoplite_gpu as hg
 
 
 def _cuda_available() -> bool:
@@ -22,3 +28,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def runtime_settings() -> dict:
+    """The settings `local` starts its runtime with (override per module)."""
+    return {"timeout_s": 20}
+
+
+@pytest.fixture
+def local(runtime_settings):
+    """A runtime of this process alone, with `runtime_settings`; yields it,
+    and always shuts it down."""
+    hg.init(**runtime_settings)
+    try:
+        yield hg.api.runtime()
+    finally:
+        hg.shutdown()

@@ -16,10 +16,9 @@ from hoplite_gpu import messages as m
 
 
 @pytest.fixture
-def local():
-    hg.init(chunk_size=64 * 1024, timeout_s=20)
-    yield
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"chunk_size": 64 * 1024, "timeout_s": 20}
 
 
 def test_put_get_roundtrip(local):

@@ -151,6 +151,12 @@ class Node:
         self.link.addresses = address.split(",")
         self.link.address = self.link.addresses[0]
 
+    @property
+    def registrations(self) -> deque[tuple[str, float]]:
+        """(directory address, wall time) of each registration with a
+        directory: the first, then one per reconnection (`DirectoryLink`)."""
+        return self.link.registrations
+
     # (read only, for tests: the link's state)
     @property
     def _connected(self) -> asyncio.Event:

@@ -115,8 +115,15 @@ class Runtime:
 
     @property
     def address(self) -> str:
+        """The address of the directory in use."""
         assert self.node is not None
         return self.node.directory_address
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every directory this runtime may use (standbys too), in the order tried."""
+        assert self.node is not None
+        return list(self.node.link.addresses)
 
     @property
     def closed(self) -> bool:

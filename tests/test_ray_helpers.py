@@ -205,3 +205,12 @@ def test_start_directory_with_a_bad_port_is_refused_before_any_actor(ray_session
     DirectoryUnavailable wrapping Ray's traceback, colour codes included."""
     with pytest.raises(hg.InvalidArgument, match="port"):
         hray.start_directory(name="review-bad-port", port=port)
+
+
+@pytest.mark.parametrize("standbys", [-1, hray.MAX_STANDBYS + 1, True, 1.0])
+def test_start_directory_with_a_bad_standby_count_is_refused_before_any_actor(ray_session,
+                                                                               standbys):
+    with pytest.raises(hg.InvalidArgument, match="standbys"):
+        hray.start_directory(name="review-bad-standbys", standbys=standbys)
+    with pytest.raises(ValueError):
+        ray.get_actor("review-bad-standbys")

@@ -174,3 +174,35 @@ def test_a_node_backs_off_only_after_a_round_of_every_directory():
     assert next_directory(0, 1, 2) == (1, True)   # both failed: back off
     assert next_directory(0, 0, 2) == (1, False)
     assert next_directory(0, 0, 1) == (0, True)   # one directory: every failure backs off
+
+
+def test_a_standby_ignores_the_old_trees_result_from_its_own_trees_root():
+    """The directory in use died while a reduce's root step ran on node n3.
+    The standby built its own tree from the re-sent reduce and the
+    re-announced inputs, its root on n3 again; then n3's old step finished
+    and reported the target complete with the old directory's tag. The
+    standby took that for the result (finished the reduce, dropped its
+    tree's partial results), while n3, given the new root step, replaced
+    the old copy and its new step failed on the dropped children: the
+    standby listed n3 as the result's holder with no copy there, and gets
+    of the result waited until their deadline."""
+    from hoplite_gpu.directory import state as s
+
+    size, layout = 16 * MiB, {"kind": "numpy", "dtype": "<f4", "shape": [4 * MiB],
+                              "nbytes": 16 * MiB}
+    d = s.Directory(instance=b"standby!")
+    for i in range(4):
+        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}"))
+    target, inputs = b"t" * 20, [bytes([i]) * 20 for i in range(1, 4)]
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(inputs), "sum", 3))  # asked again
+    out = []
+    for i, key in enumerate(inputs):  # re-announced by their holders
+        out += d.handle(s.Completed(f"n{i + 1}", key, size, layout, own=True))
+    root = [c for c in out if isinstance(c, s.StartReduceStep) and c.step.output == target]
+    assert [c.node for c in root] == ["n3"]
+    old_tag = b"firstdir" + (1).to_bytes(8, "big")
+    out = d.handle(s.Completed("n3", target, size, layout, own=True, tag=old_tag))
+    assert not d.reduces[target].done
+    assert not [c for c in out if isinstance(c, s.Drop)], "the new tree's steps were dropped"
+    d.handle(s.Completed("n3", target, size, layout, own=True, tag=root[0].step.tag))
+    assert d.reduces[target].done and d.objects[target].holders["n3"].complete

@@ -14,6 +14,7 @@ address that routes to the directory).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from typing import Any
@@ -22,9 +23,10 @@ import ray
 
 from . import api
 from .auth import new_token
-from .config import Config, check_timeout
+from .config import TLS_SETTINGS, Config, check_timeout
 from .directory.server import DirectoryServer
 from .errors import DirectoryUnavailable, InvalidArgument, NotInitialized
+from .tls import load as load_tls
 
 DEFAULT_NAME = "hoplite-directory"
 #: A non-detached actor dies with its last handle: the driver keeps one.
@@ -37,10 +39,15 @@ class DirectoryActor:
 
     def __init__(self, token: str, host: str, port: int, settings: dict[str, Any]) -> None:
         self._token = token
+        #: its TLS files, told to nodes that join naming none of their own
+        self._tls: dict[str, str] = {}
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="hoplite-directory", daemon=True).start()
         config = Config.from_env(**settings)
-        self._server = DirectoryServer(token, host=host, port=port, **config.directory_settings())
+        self._tls = {name: getattr(config, name) for name in TLS_SETTINGS
+                     if getattr(config, name) is not None}
+        self._server = DirectoryServer(token, host=host, port=port, tls=load_tls(config),
+                                       **config.directory_settings())
         self._address = asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
         if host in ("0.0.0.0", "::"):
             # The address that routes here, in the scheme the directory serves
@@ -52,7 +59,7 @@ class DirectoryActor:
             self._address = f"{scheme or 'tcp'}://{where}:{rest.rpartition(':')[2]}"
 
     def info(self) -> dict[str, str]:
-        return {"address": self._address, "token": self._token}
+        return {"address": self._address, "token": self._token, **self._tls}
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
@@ -84,7 +91,11 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     except ValueError:
         actor = None
     if actor is None:
-        Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
+        config = Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
+        load_tls(config)  # (and bad TLS files)
+        # This process's TLS files (its HOPLITE_TLS_* too): the actor's
+        # process may not have our environment.
+        settings = {**settings, **{name: getattr(config, name) for name in TLS_SETTINGS}}
         options: dict[str, Any] = {**(actor_options or {}), "name": name, "namespace": namespace,
                                    "get_if_exists": True}
         if detached:
@@ -175,6 +186,11 @@ def _adopt(info: dict[str, Any], settings: dict[str, Any]) -> api.Runtime:
             if current.address == info["address"] and current.token == info["token"]:
                 return current
             api.shutdown()
+        if not any(settings.get(name) or os.environ.get(f"HOPLITE_{name.upper()}")
+                   for name in TLS_SETTINGS):
+            # (no TLS files of its own: the directory's, which a Ray worker's
+            # environment may lack; the same paths on every machine)
+            settings = {**settings, **{name: info[name] for name in TLS_SETTINGS if name in info}}
         return api.init(info["address"], token=info["token"], **settings)
 
 

@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=at_least(2), default=8)
     parser.add_argument("--size", type=size, default=256 * MiB,
                         help="bytes of the object (units: 256M, 1GiB)")
-    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="transfers per cluster")
+    parser.add_argument("--rounds", type=at_least(1), default=2,
+                        help="clusters of each kind, TLS off and on in alternating order")
 
 
 def measure(workers: int, nbytes: int, repeats: int, tls: dict[str, str] | None) -> dict:
@@ -109,18 +111,31 @@ def run(args: argparse.Namespace, console) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="hoplite-tls-bench-") as folder:
         files = make_certificates(folder)["node"]
-        rows = []
-        for tls in (None, files):
-            row = measure(args.workers, args.size, args.repeats, tls)
-            row.update(workers=args.workers, size_bytes=args.size, repeats=args.repeats)
-            rows.append(row)
-            console.print(f"TLS {'on' if tls else 'off'}: p2p {row['p2p_median_s'] * 1e3:.1f} ms, "
-                          f"broadcast {row['broadcast_median_s'] * 1e3:.1f} ms")
+        launches = []
+        for r in range(args.rounds):  # off, on; then on, off; ... (drift hits both alike)
+            for tls in ((None, files) if r % 2 == 0 else (files, None)):
+                row = measure(args.workers, args.size, args.repeats, tls)
+                row.update(workers=args.workers, size_bytes=args.size, repeats=args.repeats,
+                           round=r)
+                launches.append(row)
+                console.print(f"round {r + 1}, TLS {'on' if tls else 'off'}: p2p "
+                              f"{row['p2p_median_s'] * 1e3:.1f} ms, broadcast "
+                              f"{row['broadcast_median_s'] * 1e3:.1f} ms")
+    rows = []
+    for on in (False, True):  # every transfer of a kind pooled over its clusters
+        mine = [row for row in launches if row["tls"] == on]
+        p2p = [x for row in mine for x in row["p2p_s"]]
+        bc = [x for row in mine for x in row["broadcast_s"]]
+        rows.append({"tls": on, "p2p_s": p2p, "broadcast_s": bc,
+                     "p2p_median_s": statistics.median(p2p),
+                     "broadcast_median_s": statistics.median(bc),
+                     "byte_identical": all(row["byte_identical"] for row in mine),
+                     "workers": args.workers, "size_bytes": args.size})
     plain, secured = rows
     ratios = {"p2p": secured["p2p_median_s"] / plain["p2p_median_s"],
               "broadcast": secured["broadcast_median_s"] / plain["broadcast_median_s"]}
     table = Table(title=f"{args.size / MiB:g} MiB over loopback TCP, {args.workers - 1} "
-                        f"receivers, medians of {args.repeats}")
+                        f"receivers, medians of {args.repeats * args.rounds}")
     for col in ("transfer", "TLS off (ms)", "TLS on (ms)", "on / off", "TLS on (GB/s)"):
         table.add_column(col, justify="right")
     for what in ("p2p", "broadcast"):
@@ -128,4 +143,6 @@ def run(args: argparse.Namespace, console) -> dict:
         table.add_row(what, f"{plain[f'{what}_median_s'] * 1e3:.1f}", f"{on * 1e3:.1f}",
                       f"{ratios[what]:.2f} x", f"{args.size / on / 1e9:.2f}")
     console.print(table)
-    return {"benchmark": "tls-loopback", "rows": rows, "ratio_tls_to_plain": ratios}
+    return {"benchmark": "tls-loopback", "rows": rows, "launches": launches,
+            "rounds": args.rounds, "ratio_tls_to_plain": ratios,
+            "byte_identical": all(row["byte_identical"] for row in rows)}

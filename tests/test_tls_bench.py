@@ -17,17 +17,20 @@ pytest.importorskip("cryptography")
 def test_the_tls_benchmark_measures_both_variants(monkeypatch, tmp_path):
     """(About 6 s: two clusters start, one per variant, as in a real run.)"""
     monkeypatch.setattr(entry, "RESULTS", tmp_path)
-    assert entry.main(["tls", "--workers", "2", "--size", "64K", "--repeats", "1"]) == 0
+    assert entry.main(["tls", "--workers", "2", "--size", "64K", "--repeats", "1",
+                       "--rounds", "1"]) == 0
     (saved,) = tmp_path.glob("tls-loopback-*.json")
     result = json.loads(saved.read_text())
     assert [row["tls"] for row in result["rows"]] == [False, True]
     assert all(row["byte_identical"] and row["size_bytes"] == 64 << 10
                and len(row["p2p_s"]) == len(row["broadcast_s"]) == 1 for row in result["rows"])
+    assert [launch["tls"] for launch in result["launches"]] == [False, True]
     assert set(result["ratio_tls_to_plain"]) == {"p2p", "broadcast"}
     assert all(r > 0 for r in result["ratio_tls_to_plain"].values())
 
 
-@pytest.mark.parametrize("argv", [["--workers", "1"], ["--size", "0"], ["--repeats", "0"]])
+@pytest.mark.parametrize("argv", [["--workers", "1"], ["--size", "0"], ["--repeats", "0"],
+                                  ["--rounds", "0"]])
 def test_the_tls_benchmark_refuses_what_it_cannot_run(argv, monkeypatch, tmp_path):
     monkeypatch.setattr(entry, "RESULTS", tmp_path)
     with pytest.raises(SystemExit) as info:

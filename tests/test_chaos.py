@@ -1,5 +1,6 @@
 """Chaos: repeated broadcasts and reduces while participants are SIGKILLed
-mid-transfer, a sender is stopped (SIGSTOP) and the directory is restarted.
+mid-transfer, a sender is stopped (SIGSTOP), the directory is restarted, and
+a holder is killed while others pull from several complete copies at once.
 Every survivor must end with byte-identical data, every reduce must equal the
 oracle over the inputs it reports, and nothing may outlive its deadline.
 
@@ -38,7 +39,9 @@ def run_chaos(seed: int, rounds: int = 3) -> dict:
             stats["kills"] += 2
         _broadcast_with_stalled_sender(c, "cs")
         _broadcast_across_directory_restart(c, "cd")
-        stats["broadcasts"] += 2
+        _multi_source_pulls_with_kill(c, rng, "cm")
+        stats["broadcasts"] += 3
+        stats["kills"] += 1
     return stats
 
 
@@ -103,12 +106,30 @@ def _broadcast_across_directory_restart(c: LocalCluster, name: str) -> None:
         assert c.result(w, DEADLINE + 5)[0] == crc
 
 
+def _multi_source_pulls_with_kill(c: LocalCluster, rng: random.Random, name: str) -> None:
+    """Three complete copies of an object over the multi-source size (16 MiB):
+    the other workers' gets pull from several of them at once, and one
+    copy's holder is killed while they do."""
+    crc = c.run(0, t.put_pattern, name, 40 << 20, 4)
+    for w in (1, 2):
+        assert c.run(w, t.get_summary, name, DEADLINE)[0] == crc
+    receivers = list(range(3, c.num_workers))
+    for w in receivers:
+        c.submit(w, t.get_summary, name, DEADLINE)
+    time.sleep(rng.uniform(0.0, 0.05))
+    victim = rng.choice((1, 2))
+    c.kill(victim)
+    for w in receivers:
+        assert c.result(w, DEADLINE + 5)[0] == crc, f"receiver {w} got wrong bytes"
+    c.restart(victim)
+
+
 @pytest.mark.timeout(240)
 def test_chaos():
     seed = int(os.environ.get("CHAOS_SEED", "0") or 0) or random.randrange(1 << 30)
     print(f"chaos seed {seed}")
     stats = run_chaos(seed)
-    assert stats["kills"] == 6
+    assert stats["kills"] == 7
 
 
 @pytest.mark.timeout(120)

@@ -25,6 +25,7 @@ from .auth import new_token
 from .config import Config, check_timeout
 from .errors import HopliteError, InvalidArgument, Timeout
 from .lifecycle import Closing, stop_process
+from .tls import load as load_tls
 
 _ADDRESS = re.compile(r"listening on (\S+)")
 
@@ -110,7 +111,7 @@ class LocalCluster(Closing):
         # where the error can be read (a worker's or the directory's would
         # only say that it exited); None: the default.
         settings = {k: v for k, v in settings.items() if v is not None}
-        Config.from_env(None, **settings)
+        load_tls(Config.from_env(None, **settings))  # (unreadable TLS files too)
         self.num_workers = num_workers
         self.token = token or new_token()
         self.settings = settings

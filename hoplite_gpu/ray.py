@@ -18,6 +18,7 @@ address, and when the directory in use is gone they move to the next.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from typing import Any
@@ -26,9 +27,10 @@ import ray
 
 from . import api
 from .auth import new_token
-from .config import Config, check_timeout
+from .config import TLS_SETTINGS, Config, check_timeout
 from .directory.server import DirectoryServer
 from .errors import DirectoryUnavailable, InvalidArgument, NotInitialized
+from .tls import load as load_tls
 
 DEFAULT_NAME = "hoplite-directory"
 #: The most standby directories a group may have (`join` looks each up by name).
@@ -43,10 +45,15 @@ class DirectoryActor:
 
     def __init__(self, token: str, host: str, port: int, settings: dict[str, Any]) -> None:
         self._token = token
+        #: its TLS files, told to nodes that join naming none of their own
+        self._tls: dict[str, str] = {}
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="hoplite-directory", daemon=True).start()
         config = Config.from_env(**settings)
-        self._server = DirectoryServer(token, host=host, port=port, **config.directory_settings())
+        self._tls = {name: getattr(config, name) for name in TLS_SETTINGS
+                     if getattr(config, name) is not None}
+        self._server = DirectoryServer(token, host=host, port=port, tls=load_tls(config),
+                                       **config.directory_settings())
         self._address = asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
         #: every directory of this one's group, comma-separated (`set_roster`)
         self._roster = ""
@@ -61,8 +68,8 @@ class DirectoryActor:
 
     def info(self) -> dict[str, str]:
         """What a node joins with: the group's addresses (this one's alone
-        when it has no standbys) and the token."""
-        return {"address": self._roster or self._address, "token": self._token}
+        when it has no standbys), the token, and the TLS files, if any."""
+        return {"address": self._roster or self._address, "token": self._token, **self._tls}
 
     def set_roster(self, addresses: str) -> None:
         """The addresses of this directory's group, in the order nodes try them."""
@@ -112,7 +119,7 @@ def start_directory(*, name: str = DEFAULT_NAME, namespace: str | None = None,
     except BaseException:
         stop_directory(name=name, namespace=namespace)  # (no half-started group stays)
         raise
-    return {"address": roster, "token": info["token"]}
+    return {**info, "address": roster}
 
 
 def _start_one(name: str, namespace: str | None, host: str, port: int, token: str | None,
@@ -132,7 +139,11 @@ def _start_one(name: str, namespace: str | None, host: str, port: int, token: st
     except ValueError:
         actor = None
     if actor is None:
-        Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
+        config = Config.from_env(**settings)  # a bad setting: its ConfigError here, not a dead actor
+        load_tls(config)  # (and bad TLS files)
+        # This process's TLS files (its HOPLITE_TLS_* too): the actor's
+        # process may not have our environment.
+        settings = {**settings, **{name: getattr(config, name) for name in TLS_SETTINGS}}
         options: dict[str, Any] = {**(actor_options or {}), "name": name, "namespace": namespace,
                                    "get_if_exists": True}
         if detached:
@@ -276,6 +287,11 @@ def _adopt(info: dict[str, Any], settings: dict[str, Any]) -> api.Runtime:
                     and current.token == info["token"]):
                 return current
             api.shutdown()
+        if not any(settings.get(name) or os.environ.get(f"HOPLITE_{name.upper()}")
+                   for name in TLS_SETTINGS):
+            # (no TLS files of its own: the directory's, which a Ray worker's
+            # environment may lack; the same paths on every machine)
+            settings = {**settings, **{name: info[name] for name in TLS_SETTINGS if name in info}}
         return api.init(info["address"], token=info["token"], **settings)
 
 

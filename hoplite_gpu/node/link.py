@@ -17,6 +17,7 @@ from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, PeerLost, Timeout
 from hoplite_gpu.timers import Expired, until
+from hoplite_gpu.transports.tls import TLS
 
 from .tasks import TaskSet
 
@@ -34,7 +35,7 @@ class DirectoryLink:
 
     def __init__(self, address: str, token: str, node_id: str, config: Config, *,
                  announce: Callable[[DirectoryClient], None],
-                 gone: Callable[[BaseException], None]) -> None:
+                 gone: Callable[[BaseException], None], tls: TLS | None = None) -> None:
         #: every directory this link may use, in the order they are tried
         self.addresses = address.split(",")
         #: the one in use (or tried last)
@@ -43,6 +44,7 @@ class DirectoryLink:
         #: first, then one per reconnection (the latest last)
         self.registrations: deque[tuple[str, float]] = deque(maxlen=64)
         self.token, self.node_id, self.config = token, node_id, config
+        self.tls = tls
         self._announce, self._gone = announce, gone
         self.client: DirectoryClient | None = None
         #: set while a client is connected (cleared from a loss to the reconnection)
@@ -82,7 +84,7 @@ class DirectoryLink:
             self.address, token=self.token, node=self.node_id,
             data_address=self._data_address,
             timeout=self.config.connect_timeout_s, on_push=self.on_push,
-            stall_s=self.config.stall_timeout_s)
+            stall_s=self.config.stall_timeout_s, tls=self.tls)
 
     def start_heartbeat(self) -> None:
         """Renew this node's lease from now on (again, after the heartbeat was stopped)."""

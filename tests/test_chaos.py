@@ -1,6 +1,7 @@
 """Chaos: repeated broadcasts and reduces while participants are SIGKILLed
-mid-transfer, a sender is stopped (SIGSTOP), the directory is restarted, and
-a holder is killed while others pull from several complete copies at once.
+mid-transfer, a sender is stopped (SIGSTOP), the directory is restarted, a
+holder is killed while others pull from several complete copies at once, and
+the first of two directories is lost for good mid-broadcast.
 Every survivor must end with byte-identical data, every reduce must equal the
 oracle over the inputs it reports, and nothing may outlive its deadline.
 
@@ -30,7 +31,7 @@ def run_chaos(seed: int, rounds: int = 3) -> dict:
     rng = random.Random(seed)
     stats = {"broadcasts": 0, "reduces": 0, "kills": 0}
     with LocalCluster(N, chunk_size=1 << 20, stall_timeout_s=1.0, heartbeat_interval_s=0.2,
-                      node_lease_s=1.5) as c:
+                      node_lease_s=1.5, standbys=1) as c:
         for r in range(rounds):
             _broadcast_with_kill(c, rng, f"cb{r}")
             _reduce_with_kill(c, rng, f"cr{r}")
@@ -40,8 +41,9 @@ def run_chaos(seed: int, rounds: int = 3) -> dict:
         _broadcast_with_stalled_sender(c, "cs")
         _broadcast_across_directory_restart(c, "cd")
         _multi_source_pulls_with_kill(c, rng, "cm")
-        stats["broadcasts"] += 3
-        stats["kills"] += 1
+        _broadcast_with_directory_lost(c, rng, "cx")  # (last: the first directory is gone)
+        stats["broadcasts"] += 4
+        stats["kills"] += 2
     return stats
 
 
@@ -124,12 +126,27 @@ def _multi_source_pulls_with_kill(c: LocalCluster, rng: random.Random, name: str
     c.restart(victim)
 
 
+def _broadcast_with_directory_lost(c: LocalCluster, rng: random.Random, name: str) -> None:
+    """The first directory's process SIGKILLed for good mid-broadcast: every
+    node moves to the standby, re-announces what it holds, and every
+    receiver ends byte-identical; a get after it is served by the standby."""
+    crc = c.run(0, t.put_pattern, name, 32 << 20, 5)
+    for w in range(1, c.num_workers):
+        c.submit(w, t.get_summary, name, DEADLINE)
+    time.sleep(rng.uniform(0.0, 0.05))
+    c.kill_directory(0)
+    for w in range(1, c.num_workers):
+        assert c.result(w, DEADLINE + 5)[0] == crc, f"receiver {w} got wrong bytes"
+    after = c.run(1, t.put_pattern, f"{name}-after", 4 << 20, 6)
+    assert c.run(c.num_workers - 1, t.get_summary, f"{name}-after", DEADLINE)[0] == after
+
+
 @pytest.mark.timeout(240)
 def test_chaos():
     seed = int(os.environ.get("CHAOS_SEED", "0") or 0) or random.randrange(1 << 30)
     print(f"chaos seed {seed}")
     stats = run_chaos(seed)
-    assert stats["kills"] == 7
+    assert stats["kills"] == 8
 
 
 @pytest.mark.timeout(120)

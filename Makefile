@@ -36,9 +36,10 @@ demo: $(BASE)
 
 RUNTIME_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py \
 	tests/test_channel.py tests/test_store.py tests/test_auth.py tests/test_liveness.py
-# The UCX pass: the data path's own tests (the rest of RUNTIME_TESTS run in
-# the two passes before it, and every transport runs the conformance suite).
-UCX_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py
+# The data path's own tests, run again in TLS and over UCX (the rest of
+# RUNTIME_TESTS run in the passes before, and every transport runs the
+# conformance suite).
+CORE_TESTS := tests/test_api.py tests/test_broadcast.py tests/test_reduce.py
 
 # The default set: everything but the slow emulation and benchmark runs
 # (marked `slow`: end-to-end launches of the benchmarks on emulated hosts,
@@ -50,9 +51,11 @@ test: setup
 	@# UCX where ucxx is installed (UCX over TCP here; README "Tests and benchmarks").
 	@echo "== again with HOPLITE_SHARED_MEMORY=0 (bytes over TCP)"
 	HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(RUNTIME_TESTS) tests/test_chaos.py
+	@echo "== the core tests in TLS (TEST_IN_TLS=1: a CA made for the run; bytes over TCP)"
+	TEST_IN_TLS=1 HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(CORE_TESTS)
 	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
 	    echo "== again with HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0"; \
-	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(UCX_TESTS) && \
+	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(CORE_TESTS) && \
 	    echo "== shared memory beside UCX" && \
 	    HOPLITE_TRANSPORT=ucx $(BIN)/python -m pytest -q tests/test_shm.py; \
 	else echo "ucxx not installed: the UCX pass is skipped"; fi

@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                     "channel beside Ray's object store and Gloo, tensor by tensor")
     _module_command(sub, "fabric-sim", "fabric_sim", "ECMP, spraying and Ethereal on a "
                     "simulated 1,024-host fat-tree: ring allreduce, all-to-all, broadcast")
+    _module_command(sub, "dirfailover", "dirfailover", "the directory in use SIGKILLed during "
+                    "a broadcast and during a reduce on loopback: nodes move to a standby "
+                    "directory; each time with and without the kill, and the time to move over")
+    _module_command(sub, "tls", "tls", "what TLS costs: loopback TCP point-to-point and "
+                    "broadcast with TLS off and on, side by side")
     _module_command(sub, "compare", "compare", "one benchmark on two commits side by side, "
                     "interleaved: python -m benchmarks compare --base REV -- directory-scale")
     sub.add_parser("rayemu", help="Ray applications (RL weights, async SGD) and Ray's object store "

@@ -274,27 +274,31 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         console.print(f"{args.hosts} hosts at {args.gbit:g} Gbit/s (measured {link / 1e9:.3f}); "
                       f"{human(args.size)} in {len(sizes)} tensors of {human(min(sizes))} to "
                       f"{human(max(sizes))}; S/B {fmt_s(bound(args))}")
-        for system in dict.fromkeys(args.systems):
-            t = time.monotonic()
-            try:
-                got = (launches[system](cluster, args, cpu) if system in launches
-                       else hoplite_launch(cluster, system, args, cpu))
-            except (RuntimeError, AssertionError, TimeoutError, subprocess.SubprocessError,
-                    ValueError, OSError, StopIteration) as exc:  # a launch that failed: kept
-                error = f"{type(exc).__name__}: {str(exc)[-600:]}"
-                failed.append({"system": system, "error": error})
-                console.print(f"[red]{system} failed: {error[:300]}[/]")
-                continue
-            for row in got:
-                row.update(launch_wall_s=time.monotonic() - t, lower_bound_s=bound(args))
-                _say(console, row)
-            rows += got
+        # (rounds of every system in turn, so drift in the machine hits all alike)
+        for rnd in range(args.rounds):
+            for system in dict.fromkeys(args.systems):
+                t = time.monotonic()
+                try:
+                    got = (launches[system](cluster, args, cpu) if system in launches
+                           else hoplite_launch(cluster, system, args, cpu))
+                except (RuntimeError, AssertionError, TimeoutError, subprocess.SubprocessError,
+                        ValueError, OSError, StopIteration) as exc:  # a launch that failed: kept
+                    error = f"{type(exc).__name__}: {str(exc)[-600:]}"
+                    failed.append({"system": system, "round": rnd, "error": error})
+                    console.print(f"[red]{system} failed: {error[:300]}[/]")
+                    continue
+                for row in got:
+                    row.update(launch_wall_s=time.monotonic() - t, lower_bound_s=bound(args),
+                               round=rnd)
+                    _say(console, row)
+                rows += got
     summary = summarize(rows, args)
     console.print(table(summary, args, len(sizes)))
     _verdict(console, summary)
     settings = {"hosts": args.hosts, "bandwidth_bps": args.gbit * 1e9, "measured_link_bps": link,
                 "size_bytes": args.size, "tensors": len(sizes), "smallest": min(sizes),
-                "largest": max(sizes), "repeats": args.repeats, "kill_at": args.kill_at,
+                "largest": max(sizes), "repeats": args.repeats, "rounds": args.rounds,
+                "kill_at": args.kill_at,
                 "systems": args.systems, "timeout_s": args.timeout,
                 "ray": "one Ray node per host, object_manager_pull_timeout_ms=100000",
                 "gloo": "torch.distributed, one broadcast per tensor, GLOO_SOCKET_IFNAME=eth0"}
@@ -346,7 +350,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every host's link, Gbit/s")
     p.add_argument("--size", type=parse_size, default=parse_size("256M"),
                    help="the state dict's size, binary units (256M; a bare number is MiB)")
-    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3,
+                   help="timed versions per launch (after a warm-up one)")
+    p.add_argument("--rounds", type=at_least(1), default=1,
+                   help="launches of every system, in turn (drift hits all alike)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--kill-at", type=_fraction, default=1 / 3,
                    help="hoplite-kill: share of the version the killed relay holds")

@@ -17,6 +17,7 @@ import time
 
 import ray
 
+from .rayemu import connect_driver
 from .weights import crc, mixed_sizes, state_dict
 
 
@@ -44,16 +45,9 @@ class Actor:
 
 
 def drive(spec: dict) -> dict:
-    ray.init(address=spec["address"], _node_ip_address=spec["node_ip"], log_to_driver=False,
-             configure_logging=False)
+    connect_driver(spec)
     try:
         hosts = spec["hosts"]
-        deadline = time.monotonic() + 120
-        while sum(n["Alive"] for n in ray.nodes()) < hosts:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {sum(n['Alive'] for n in ray.nodes())} of {hosts} "
-                                   "Ray nodes joined")
-            time.sleep(0.5)
         learner = Learner.options(resources={"host_0": 0.001}).remote(spec["size"])
         actors = [Actor.options(resources={f"host_{i}": 0.001}).remote()
                   for i in range(1, hosts)]

@@ -1,6 +1,33 @@
 """`python -m benchmarks emulated`: every (op, size, system) on the emulated
 hosts, a summary with medians, spreads, bounds and ratios between systems, and
-a table. The JSON schema is documented in benchmarks/README.md."""
+a table.
+
+The result file's keys:
+
+- `benchmark`: `collectives-emulated`, or `allreduce-dynamic-emulated` when
+  that is the only op; `command`, `date`, `machine`: how, when and where.
+- `settings`: `hosts`, `bandwidth_bps` (B), `measured_link_bps`,
+  `sizes_bytes`, `ops`, `systems`, `repeats`, `iters`, `warmup`,
+  `steady_calls` (0: first calls), `latency_max_bytes`, `gap_s`, `openmpi`
+  (`version`, `mca_both`, `mca_tuned`), `gloo`.
+- `rows`: one per launch: `system`, `op`, `hosts`, `size_bytes`,
+  `samples_s` (every timed call), `seconds` (their median),
+  `lower_bound_s`, `ratio_to_bound`, `crc`, link bytes and packets
+  (`link_bytes_hosts`: each host's [downlink, uplink]), `cpu` (busy shares
+  of all cores during the timed calls), `cpu_s_per_call`, `page_faults` per
+  call; with `--timeline`, every host's link use every 20 ms
+  (`link_timeline`); per system and op a few more (`init_retries`, `mca`,
+  `gap_s`, `seconds_total`).
+- `summary`: one per (op, size, system), every call of every launch
+  pooled: `n`, `launches`, `median_s`, `min_s`, `max_s`, `p25_s`, `p75_s`
+  (inclusive quartiles), `stdev_s`, `lower_bound_s`, `ratio_to_bound`,
+  `cpu_busy`, `cpu_s_per_call`, `ratio_to` (`{other system: median /
+  other's median}`).
+- `skipped`: (op, size) pairs not run, with the reason (memory).
+- `failed`: launches that failed every attempt (`--retries`), with each
+  attempt's error; the command then exits 1.
+- `byte_identical`: every launch ran and every result was right.
+"""
 
 from __future__ import annotations
 

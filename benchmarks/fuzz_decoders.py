@@ -176,8 +176,15 @@ class _Slow(Exception):
     pass
 
 
+#: whether an input is running under the alarm: an alarm that fires once
+#: it ended (as its timer is disarmed) is ignored, not raised from there
+_armed = [False]
+
+
 def _alarm(signum: int, frame: Any) -> None:
-    raise _Slow()
+    if _armed[0]:
+        _armed[0] = False
+        raise _Slow()
 
 
 def mutation_run(seconds: float, crashes: Path, seed: int, hang_s: float = 2.0) -> dict:
@@ -199,16 +206,20 @@ def mutation_run(seconds: float, crashes: Path, seed: int, hang_s: float = 2.0) 
             else:
                 data = base[:1] + fi.random_body(rng, "deep", [])
             tried += 1
+            _armed[0] = True
             signal.setitimer(signal.ITIMER_REAL, hang_s)
             try:
                 one_input(data)
+                _armed[0] = False
             except _Slow:
                 hangs += 1
                 save(crashes, "hang", data, f"over {hang_s:g}s")
             except Exception:  # noqa: BLE001 - what we are here to find
+                _armed[0] = False
                 found += 1
                 save(crashes, "crash", data, traceback.format_exc())
             finally:
+                _armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
     finally:
         signal.signal(signal.SIGALRM, old)

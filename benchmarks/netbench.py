@@ -34,7 +34,7 @@ from .payload import holds_result, link_volume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("hoplite-gpu", "star", "gloo", "openmpi", "openmpi-tuned", "hoplite-gpu-ucx",
-           "hoplite-gpu-sliced", "hoplite-gpu-loop", "hoplite-gpu-whole")
+           "hoplite-gpu-sliced", "hoplite-gpu-loop", "hoplite-gpu-whole", "hoplite-gpu-group")
 #: What `--systems` runs unless told: the hoplite-gpu variants are asked for by name.
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 #: hoplite-gpu over UCX: UCX's tcp transport on the shaped eth0 only (no shared
@@ -46,7 +46,9 @@ UCX_ENV = {"HOPLITE_TRANSPORT": "ucx", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth
 VARIANT_ENV = {"hoplite-gpu-ucx": UCX_ENV,
                "hoplite-gpu-sliced": {"HOPLITE_ALLREDUCE_SLICING": "auto"},
                "hoplite-gpu-whole": {"HOPLITE_ALLREDUCE_SLICING": "off"},
-               "hoplite-gpu-loop": {"HOPLITE_DIRECT_CALLS": "0"}}
+               "hoplite-gpu-loop": {"HOPLITE_DIRECT_CALLS": "0"},
+               # calls on a `hoplite_gpu.Group` (numbered calls, freed by the group)
+               "hoplite-gpu-group": {}}
 
 
 def lower_bound(op: str, size: int, hosts: int, bandwidth_bps: float) -> float:
@@ -106,7 +108,8 @@ def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: in
                 "--rank", str(i), "--world", str(c.hosts), "--node-host", c.address(i),
                 "--iters", str(iters), "--warmup", str(warmup), "--period", str(period),
                 "--ready-after", str(ready[i] if ready else 0.0),
-                *(["--chunk-size", str(chunk)] if chunk else []), *(["--sync"] if sync else [])],
+                *(["--chunk-size", str(chunk)] if chunk else []), *(["--sync"] if sync else []),
+                *(["--group"] if variant == "hoplite-gpu-group" else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
         for i, p in enumerate(procs):  # a barrier: every node has joined and made its input
             _readline(p, f"hoplite-gpu node {i}")

@@ -41,12 +41,16 @@ def main() -> int:
     p.add_argument("--sync", action="store_true",
                    help="steady state: an untimed barrier before every call, after which rank 0 "
                         "deletes the previous call's objects (as a training loop would)")
+    p.add_argument("--group", action="store_true",
+                   help="call the collective on a `hoplite_gpu.Group`, which frees each call's "
+                        "objects itself (no delete in this script)")
     args = p.parse_args()
     settings = {"chunk_size": args.chunk_size} if args.chunk_size else {}
     init_retries = join(args.address, args.token, args.node_host, **settings)
     try:
         value = make_input(args.rank, args.size) if args.op != "broadcast" or args.rank == 0 else None
-        fn = getattr(collectives, args.op)
+        group = hg.Group(args.name, rank=args.rank, size=args.world, timeout=600) if args.group else None
+        fn = _group_call(group, args.op) if group else getattr(collectives, args.op)
         if args.op == "reduce":
             # Every rank returns once the reduce is done, as MPI_Reduce and Gloo's
             # reduce do; inputs are then lent, not copied.
@@ -58,7 +62,7 @@ def main() -> int:
         for k in range(args.warmup + args.iters):
             if args.sync:
                 out = None  # our view of the last result: its buffer can then be reused
-                t0 = _barrier(args, k) - k * args.period
+                t0 = (_group_barrier(group) if group else _barrier(args, k)) - k * args.period
             delay = t0 + k * args.period + args.ready_after - time.time()
             if delay > 0:
                 time.sleep(delay)
@@ -80,6 +84,25 @@ def main() -> int:
         return 0
     finally:
         hg.shutdown()
+
+
+def _group_call(group, op: str):
+    """`op` on the group, called as the name-based collectives are."""
+    method = getattr(group, op)
+
+    def call(value, *, name, rank, size, timeout, wait=False):
+        return method(value)
+    return call
+
+
+def _group_barrier(group) -> float:
+    """Untimed, on the group: wait until every rank has finished the last
+    call and agree on when the next starts (the group frees what it may)."""
+    import numpy as np
+
+    group.barrier()
+    start = np.array([time.time() + 0.05]) if group.rank == 0 else None
+    return float(group.broadcast(start)[0])
 
 
 def _barrier(args: argparse.Namespace, k: int) -> float:

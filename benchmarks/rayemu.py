@@ -302,21 +302,29 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def connect_driver(spec: dict) -> None:
+    """In namespace 0: join the Ray cluster of `spec` as its driver, and wait
+    (at most 120 s) until each of its `hosts` Ray nodes is alive."""
+    ray.init(address=spec["address"], _node_ip_address=spec["node_ip"], log_to_driver=False,
+             configure_logging=False)
+    hosts = spec["hosts"]
+    deadline = time.monotonic() + 120
+    while sum(n["Alive"] for n in ray.nodes()) < hosts:
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            raise RuntimeError(f"only {sum(n['Alive'] for n in ray.nodes())} of {hosts} "
+                               "Ray nodes joined")
+        time.sleep(0.5)
+
+
 def _driver(spec: dict) -> dict:
     """Runs in namespace 0: connect to the cluster, run one workload, return its result."""
     import hoplite_gpu as hg
     import hoplite_gpu.ray as hray
 
-    ray.init(address=spec["address"], _node_ip_address=spec["node_ip"], log_to_driver=False,
-             configure_logging=False)
+    connect_driver(spec)
     try:
         hosts = spec["hosts"]
-        deadline = time.monotonic() + 120
-        while sum(n["Alive"] for n in ray.nodes()) < hosts:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {sum(n['Alive'] for n in ray.nodes())} of {hosts} "
-                                   "Ray nodes joined")
-            time.sleep(0.5)
         # the directory on host 0, bound to its address (as in benchmarks/netbench.py)
         directory = hray.start_directory(host=spec["node_ip"],
                                          actor_options={"resources": {"host_0": 0.001}})

@@ -67,7 +67,15 @@ async def client_handshake(stream: Stream, token: str, timeout: float) -> None:
     """Run on the connecting side. Raises AuthenticationFailed on a token mismatch."""
     try:
         async with asyncio.timeout(timeout):
-            hello = await recv_msg(stream, SMALL_MESSAGE)
+            try:
+                hello = await recv_msg(stream, SMALL_MESSAGE)
+            except TransportClosed as exc:
+                if stream.tls:
+                    raise
+                raise TransportClosed(
+                    f"{exc}: {stream.peer} closed the connection before the handshake began "
+                    "(a peer that runs TLS closes one without it so: if it does, set "
+                    "HOPLITE_TLS_* here too)") from exc
             s_nonce, c_nonce, answer = client_answer(hello, token, stream.peer)
             await send_msg(stream, answer)
             try:

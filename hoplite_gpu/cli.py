@@ -21,8 +21,10 @@ from .errors import ConfigError, HopliteError
 def _directory(args: argparse.Namespace) -> int:
     from .auth import new_token
     from .directory.server import DirectoryServer
+    from .tls import load
 
     config = Config.from_env()
+    tls = load(config)  # (bad TLS files: refused here, before we listen)
     token = args.token or config.token
     if not token:
         token = new_token()
@@ -48,7 +50,7 @@ def _directory(args: argparse.Namespace) -> int:
                               f"watched, a pipe or a terminal ({reason})")
 
     async def serve() -> None:
-        server = DirectoryServer(token, host=args.host, port=args.port,
+        server = DirectoryServer(token, host=args.host, port=args.port, tls=tls,
                                  **config.directory_settings())
         address = await server.start()
         print(f"hoplite-gpu directory listening on {address}", flush=True)

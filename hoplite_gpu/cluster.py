@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import multiprocessing as mp
 import os
@@ -24,6 +25,7 @@ from .auth import new_token
 from .config import Config, check_timeout
 from .errors import HopliteError, InvalidArgument, Timeout
 from .lifecycle import Closing, stop_process
+from .tls import load as load_tls
 
 _ADDRESS = re.compile(r"listening on (\S+)")
 
@@ -80,28 +82,47 @@ def _error(exc: BaseException) -> tuple[str, str, bool]:
     return (f"{type(exc).__name__}: {exc}", traceback.format_exc(), isinstance(exc, HopliteError))
 
 
+@dataclasses.dataclass
+class _DirectoryProcess:
+    """A `hoplite-gpu directory` process, the thread reading its output, and
+    the address it listens on."""
+
+    proc: subprocess.Popen
+    output: threading.Thread
+    address: str
+
+
 class LocalCluster(Closing):
-    """``with LocalCluster(8) as c: c.map(fn, [args0, args1, ...])``."""
+    """``with LocalCluster(8) as c: c.map(fn, [args0, args1, ...])``.
+
+    `standbys` more directory processes start beside the first, and every
+    node is given all their addresses (``"first,standby,..."``): when the
+    one in use is gone, nodes move to the next (`kill_directory`)."""
 
     def __init__(self, num_workers: int = 8, *, token: str | None = None,
                  start_timeout: float = 60.0, directory_args: Sequence[str] = (),
-                 **settings: Any) -> None:
+                 standbys: int = 0, **settings: Any) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise InvalidArgument(f"num_workers must be an int >= 0; got {num_workers!r}")
+        if isinstance(standbys, bool) or not isinstance(standbys, int) or standbys < 0:
+            raise InvalidArgument(f"standbys must be an int >= 0 (standby directories); "
+                                  f"got {standbys!r}")
         # Checked here, with the HOPLITE_* variables the processes inherit,
         # where the error can be read (a worker's or the directory's would
         # only say that it exited); None: the default.
         settings = {k: v for k, v in settings.items() if v is not None}
-        Config.from_env(None, **settings)
+        load_tls(Config.from_env(None, **settings))  # (unreadable TLS files too)
         self.num_workers = num_workers
         self.token = token or new_token()
         self.settings = settings
         self.start_timeout = check_timeout(start_timeout)
         self.directory_args = list(directory_args)
+        self.standbys = standbys
+        #: what workers are given: the directories' addresses, comma-separated
         self.address = ""
         self.node_ids: list[str] = []
-        self._directory: subprocess.Popen | None = None
-        self._output: threading.Thread | None = None
+        #: the directory processes, the first (the one nodes use first) first
+        self._directories: list[_DirectoryProcess] = []
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
         #: per worker, the jobs to send, sent by a thread of its own (a large
@@ -124,11 +145,14 @@ class LocalCluster(Closing):
     def start(self) -> None:
         """Start the directory and the workers, within `start_timeout` seconds in
         all; if any of it fails, whatever had started is stopped again."""
-        if self._procs or self._directory is not None:
+        if self._procs or self._directories:
             raise HopliteError("this LocalCluster is started already")
         deadline = time.monotonic() + self.start_timeout
         try:
             self._start_directory()
+            for _ in range(self.standbys):
+                self._directories.append(self._spawn_directory(0))
+            self.address = ",".join(d.address for d in self._directories)
             for _ in range(self.num_workers):
                 self._procs.append(None)  # type: ignore[arg-type]
                 self._conns.append(None)
@@ -171,35 +195,67 @@ class LocalCluster(Closing):
         self.node_ids[worker] = self._recv(worker, self.start_timeout)
         return self.node_ids[worker]
 
-    def restart_directory(self) -> None:
-        """Kill the directory and start a new one on the same address: nodes must
-        reconnect and re-register what they hold (the directory's state is soft)."""
-        if self._directory is None:
-            raise HopliteError("this LocalCluster is not running: start() it first")
-        port = self.address.rpartition(":")[2]
-        self._stop_directory(kill=True)
-        self._start_directory(port=int(port))
+    @property
+    def _directory(self) -> subprocess.Popen | None:
+        """The first directory's process (None before `start` and after `close`)."""
+        return self._directories[0].proc if self._directories else None
 
-    def _stop_directory(self, kill: bool = False) -> None:
-        if self._directory is None:
-            return
-        stop_process(self._directory, kill=kill)
-        if self._output is not None:
-            self._output.join(5)  # (it reads to the end of the exited process's output)
-        for pipe in (self._directory.stdin, self._directory.stdout):
+    @property
+    def directory_addresses(self) -> list[str]:
+        """Each directory's address, the first first (a killed one's too)."""
+        return [d.address for d in self._directories]
+
+    def restart_directory(self, which: int = 0) -> None:
+        """Kill directory `which` (0: the first) and start a new one on the
+        same address: nodes that used it must reconnect and re-register what
+        they hold (the directory's state is soft); to the others it is a
+        standby again."""
+        directory = self._directory_at(which)
+        port = int(directory.address.rpartition(":")[2])
+        self._stop_directory(directory, kill=True)
+        self._directories[which] = self._spawn_directory(port)
+
+    def kill_directory(self, which: int = 0) -> None:
+        """SIGKILL directory `which` (0: the first; then the standbys in
+        order) and reap it. It is not started again: nodes move to a standby."""
+        stop_process(self._directory_at(which).proc, kill=True)
+
+    def directory_pid(self, which: int = 0) -> int:
+        """The process id of directory `which` (0: the first)."""
+        return self._directory_at(which).proc.pid
+
+    def _directory_at(self, which: int) -> _DirectoryProcess:
+        if not self._directories:
+            raise HopliteError("this LocalCluster is not running: start() it first")
+        if isinstance(which, bool) or not isinstance(which, int) \
+                or not 0 <= which < len(self._directories):
+            raise HopliteError(f"no directory {which!r}: this cluster has directories "
+                               f"0 to {len(self._directories) - 1}")
+        return self._directories[which]
+
+    @staticmethod
+    def _stop_directory(directory: _DirectoryProcess, kill: bool = False) -> None:
+        stop_process(directory.proc, kill=kill)
+        directory.output.join(5)  # (it reads to the end of the exited process's output)
+        for pipe in (directory.proc.stdin, directory.proc.stdout):
             if pipe:
                 pipe.close()
-        self._directory = None
 
-    def _start_directory(self, port: int = 0) -> None:
+    def _start_directory(self) -> None:
+        """Start the first directory."""
+        first = self._spawn_directory(0)
+        self._directories.append(first)
+        self.address = first.address
+
+    def _spawn_directory(self, port: int) -> _DirectoryProcess:
         env = {**os.environ, "HOPLITE_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
                # the directory schedules with the same settings as the workers
                **{f"HOPLITE_{k.upper()}": str(v) for k, v in self.settings.items()}}
         cmd = [sys.executable, "-m", "hoplite_gpu", "directory", "--host", "127.0.0.1", "--port", str(port),
                "--until-stdin-closes", *self.directory_args]
         # Its stdin is a pipe only we hold: if this process dies, however, so does it.
-        self._directory = proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
         found: queue.Queue[str | None] = queue.Queue()
 
         def read() -> None:
@@ -212,15 +268,20 @@ class LocalCluster(Closing):
                         found.put(match.group(1))
             found.put(None)  # it exited
 
-        self._output = threading.Thread(target=read, name="hoplite-directory-output", daemon=True)
-        self._output.start()
+        output = threading.Thread(target=read, name="hoplite-directory-output", daemon=True)
+        output.start()
+        directory = _DirectoryProcess(proc, output, "")
         try:
             address = found.get(timeout=self.start_timeout)
         except queue.Empty:
+            self._stop_directory(directory, kill=True)
             raise Timeout(f"the directory did not start within {self.start_timeout:g}s") from None
         if address is None:
-            raise HopliteError(f"the directory exited with code {proc.wait()} before listening")
-        self.address = address
+            code = proc.wait()
+            self._stop_directory(directory)
+            raise HopliteError(f"the directory exited with code {code} before listening")
+        directory.address = address
+        return directory
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         # Interrupted (Ctrl-C, or a `kill` turned into one): workers still in a
@@ -256,7 +317,9 @@ class LocalCluster(Closing):
                 sender.join(5)
         self._procs, self._conns, self._outboxes, self._senders = [], [], [], []
         self._jobs, self._early = [], []
-        self._stop_directory()
+        for directory in self._directories:
+            self._stop_directory(directory)
+        self._directories = []
 
     # ------------------------------------------------------------- work ---
     def submit(self, worker: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

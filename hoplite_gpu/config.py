@@ -13,6 +13,8 @@ from fractions import Fraction
 from .errors import ConfigError, InvalidArgument
 
 _PREFIX = "HOPLITE_"
+#: The settings of TLS (`hoplite_gpu.tls`): all three or none.
+TLS_SETTINGS = ("tls_cert", "tls_key", "tls_ca")
 #: Transports whose streams take device buffers as they are (`StreamCaps.device`).
 DEVICE_TRANSPORTS = ("ucx",)
 KiB = 1024
@@ -139,10 +141,31 @@ class Config:
     #: shared memory: the sender's buffer is mapped and copied, not sent
     #: through sockets (see `hoplite_gpu.node.shm`). Host objects only.
     shared_memory: bool = True
+    #: TLS on every TCP connection between processes (control, data, direct
+    #: calls), mutual: this process's certificate (PEM, its chain after it),
+    #: its private key (PEM, unencrypted), and the cluster's CA, which must
+    #: have signed every peer's certificate. All three or none (none: no
+    #: TLS). UCX data carries no TLS (docs/security.md).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
+        for name in TLS_SETTINGS:
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value == "":  # (HOPLITE_TLS_CERT= : not set)
+                object.__setattr__(self, name, None)
         for f in fields(self):
             _check_type(f, getattr(self, f.name))
+        given = [name for name in TLS_SETTINGS if getattr(self, name) is not None]
+        if given and len(given) < len(TLS_SETTINGS):
+            missing = [n for n in TLS_SETTINGS if n not in given]
+            raise ConfigError(
+                "TLS needs all three of HOPLITE_TLS_CERT, HOPLITE_TLS_KEY and HOPLITE_TLS_CA "
+                f"(tls_cert, tls_key, tls_ca), or none; {', '.join(given)} given, "
+                f"{', '.join(missing)} not")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
                               f"got {self.log_level!r}")

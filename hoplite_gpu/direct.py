@@ -36,6 +36,7 @@ from .errors import HopliteError, Timeout, TransportClosed, TransportError
 from .ids import ObjectID
 from .protocol import LENGTH, MAX_MESSAGE, check_length, decode, pack
 from .transports import split_address
+from .transports.tls import TLS, shutdown, wrap_blocking
 from .values import Layout, fingerprint, from_buffer, to_buffer
 
 if TYPE_CHECKING:
@@ -82,19 +83,26 @@ class DirectLink:
     """One blocking connection to the directory, attached to node `node_id`.
     Used by one thread at a time; one request at a time."""
 
-    def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float) -> None:
+    def __init__(self, host: str, port: int, token: str, node_id: str, timeout: float,
+                 tls: TLS | None = None) -> None:
         self.peer = f"{host}:{port}"
         self.last_used = time.monotonic()
         self._next_rid = 1
         self._buf = bytearray()
         deadline = time.monotonic() + timeout
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise TransportError(f"cannot connect to the directory at {self.peer}: {exc}") from exc
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to the directory at {self.peer}: {exc}") from exc
+        self._sock = sock if tls is None else wrap_blocking(
+            sock, tls, self.peer, max(0.001, deadline - time.monotonic()))
+        try:
             s_nonce, c_nonce, answer = client_answer(self._recv(deadline), token, self.peer)
             self._send_all([answer], deadline)
             check_verdict(self._recv(deadline), token, s_nonce, c_nonce, self.peer)
@@ -156,10 +164,7 @@ class DirectLink:
     def interrupt(self) -> None:
         """Wake a thread blocked on this link (from another thread): its
         receive ends as if the directory had closed the connection."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self._sock)
 
     def _send_all(self, msgs: list, deadline: float) -> None:
         self._send(b"".join(pack(msg) for msg in msgs), deadline)
@@ -448,7 +453,8 @@ class DirectCalls:
             # (the directory in use now: the node may have moved to a standby)
             _, host, port = split_address(self._node.directory_address)
             link = DirectLink(host, port, self._token, self._node.node_id,
-                              max(0.001, min(self._connect_timeout, deadline - time.monotonic())))
+                              max(0.001, min(self._connect_timeout, deadline - time.monotonic())),
+                              self._node.tls)
         except HopliteError as exc:  # e.g. a restarted directory that has not met our node yet
             log.info("no direct connection to the directory (%s): calls take the loop's path "
                      "for %gs", exc, _BACKOFF_S)

@@ -126,7 +126,10 @@ class _Framer:
         self._make_room(need)
 
     def _make_room(self, need: int) -> None:
-        """Room from `_start` for `need` bytes: the next message, whole."""
+        """Room from `_start` for `need` bytes (the next message, whole), or,
+        for a message larger than the buffer, for about as many bytes again
+        as have come of it: what a peer makes us allocate grows with what it
+        sends, not with the length it announces."""
         have = self._end - self._start
         if have == 0:
             self._start = self._end = 0
@@ -134,7 +137,7 @@ class _Framer:
                 self._resize(self._size)
         elif self._start + need > len(self._buf):
             if need > len(self._buf):
-                self._resize(need)
+                self._resize(min(need, max(2 * have, have + self._size)))
             else:  # move it to the front
                 self._buf[:have] = self._buf[self._start:self._end]
                 self._start, self._end = 0, have

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from . import tls
 from .auth import new_token
 from .config import Config
 from .direct import MISS, PULL, DirectCalls
@@ -68,6 +69,9 @@ class Runtime:
             token = config.token
         self.config = config.replace(token=token)
         self.token = token
+        #: TLS for every TCP connection (None: none), its files checked before
+        #: anything connects
+        self.tls = tls.load(self.config)
         #: the process that made it: a forked child has a copy of this object
         #: but neither the loop thread nor a node of its own
         self.pid = os.getpid()
@@ -108,15 +112,22 @@ class Runtime:
     async def _start(self, address: str | None) -> None:
         if address is None:
             self.directory = DirectoryServer(self.token, host="127.0.0.1", port=0,
-                                             **self.config.directory_settings())
+                                             tls=self.tls, **self.config.directory_settings())
             address = await self.directory.start()
-        self.node = Node(self.config, self.token, address)
+        self.node = Node(self.config, self.token, address, tls=self.tls)
         await self.node.start()
 
     @property
     def address(self) -> str:
+        """The address of the directory in use."""
         assert self.node is not None
         return self.node.directory_address
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every directory this runtime may use (standbys too), in the order tried."""
+        assert self.node is not None
+        return list(self.node.link.addresses)
 
     @property
     def closed(self) -> bool:

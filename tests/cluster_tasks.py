@@ -409,3 +409,10 @@ def group_tree_broadcasts(name: str, rank: int, size: int, calls: int, nbytes: i
             right = right and np.array_equal(got, value)
         held = hg.node_stats()["held_bytes"]
     return {"right": right, "held": held, "after_close": hg.node_stats()["held_bytes"]}
+
+
+def directory_in_use() -> tuple[str, list[tuple[str, float]]]:
+    """The directory this node uses now, and (address, wall time) of each of
+    its registrations with one."""
+    node = hg.runtime().node
+    return node.directory_address, list(node.registrations)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -16,10 +17,16 @@ from hoplite_gpu import messages as m
 
 
 @pytest.fixture
-def local():
-    hg.init(chunk_size=64 * 1024, timeout_s=20)
-    yield
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"chunk_size": 64 * 1024, "timeout_s": 20}
+
+
+@pytest.mark.skipif(os.environ.get("TEST_IN_TLS") != "1",
+                    reason="only in the TLS pass of make test (TEST_IN_TLS=1)")
+def test_in_the_tls_pass_the_runtime_speaks_tls(local):
+    """The TLS pass (tests/conftest.py) really runs the runtime in TLS."""
+    assert local.tls is not None and local.node.link.client._stream.tls
 
 
 def test_put_get_roundtrip(local):

@@ -13,10 +13,9 @@ from hoplite_gpu.ids import ObjectID
 
 
 @pytest.fixture
-def local():
-    hg.init(chunk_size=64 * 1024, timeout_s=20)
-    yield hg.api.runtime()
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"chunk_size": 64 * 1024, "timeout_s": 20}
 
 
 # --- deadlines given by the caller ------------------------------------------

@@ -133,7 +133,7 @@ def test_acceptance_cli_directory_six_workers_64mib():
 
 def test_wrong_token_is_refused(cluster):
     with pytest.raises(hg.AuthenticationFailed, match="token"):
-        Runtime(hg.Config(token="not-the-token", connect_timeout_s=5), cluster.address)
+        Runtime(hg.Config.from_env(token="not-the-token", connect_timeout_s=5), cluster.address)
 
 
 def test_unknown_object_times_out_clearly(cluster):

@@ -13,13 +13,6 @@ import hoplite_gpu as hg
 from hoplite_gpu import collectives
 
 
-@pytest.fixture
-def local():
-    hg.init(timeout_s=20)
-    yield
-    hg.shutdown()
-
-
 def _put_rank(name: str, rank: int, value) -> None:
     hg.put(value, collectives.input_id(name, rank))
 

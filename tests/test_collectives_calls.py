@@ -32,10 +32,9 @@ TOKEN = "collectives-token"
 
 
 @pytest.fixture
-def local():
-    hg.init(timeout_s=5)
-    yield hg.api.runtime()
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"timeout_s": 5}
 
 
 # --- `timeout` bounds the whole call ---------------------------------------------

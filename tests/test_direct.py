@@ -87,11 +87,6 @@ def test_withdrawn_or_orphaned_direct_locates_leave_nothing_behind():
 
 
 # ------------------------------------------------------------- end to end ---
-@pytest.fixture
-def local():
-    hg.init(timeout_s=20)
-    yield hg.runtime()
-    hg.shutdown()
 
 
 @pytest.fixture

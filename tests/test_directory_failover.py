@@ -1,20 +1,27 @@
 """Standby directories: a node given several directory addresses
 (`init("hostA:7777,hostB:7777")`) uses the first that answers and, when the
 one in use is gone, moves to the next and re-announces what it holds, as
-after a restart. Nodes and two directories on one loop, over TCP."""
+after a restart. Nodes and two directories on one loop, over TCP; then
+separate processes, the first directory SIGKILLed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
+import cluster_tasks as t
 import numpy as np
 import pytest
 from in_process import eventually
 
 import hoplite_gpu as hg
+from hoplite_gpu.cluster import LocalCluster
 from hoplite_gpu.config import Config
 from hoplite_gpu.directory.server import DirectoryServer
 from hoplite_gpu.errors import InvalidArgument
+from hoplite_gpu.node.link import next_directory
 from hoplite_gpu.node.node import Node, directory_addresses
 
 MiB = 1 << 20
@@ -100,3 +107,102 @@ def test_nodes_move_to_the_standby_when_the_directory_goes_during_a_broadcast():
                                       np.full(1000, 6, np.float32))
 
     _run(body)
+
+
+def _holders(c: LocalCluster, worker: int, name: str) -> set[str]:
+    return {h["node"] for h in c.run(worker, t.object_info, name)["holders"]}
+
+
+def test_processes_move_to_the_standby_when_the_first_directory_is_killed():
+    """Two `hoplite-gpu directory` processes and five nodes, each its own
+    process. The first directory is SIGKILLed while two receivers pull a
+    32 MiB object over TCP (its origin stopped for that moment, so that the
+    pulls are under way) and while a reduce waits for its last input, which
+    is put only after the kill: every node registers with the standby, both
+    receivers end byte-identical and the reduce's result is the sum of its
+    three inputs. The first, started again on its port, is then the standby
+    that nodes move back to when the second is killed."""
+    settings = dict(shared_memory=False, chunk_size=MiB, stall_timeout_s=3.0,
+                    heartbeat_interval_s=0.2, node_lease_s=1.5, timeout_s=30.0)
+    with LocalCluster(5, standbys=1, **settings) as c:
+        first, standby = c.directory_addresses
+        crc = c.run(0, t.put_pattern, "sb-bcast", 32 * MiB)
+        n = MiB
+        names = ["sb-in-1", "sb-in-2", "sb-in-3"]
+        for w in (1, 2):
+            c.run(w, t.put_float32, names[w - 1], n, w)
+        c.submit(4, t.reduce_and_get, names, "sum", 3, "sb-out", 30.0)
+        receivers = {c.node_ids[1], c.node_ids[2]}
+        os.kill(c.pid(0), signal.SIGSTOP)
+        try:
+            for w in (1, 2):
+                c.submit(w, t.get_summary, "sb-bcast", 30.0)
+            deadline = time.monotonic() + 10
+            while not receivers <= _holders(c, 3, "sb-bcast"):
+                assert time.monotonic() < deadline, "the receivers were not given a sender"
+                time.sleep(0.02)
+            killed_at = time.time()
+            c.kill_directory(0)
+        finally:
+            os.kill(c.pid(0), signal.SIGCONT)
+        c.run(3, t.put_float32, names[2], n, 3)
+        assert [c.result(w, 40)[0] for w in (1, 2)] == [crc, crc]
+        value, used = c.result(4, 40)
+        assert sorted(used) == [0, 1, 2]
+        expected = sum(np.random.default_rng(s).standard_normal(n).astype(np.float32)
+                       .astype(np.float64) for s in (1, 2, 3))
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-4)
+        for w in range(5):
+            address, registrations = c.run(w, t.directory_in_use)
+            assert address == standby, f"worker {w} uses {address}, not the standby"
+            assert [a for a, _ in registrations] == [first, standby]
+            assert registrations[-1][1] >= killed_at
+        assert c.run(3, t.get_summary, "sb-bcast", 30.0)[0] == crc  # served by the standby
+        # the first, started again, is the standby now: nodes move back to it
+        c.restart_directory(0)
+        c.kill_directory(1)
+        assert c.run(1, t.get_summary, "sb-out", 30.0)[0] == c.run(4, t.get_summary, "sb-out")[0]
+        for w in range(5):
+            assert c.run(w, t.directory_in_use)[0] == first
+
+
+def test_a_node_backs_off_only_after_a_round_of_every_directory():
+    """A node on the second of two directories (it had moved there) waited
+    a backoff before trying the first when the second went: the round was
+    counted from the first address, not from where it began."""
+    assert next_directory(1, 1, 2) == (0, False)  # the second failed: the first at once
+    assert next_directory(0, 1, 2) == (1, True)   # both failed: back off
+    assert next_directory(0, 0, 2) == (1, False)
+    assert next_directory(0, 0, 1) == (0, True)   # one directory: every failure backs off
+
+
+def test_a_standby_ignores_the_old_trees_result_from_its_own_trees_root():
+    """The directory in use died while a reduce's root step ran on node n3.
+    The standby built its own tree from the re-sent reduce and the
+    re-announced inputs, its root on n3 again; then n3's old step finished
+    and reported the target complete with the old directory's tag. The
+    standby took that for the result (finished the reduce, dropped its
+    tree's partial results), while n3, given the new root step, replaced
+    the old copy and its new step failed on the dropped children: the
+    standby listed n3 as the result's holder with no copy there, and gets
+    of the result waited until their deadline."""
+    from hoplite_gpu.directory import state as s
+
+    size, layout = 16 * MiB, {"kind": "numpy", "dtype": "<f4", "shape": [4 * MiB],
+                              "nbytes": 16 * MiB}
+    d = s.Directory(instance=b"standby!")
+    for i in range(4):
+        d.handle(s.NodeJoined(f"n{i}", f"tcp://127.0.0.1:{1000 + i}"))
+    target, inputs = b"t" * 20, [bytes([i]) * 20 for i in range(1, 4)]
+    d.handle(s.ReduceRequested("n0", 1, target, tuple(inputs), "sum", 3))  # asked again
+    out = []
+    for i, key in enumerate(inputs):  # re-announced by their holders
+        out += d.handle(s.Completed(f"n{i + 1}", key, size, layout, own=True))
+    root = [c for c in out if isinstance(c, s.StartReduceStep) and c.step.output == target]
+    assert [c.node for c in root] == ["n3"]
+    old_tag = b"firstdir" + (1).to_bytes(8, "big")
+    out = d.handle(s.Completed("n3", target, size, layout, own=True, tag=old_tag))
+    assert not d.reduces[target].done
+    assert not [c for c in out if isinstance(c, s.Drop)], "the new tree's steps were dropped"
+    d.handle(s.Completed("n3", target, size, layout, own=True, tag=root[0].step.tag))
+    assert d.reduces[target].done and d.objects[target].holders["n3"].complete

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks.emulated import EmulatedCluster, EmulationUnavailable, _alive, sweep_stale
-from benchmarks.netbench import hoplite_broadcast, link_timeline
+from benchmarks.netbench import hoplite_broadcast, link_timeline, run_launch
 
 
 def _namespaces() -> list[str]:
@@ -32,6 +32,24 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
             # 4 MiB at 200 Mbit/s is 0.17 s: far slower than loopback, so the bytes
             # really crossed the shaped veths, and a pipelined chain stays near S/B
             assert 1.0 < row["ratio_to_bound"] < 4.0, row
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
+
+
+@pytest.mark.timeout(180)
+def test_group_calls_in_a_loop_cross_the_shaped_links():
+    """The `hoplite-gpu-group` system: every rank calls the collective on a
+    `Group` after the group's own barrier, with no delete; each call's
+    result is checked on every rank (run_launch raises otherwise)."""
+    try:
+        cluster = EmulatedCluster(3, 200e6)
+        with cluster:
+            for op in ("broadcast", "allreduce"):
+                row = run_launch(cluster, "hoplite-gpu-group", op, 2 << 20, tag=f"group-{op}",
+                                 iters=3, warmup=1, sync=True)
+                assert row["sync"] and len(row["samples_s"]) == 3, row
+                assert row["link_bytes_down"] >= row["link_bytes_floor"] > 0
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]

@@ -24,11 +24,6 @@ OPS = ["sum", "prod", "min", "max", "avg"]
 NUMPY = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean}
 
 
-@pytest.fixture
-def local():
-    hg.init(timeout_s=20)
-    yield hg.api.runtime()
-    hg.shutdown()
 
 
 def on_threads(ranks: list[Callable[[], Any]], timeout: float = 30.0) -> list[Any]:

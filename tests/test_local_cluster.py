@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
 import signal
 import threading
@@ -52,6 +53,12 @@ def test_a_bad_worker_count_is_refused_clearly(n):
     with pytest.raises(hg.HopliteError):
         with LocalCluster(n):
             pass
+
+
+@pytest.mark.parametrize("standbys", [-1, 1.5, True])
+def test_a_bad_standby_count_is_refused_before_any_process_starts(standbys):
+    with pytest.raises(hg.InvalidArgument, match="standbys"):
+        LocalCluster(1, standbys=standbys)
 
 
 @pytest.mark.parametrize("settings", [{"chunk_sze": 8192}, {"chunk_size": 8192.0},
@@ -247,7 +254,26 @@ def test_start_twice_and_restart_directory_after_close_are_refused():
             c.start()
     with pytest.raises(HopliteError, match="not running"):
         c.restart_directory()
+    with pytest.raises(HopliteError, match="not running"):
+        c.kill_directory()
     assert c._directory is None
+
+
+def test_a_standby_directory_is_killed_by_its_index_and_stopped_on_close():
+    c = LocalCluster(0, standbys=1)
+    with c:
+        first, standby = c.directory_addresses
+        assert c.address == f"{first},{standby}"
+        with pytest.raises(hg.HopliteError, match="0 to 1"):
+            c.kill_directory(2)
+        pids = [c.directory_pid(0), c.directory_pid(1)]
+        c.kill_directory(1)
+        assert c._directories[1].proc.poll() is not None
+        assert c._directories[0].proc.poll() is None
+    assert c._directory is None
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 # --------------------- interrupted calls, whole maps, a cluster not running ---

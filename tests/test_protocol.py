@@ -113,6 +113,32 @@ def test_an_oversized_or_undecodable_message_is_a_protocol_error():
         _read_all(Scripted(b"\x00\x00\x00\x01\x05"), 1)
 
 
+def test_a_large_announced_length_allocates_with_the_bytes_that_come():
+    """A peer that announced a message of MAX_MESSAGE (64 MiB) and sent a few
+    bytes of it made the reader allocate all 64 MiB at once (the framer
+    resized its buffer to the announced length): found by fuzzing an
+    authenticated directory connection. The buffer now grows with the bytes
+    received, and a large message still arrives whole."""
+    from hoplite_gpu import protocol
+
+    sizes: list[int] = []
+    real = protocol._Framer._resize
+
+    def resize(self, size):
+        sizes.append(size)
+        real(self, size)
+
+    head = (MAX_MESSAGE - 10).to_bytes(4, "big")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(protocol._Framer, "_resize", resize)
+        assert _read_all(Scripted(head + b"\x80" * 1000), 0, size=4096) == []
+        assert max(sizes, default=0) <= 2 * 4096, sizes
+        sizes.clear()
+        msg = {"b": b"z" * (3 << 20)}
+        assert _read_all(Scripted(pack(msg), piece=64 << 10), 1, size=4096) == [msg]
+        assert max(sizes) == len(pack(msg))  # (grown to the message, no further)
+
+
 def test_a_stream_that_ends_mid_message_is_closed():
     data = pack({"a": 1}) + pack({"b": b"x" * 100})[:50]
     assert _read_all(Scripted(data), 1) == [{"a": 1}]

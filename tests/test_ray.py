@@ -134,3 +134,53 @@ def test_weight_channel_between_actors(ray_cluster):
     assert ray.get(learner.publish.remote(6, 1 << 20), timeout=120) == list(range(6))
     for seen in ray.get(futures, timeout=120):
         assert seen == sorted(set(seen)) and seen[-1] == 5
+
+
+@ray.remote
+class Member:
+    """A node of the directory group `name`."""
+
+    def __init__(self, name: str) -> None:
+        hray.join(name=name, timeout_s=30)
+
+    def put(self, n: int):
+        return hg.put(np.full(n, 3.0, dtype=np.float32))
+
+    def get_sum(self, oid) -> float:
+        return float(hg.get(oid, timeout=30).astype(np.float64).sum())
+
+    def directory(self, name: str) -> tuple[str, list[str], str]:
+        """After a join (again): the directory in use, every address this
+        node may use, and the node's id (the same runtime: the same id)."""
+        hray.join(name=name)
+        return hg.runtime().address, hg.runtime().addresses, hg.node_id()
+
+
+def test_nodes_move_to_a_standby_directory_actor(ray_cluster):
+    """start_directory(standbys=1) starts a second directory actor with the
+    first's token, and join() gives nodes both addresses (a join again
+    keeps the node's runtime): once the first's process is killed, a node
+    that had joined moves to the standby and still gets what another holds,
+    a node joining afterwards finds the standby, and start_directory
+    attaches to the group as it is."""
+    name = "standby-group"
+    try:
+        info = hray.start_directory(name=name, standbys=1)
+        first, standby = info["address"].split(",")
+        assert hray.start_directory(name=name, standbys=1) == info
+        holder, reader = Member.remote(name), Member.remote(name)
+        oid = ray.get(holder.put.remote(500_000))
+        *before, reader_id = ray.get(reader.directory.remote(name))
+        assert before == [first, [first, standby]]
+        actor = ray.get_actor(name)
+        os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30), 9)
+        assert ray.get(reader.get_sum.remote(oid), timeout=60) == 1_500_000.0
+        assert ray.get(reader.directory.remote(name)) == (standby, [first, standby], reader_id)
+        late = Member.remote(name)
+        assert ray.get(late.get_sum.remote(oid), timeout=60) == 1_500_000.0
+        assert ray.get(late.directory.remote(name))[:2] == (standby, [first, standby])
+        assert hray.start_directory(name=name, standbys=1) == info
+    finally:
+        hray.stop_directory(name=name)
+    with pytest.raises(ValueError):
+        ray.get_actor(f"{name}-standby-1")

@@ -168,6 +168,35 @@ def test_directory_on_every_interface_keeps_its_control_transport(ray_session):
         hray.stop_directory(name=name)
 
 
+@ray.remote
+def _joined_in_tls(name: str) -> tuple[bool, float]:
+    from hoplite_gpu import api
+
+    hray.join(name=name, timeout=30)
+    value = np.arange(1000, dtype=np.float64)
+    return api.runtime().tls is not None, float(hg.get(hg.put(value), timeout=30).sum())
+
+
+def test_a_directory_in_tls_is_joined_by_tasks_without_tls_settings(ray_session, tmp_path):
+    """start_directory hands the driver's TLS files to the actor, whose
+    process may lack the driver's environment; a task whose environment
+    names no TLS files joins with the directory's (the same paths on every
+    machine), in TLS."""
+    pytest.importorskip("cryptography")
+    from benchmarks.tls import make_certificates
+
+    files = make_certificates(tmp_path)["node"]
+    name = "review-tls"
+    hg.shutdown()
+    try:
+        info = hray.start_directory(name=name, **files)
+        assert {k: info[k] for k in files} == files
+        assert ray.get(_joined_in_tls.remote(name), timeout=60) == (True, 499500.0)
+    finally:
+        hg.shutdown()
+        hray.stop_directory(name=name)
+
+
 def test_start_directory_with_an_empty_name_is_invalid_argument(ray_session):
     """start_directory(name="") ends in Ray's own ValueError "The actor name
     must be specified to use `get_if_exists`" (and join(name="") waits its
@@ -205,3 +234,12 @@ def test_start_directory_with_a_bad_port_is_refused_before_any_actor(ray_session
     DirectoryUnavailable wrapping Ray's traceback, colour codes included."""
     with pytest.raises(hg.InvalidArgument, match="port"):
         hray.start_directory(name="review-bad-port", port=port)
+
+
+@pytest.mark.parametrize("standbys", [-1, hray.MAX_STANDBYS + 1, True, 1.0])
+def test_start_directory_with_a_bad_standby_count_is_refused_before_any_actor(ray_session,
+                                                                               standbys):
+    with pytest.raises(hg.InvalidArgument, match="standbys"):
+        hray.start_directory(name="review-bad-standbys", standbys=standbys)
+    with pytest.raises(ValueError):
+        ray.get_actor("review-bad-standbys")

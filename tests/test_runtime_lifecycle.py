@@ -220,10 +220,9 @@ def test_a_forked_child_does_not_hide_its_parents_death():
 
 
 @pytest.fixture
-def local():
-    hg.init(chunk_size=64 * 1024, timeout_s=20)
-    yield hg.api.runtime()
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"chunk_size": 64 * 1024, "timeout_s": 20}
 
 
 def test_a_forked_child_gets_a_prompt_clear_answer_and_can_init(local):

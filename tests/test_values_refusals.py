@@ -187,10 +187,9 @@ def test_plain_arrays_never_import_numpy_ma():
 
 
 @pytest.fixture
-def local():
-    hg.init(timeout_s=10)
-    yield hg.api.runtime()
-    hg.shutdown()
+def runtime_settings() -> dict:
+    """The `local` runtime's settings here."""
+    return {"timeout_s": 10}
 
 
 def _closed_mmap():

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .base import HEAD, Backend, Head, Listener, SendWindow, Stream, StreamCaps, split_address
+
+if TYPE_CHECKING:
+    from .tls import TLS
 
 # scheme -> "module:attribute", imported on first use so optional ones (ucx)
 # cost nothing when unused.
@@ -21,7 +25,11 @@ def register_backend(scheme: str, backend: Backend) -> None:
     _loaded[scheme] = backend
 
 
-def get_backend(scheme: str) -> Backend:
+def get_backend(scheme: str, tls: TLS | None = None) -> Backend:
+    """The backend of `scheme`; with `tls`, one whose connections run in TLS
+    where the transport has it (`Backend.with_tls`)."""
+    if tls is not None:
+        return get_backend(scheme).with_tls(tls)
     from hoplite_gpu.errors import ConfigError
 
     if scheme in _loaded:

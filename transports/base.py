@@ -76,6 +76,8 @@ class Stream(abc.ABC):
     peer: str = "?"
     #: What this kind of stream can do.
     caps: ClassVar[StreamCaps] = StreamCaps()
+    #: Whether its bytes travel in TLS (`transports.tls`).
+    tls: ClassVar[bool] = False
     #: How many `send` calls may usefully be in flight at once (see
     #: `SendWindow`). 1: each send is worth finishing before the next starts
     #: (a byte stream is busy until its bytes are written). More: overlapping
@@ -335,6 +337,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def connect(self, address: str, timeout: float) -> Stream:
         """Connect to ``address`` (``scheme://host:port`` or ``host:port``)."""
+
+    def with_tls(self, tls: Any) -> Backend:
+        """This transport with every connection in TLS (`transports.tls.TLS`).
+        TCP does; a transport without TLS returns itself: UCX moves its bytes
+        as they are (docs/security.md), and the same-host one never leaves
+        the host."""
+        return self
 
 
 def split_address(address: str, default_scheme: str = "tcp") -> tuple[str, str, int]:

@@ -32,6 +32,9 @@ class Owner(Protocol):
     def expect(self, rest: int) -> None:
         """Wake for the next `rest` bytes of a receive (SO_RCVLOWAT)."""
 
+    def add_reader(self, callback: Callable[[], None]) -> None:
+        """Have the loop call `callback` whenever the stream may have bytes to read."""
+
     def shut(self) -> None:
         """Close the stream now (after a failure of the lane)."""
 
@@ -187,7 +190,7 @@ class Lane:
         want = self._want()
         if want and not self._reading:
             self._expect_next()  # (a plain receive meanwhile may have set another)
-            self._loop.add_reader(self._sock.fileno(), self._readable)
+            self._owner.add_reader(self._readable)
             self._reading = True
         elif not want and self._reading:
             self._stop()

@@ -17,7 +17,7 @@ import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hoplite_gpu.errors import (
     ConnectionRefused,
@@ -43,6 +43,9 @@ from .base import (
     split_address,
 )
 from .lane import Lane
+
+if TYPE_CHECKING:
+    from .tls import TLS
 
 log = logging.getLogger("hoplite_gpu.transports.tcp")
 
@@ -97,6 +100,9 @@ class TCPStream(Stream):
     #: A byte stream: receives take part of a send as cheaply as all of it, and
     #: a message may go in parts (`send_message_part`).
     caps = StreamCaps(partial_receive=True, message_parts=True)
+    #: Whether asyncio's own socket calls (sock_sendall, sock_recv_into) may
+    #: move this stream's bytes: a plain socket's, not a TLS one's.
+    _loop_io: ClassVar[bool] = True
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         _tune(sock)
@@ -133,14 +139,14 @@ class TCPStream(Stream):
                     view = view.cast("B")
                 if not len(view):
                     continue
-                if self.send_stall_s is None:
+                if self.send_stall_s is None and self._loop_io:
                     await self._guarded("send", loop.sock_sendall(self._sock, view))
                 else:
                     await self._guarded("send", self._send_steadily(view, self.send_stall_s))
 
-    async def _send_steadily(self, view: memoryview, stall: float) -> None:
+    async def _send_steadily(self, view: memoryview, stall: float | None) -> None:
         """Send all of `view`, failing if the peer takes no byte for `stall`
-        seconds: write what the kernel takes, and wait for room between
+        seconds (None: no limit): write what the kernel takes, and wait for room between
         writes. The kernel says "writable" only once a good part of the send
         buffer has drained, which a slow but steady reader may take longer
         than `stall` to do: so a wait that runs out asks the kernel how many
@@ -216,6 +222,17 @@ class TCPStream(Stream):
         return await self._lane.recv_next()
 
     # -- bytes ---------------------------------------------------------------------
+
+    def add_reader(self, callback: Callable[[], None]) -> None:
+        """Have the loop call `callback` whenever the stream may have bytes to
+        read (until the socket's reader is removed)."""
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), callback)
+
+    def buffered(self) -> bool:
+        """Whether bytes already taken off the socket wait to be received (TLS
+        decrypts whole records): a reader takes them before it waits on the
+        socket again."""
+        return False
 
     def _plain(self) -> None:
         """A plain receive may read the socket now (see `Lane.quiet`)."""
@@ -294,31 +311,32 @@ class TCPStream(Stream):
         sock = self._sock
 
         def readable() -> None:
-            if ended.done():
-                return
-            try:
-                n = sock.recv_into(space())
-            except (BlockingIOError, InterruptedError):
-                return
-            except (OSError, ValueError) as exc:
-                ended.set_exception(exc)
-                return
-            if n == 0:
-                ended.set_exception(ConnectionResetError(ended_why()))
-                return
-            try:
-                if received(n):
+            while not ended.done():
+                try:
+                    n = sock.recv_into(space())
+                except (BlockingIOError, InterruptedError):
+                    return
+                except (OSError, ValueError) as exc:
+                    ended.set_exception(exc)
+                    return
+                if n == 0:
+                    ended.set_exception(ConnectionResetError(ended_why()))
+                    return
+                try:
+                    if received(n):
+                        ended.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - the caller's error, raised below
+                    failed.append(exc)
                     ended.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - the caller's error, raised below
-                failed.append(exc)
-                ended.set_result(None)
+                if not self.buffered():
+                    return  # (a plain socket: one receive per wake-up)
 
         if eager:
             readable()  # often some of it is there already
         fd = None
         if not ended.done():
             fd = sock.fileno()
-            loop.add_reader(fd, readable)
+            self.add_reader(readable)
         try:
             await self._guarded("receive", ended)  # errors become TransportClosed
         finally:
@@ -497,6 +515,13 @@ async def resolve(host: str, port: int, flags: int = 0) -> list:
 class TCPBackend(Backend):
     scheme = "tcp"
 
+    def __init__(self, tls: TLS | None = None) -> None:
+        #: every connection in TLS (`transports.tls`), or none
+        self.tls = tls
+
+    def with_tls(self, tls: TLS) -> Backend:
+        return TCPBackend(tls)
+
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         if not (isinstance(port, int) and 0 <= port <= 65535):
             raise ConnectionRefused(f"cannot listen on {host}:{port}: ports are 0 to 65535")
@@ -514,11 +539,16 @@ class TCPBackend(Backend):
             raise ConnectionRefused(f"cannot listen on {host}:{port}: {exc}") from exc
         sock.listen(512)
         sock.setblocking(False)
+        if self.tls is not None:
+            from .tls import TLSListener
+
+            return TLSListener(sock, handler, self.tls)
         return TCPListener(sock, handler)
 
     async def connect(self, address: str, timeout: float) -> Stream:
         _, host, port = split_address(address)
         loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
         try:
             async with asyncio.timeout(timeout):
                 infos = await resolve(host, port)
@@ -545,4 +575,8 @@ class TCPBackend(Backend):
         except BaseException:  # cancelled (its caller gave up): the socket goes too
             sock.close()
             raise
-        return TCPStream(sock, f"{host}:{port}")
+        if self.tls is None:
+            return TCPStream(sock, f"{host}:{port}")
+        from .tls import connect
+
+        return await connect(sock, f"{host}:{port}", self.tls, max(0.0, give_up - loop.time()))

@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hoplite_gpu import messages as m
 from hoplite_gpu.auth import client_handshake
@@ -25,6 +25,9 @@ from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from .wire import raise_for_error
+
+if TYPE_CHECKING:
+    from hoplite_gpu.transports.tls import TLS
 
 log = logging.getLogger("hoplite_gpu.client")
 
@@ -47,13 +50,14 @@ class DirectoryClient:
     @classmethod
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
                       timeout: float, on_push: Callable[[m.Message], None],
-                      stall_s: float | None = None) -> DirectoryClient:
-        """Connect, authenticate and register within `timeout` seconds in all. A
-        directory that then takes no message for `stall_s` seconds is lost."""
+                      stall_s: float | None = None, tls: TLS | None = None) -> DirectoryClient:
+        """Connect (in TLS, given `tls`), authenticate and register within
+        `timeout` seconds in all. A directory that then takes no message for
+        `stall_s` seconds is lost."""
         scheme, _, _ = split_address(address)
         deadline = time.monotonic() + timeout  # one deadline for the whole: connect, handshake, register
         try:
-            stream = await get_backend(scheme).connect(address, timeout)
+            stream = await get_backend(scheme, tls).connect(address, timeout)
         except (TransportError, Timeout) as exc:
             # Refused or silent alike: UCX sometimes lets a connect to a closed
             # port run to its timeout instead of refusing it.
@@ -71,7 +75,8 @@ class DirectoryClient:
             raise Timeout(
                 f"the directory at {address} did not accept us within {timeout:g}s (if it "
                 "serves another transport, use its full address, e.g. ucx://host:port, or "
-                "the same HOPLITE_CONTROL_TRANSPORT)") from exc
+                "the same HOPLITE_CONTROL_TRANSPORT"
+                f"{'' if tls else '; if it runs TLS, set HOPLITE_TLS_* here too'})") from exc
         except BaseException:
             await stream.close()
             raise

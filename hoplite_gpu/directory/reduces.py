@@ -188,10 +188,16 @@ class Reduces:
         return self.failed.get(oid)
 
     def stale_result(self, oid: Key, tag: bytes | None) -> bool:
-        """Whether a complete copy of `oid` from tree `tag` is a rebuilt
-        tree's root (on this node too), not the result of the current one."""
+        """Whether a complete copy of `oid` from tree `tag`, of a node this
+        directory lists as a holder (the current tree's root, or a reader of
+        it), is not the current tree's result: a rebuilt tree's root (on
+        this node too), or a tree of the directory before this one (a
+        restart, a standby) whose root step ran where this tree's root step
+        now runs, and which that step replaces (`Steps.start`). As
+        `confirm` answers, any other tree's copy is not this one's."""
         task = self.reduces.get(oid)
-        return task is not None and not task.done and self._stale(task, tag)
+        return (task is not None and not task.done and tag is not None and tag != task.tag
+                and len(tag) == len(task.tag))
 
     def result_complete(self, oid: Key, out: list[Command]) -> None:
         """The node that made `oid` (its putter, or its tree's root) completed it."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -20,6 +22,9 @@ from hoplite_gpu.transports import Stream, get_backend, split_address
 
 from . import state
 from .wire import to_event
+
+if TYPE_CHECKING:
+    from hoplite_gpu.transports.tls import TLS
 
 log = logging.getLogger("hoplite_gpu.directory")
 
@@ -116,9 +121,13 @@ class DirectoryServer:
                  bytes_per_s: float = 1.25e9, chunk_size: int = 4 << 20,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 1.0,
                  max_sources: int = 1, multi_source_bytes: int = 16 << 20,
-                 stripes: int = 1, relay_bytes: int = 0) -> None:
+                 stripes: int = 1, relay_bytes: int = 0,
+                 tls: TLS | None = None) -> None:
         self.token = token
         self.host, self.port, self.transport = host, port, transport
+        #: every connection in TLS (`hoplite_gpu.tls.load`), or none; its
+        #: handshake within `handshake_timeout` too
+        self.tls = None if tls is None else dataclasses.replace(tls, handshake_s=handshake_timeout)
         self.handshake_timeout = handshake_timeout
         self.state = state.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency_s, bytes_per_s=bytes_per_s,
@@ -139,7 +148,7 @@ class DirectoryServer:
 
     async def start(self) -> str:
         _raise_fd_limit()
-        backend = get_backend(self.transport)
+        backend = get_backend(self.transport, self.tls)
         self._listener = await backend.listen(self.host, self.port, self._serve)
         self.address = self._listener.address
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())

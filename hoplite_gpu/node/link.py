@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from hoplite_gpu import messages as m
@@ -16,6 +17,7 @@ from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, PeerLost, Timeout
 from hoplite_gpu.timers import Expired, until
+from hoplite_gpu.transports.tls import TLS
 
 from .tasks import TaskSet
 
@@ -33,12 +35,16 @@ class DirectoryLink:
 
     def __init__(self, address: str, token: str, node_id: str, config: Config, *,
                  announce: Callable[[DirectoryClient], None],
-                 gone: Callable[[BaseException], None]) -> None:
+                 gone: Callable[[BaseException], None], tls: TLS | None = None) -> None:
         #: every directory this link may use, in the order they are tried
         self.addresses = address.split(",")
         #: the one in use (or tried last)
         self.address = self.addresses[0]
+        #: (address, wall time) of each registration with a directory: the
+        #: first, then one per reconnection (the latest last)
+        self.registrations: deque[tuple[str, float]] = deque(maxlen=64)
         self.token, self.node_id, self.config = token, node_id, config
+        self.tls = tls
         self._announce, self._gone = announce, gone
         self.client: DirectoryClient | None = None
         #: set while a client is connected (cleared from a loss to the reconnection)
@@ -69,6 +75,7 @@ class DirectoryLink:
                     raise
                 log.warning("the directory at %s is unreachable; trying %s", address,
                             self.addresses[i + 1])
+        self.registrations.append((self.address, time.time()))
         self.connected.set()
         self.start_heartbeat()
 
@@ -77,7 +84,7 @@ class DirectoryLink:
             self.address, token=self.token, node=self.node_id,
             data_address=self._data_address,
             timeout=self.config.connect_timeout_s, on_push=self.on_push,
-            stall_s=self.config.stall_timeout_s)
+            stall_s=self.config.stall_timeout_s, tls=self.tls)
 
     def start_heartbeat(self) -> None:
         """Renew this node's lease from now on (again, after the heartbeat was stopped)."""
@@ -194,14 +201,14 @@ class DirectoryLink:
         deadline = time.monotonic() + self.config.timeout_s
         delay = 0.05
         old = self.client
-        at = self.addresses.index(self.address) if self.address in self.addresses else 0
+        start = at = self.addresses.index(self.address) if self.address in self.addresses else 0
         while self._closed is None and time.monotonic() < deadline:
             try:
                 client = await self._connect()
             except HopliteError as exc:
                 log.info("reconnect to %s failed: %s", self.address, exc)
-                at = (at + 1) % len(self.addresses)
-                if at == 0 or len(self.addresses) == 1:  # (a round of them all: wait)
+                at, wait = next_directory(at, start, len(self.addresses))
+                if wait:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
                 self.address = self.addresses[at]
@@ -210,7 +217,16 @@ class DirectoryLink:
             if old is not None:
                 await old.close()
             self._announce(client)
+            self.registrations.append((self.address, time.time()))
             self.connected.set()
             log.warning("reconnected to the directory at %s", self.address)
             return
         self._gone(PeerLost(f"the directory at {', '.join(self.addresses)} stayed unreachable"))
+
+
+def next_directory(at: int, start: int, count: int) -> tuple[int, bool]:
+    """After directory `at` of `count` failed, in a reconnection that began
+    at `start`: the one to try next, and whether to back off first (once a
+    round of them all has failed, wherever in the list the round began)."""
+    at = (at + 1) % count
+    return at, at == start

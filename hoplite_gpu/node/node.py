@@ -26,7 +26,9 @@ from hoplite_gpu.errors import (
     Timeout,
 )
 from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.tls import load as load_tls
 from hoplite_gpu.transports import split_address
+from hoplite_gpu.transports.tls import TLS
 from hoplite_gpu.values import Layout, fingerprint, from_buffer, to_buffer
 
 from . import shm
@@ -58,9 +60,13 @@ class Node:
     of the others, and keeps what spans them: forgetting an id everywhere
     (`_forget`), deletes, channels and the public calls of the runtime."""
 
-    def __init__(self, config: Config, token: str, directory_address: str) -> None:
+    def __init__(self, config: Config, token: str, directory_address: str, *,
+                 tls: TLS | None = None) -> None:
         self.config = config
         self.token = token
+        #: TLS for its TCP connections (`hoplite_gpu.tls`): read from `config`
+        #: unless its runtime read it already
+        self.tls = tls if tls is not None else load_tls(config)
         # A bare "host:port" means the control transport (HOPLITE_CONTROL_TRANSPORT);
         # several, comma-separated: standby directories, dialled in turn when
         # the one in use is gone (`DirectoryLink`).
@@ -73,11 +79,11 @@ class Node:
         #: Nodes with the same (non-empty) value run on one host, in one
         #: network namespace: bytes between them cross no network link.
         self.host_key = shm.domain()
-        self.server = DataServer(self.store, token, config)
+        self.server = DataServer(self.store, token, config, tls=self.tls)
         # (a pull of an id this node dropped is refused at once, unless the
         # node is making it again: see `DataServer.making`)
         self.server.making = self.making
-        self.pool = PeerPool(token, config)
+        self.pool = PeerPool(token, config, tls=self.tls)
         self._closed: BaseException | None = None
         #: the newest version of each channel this node published or fetched whole,
         #: re-announced to a restarted directory
@@ -96,7 +102,7 @@ class Node:
         (fetched at call time, so that a test may stand in for one on the node)."""
         config, token = self.config, self.token
         #: the directory: requests, notices, heartbeat, reconnection, pushes
-        self.link = DirectoryLink(address, token, self.node_id, config,
+        self.link = DirectoryLink(address, token, self.node_id, config, tls=self.tls,
                                   announce=self._announce,
                                   gone=lambda error: self.pulls.cancel_all(error))
         #: puts under way here
@@ -151,6 +157,12 @@ class Node:
     def directory_address(self, address: str) -> None:  # (where a reconnection dials)
         self.link.addresses = address.split(",")
         self.link.address = self.link.addresses[0]
+
+    @property
+    def registrations(self) -> deque[tuple[str, float]]:
+        """(directory address, wall time) of each registration with a
+        directory: the first, then one per reconnection (`DirectoryLink`)."""
+        return self.link.registrations
 
     # (read only, for tests: the link's state)
     @property

@@ -55,6 +55,7 @@ from hoplite_gpu.protocol import (
     send_msg,
 )
 from hoplite_gpu.transports import Listener, SendWindow, Stream, get_backend, split_address
+from hoplite_gpu.transports.tls import TLS
 
 from . import shm
 from .pull_modes import (  # noqa: F401  (STEP, SHM_STEP, POSTED_RECEIVES: named here too)
@@ -88,10 +89,13 @@ _DROPPED_KEPT = 4096
 class DataServer:
     """Serves this node's objects to peers, chunk by chunk, as bytes become ready."""
 
-    def __init__(self, store: ChunkStore, token: str, config: Config) -> None:
+    def __init__(self, store: ChunkStore, token: str, config: Config, *,
+                 tls: TLS | None = None) -> None:
         self.store = store
         self.token = token
         self.config = config
+        #: TLS on its transport's connections (not the same-host ones)
+        self.tls = tls
         self._listener = None
         self.address = ""
         #: oid -> the tasks serving a pull of it now (see `release`).
@@ -113,7 +117,7 @@ class DataServer:
             self._dropped.popitem(last=False)
 
     async def start(self) -> str:
-        backend = get_backend(self.config.transport)
+        backend = get_backend(self.config.transport, self.tls)
         self._listener = await backend.listen(self.config.node_host, 0, self._serve)
         self.address = self._listener.address
         return self.address
@@ -319,9 +323,11 @@ class DataServer:
 class PeerPool:
     """Authenticated data connections to peers, reused across pulls."""
 
-    def __init__(self, token: str, config: Config) -> None:
+    def __init__(self, token: str, config: Config, *, tls: TLS | None = None) -> None:
         self.token = token
         self.config = config
+        #: TLS on transport connections (same-host ones never leave the host)
+        self.tls = tls
         #: (address, same-host?) -> idle connections
         self._idle: dict[tuple[str, bool], list[Stream]] = {}
         #: peers whose same-host socket is not there (another host or namespace)
@@ -368,7 +374,7 @@ class PeerPool:
             elif stream is BUSY:
                 stream = None
         if stream is None:
-            stream = await get_backend(scheme).connect(address, timeout)
+            stream = await get_backend(scheme, self.tls).connect(address, timeout)
         try:
             await client_handshake(stream, self.token, timeout)
         except BaseException:

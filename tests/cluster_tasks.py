@@ -149,6 +149,16 @@ def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: flo
     return float(out[:1000].astype(np.float64).sum()), origins, node_id()
 
 
+def _wait_pooled(nbytes: int, seconds: float) -> None:
+    """Until this node's buffer pool holds at least `nbytes` (at most `seconds`)."""
+    from hoplite_gpu import api
+
+    pool = api.runtime().node.store.pool
+    deadline = time.monotonic() + seconds
+    while pool.pooled < nbytes and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int,
                     keep_first: bool = False) -> dict:
     """A training loop's allreduces: step k deletes step k-1's objects (rank 0,
@@ -163,6 +173,11 @@ def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int,
         collectives.allgather(np.zeros(1), name=f"{name}/sync/{k}", rank=rank, size=size)
         if rank == 0 and k:
             collectives.delete(f"{name}/{k - 1}", size=size)
+        if k and not keep_first:  # (the delete reaches other nodes a moment
+            # later, and a send still under way holds its buffer that long:
+            # wait, bounded, until a buffer of the step's size is back in this
+            # node's pool; a sliced allreduce's pieces are of other sizes)
+            _wait_pooled(n * 4, 5.0)
         value = np.full(n, rank + k, dtype=np.float32)
         out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
         sums.append(float(out[-1]))

@@ -24,3 +24,19 @@ def local_ray(namespace: str, num_cpus: int, **options: object) -> Iterator[None
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_with_directory(namespace: str, num_cpus: int, **options: object) -> Iterator[None]:
+    """`local_ray` with the default hoplite directory actor started in it;
+    at the end this process's runtime is shut down and the actor stopped."""
+    import hoplite_gpu as hg
+    import hoplite_gpu.ray as hray
+
+    with local_ray(namespace, num_cpus, **options):
+        hray.start_directory()
+        try:
+            yield
+        finally:
+            hg.shutdown()
+            hray.stop_directory()

@@ -22,7 +22,7 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
-from ray_local import local_ray  # noqa: E402
+from ray_local import ray_with_directory  # noqa: E402
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hray  # noqa: E402
@@ -44,13 +44,8 @@ def ray_session():
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), old) if p)
     try:
-        with local_ray("hoplite-examples-edges", num_cpus=8):
-            hray.start_directory()
-            try:
-                yield
-            finally:
-                hg.shutdown()
-                hray.stop_directory()
+        with ray_with_directory("hoplite-examples", num_cpus=8):
+            yield
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)

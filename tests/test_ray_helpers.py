@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray")
 
-from ray_local import local_ray  # noqa: E402
+from ray_local import ray_with_directory  # noqa: E402
 
 import hoplite_gpu as hg  # noqa: E402
 import hoplite_gpu.ray as hray  # noqa: E402
@@ -31,13 +31,8 @@ def ray_session():
     """A local Ray (as tests/ray_local.py starts it) that also declares one
     GPU, so that a `@ray.remote(num_gpus=1)` task is scheduled here as on a
     GPU machine; with the default directory actor."""
-    with local_ray("hoplite-ray-review", 8, num_gpus=1):
-        hray.start_directory()
-        try:
-            yield
-        finally:
-            hg.shutdown()
-            hray.stop_directory()
+    with ray_with_directory("hoplite-ray-helpers", 8, num_gpus=1):
+        yield
 
 
 def _bounded(fn, limit: float):

@@ -429,6 +429,9 @@ class Registered(Body, kw_only=True):
     ok: bool
     node: str
     lease_s: float
+    #: the other nodes registered there when this one was (a node joining
+    #: one of several directories prefers one that has some)
+    nodes: int = 0
 
 
 class Attached(Body, kw_only=True):

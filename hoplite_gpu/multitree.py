@@ -12,10 +12,12 @@ and the members). The ranks learn each other's node and data address from
 small inline objects under the call's name; the root puts the object; every
 other rank registers as a holder of the object it is about to fill (so
 gets of it by anyone may pipeline from it) and pulls a pinned plan
-(`engine.run_plan`): one sub-flow per tree, from that tree's parent. A
-parent that fails has its range's rest pulled from another of the plan's
-parents; if every parent fails, the receiver asks the directory, which
-finishes the copy on the dynamic path (the bytes in hand are kept).
+(`engine.run_plan`): one sub-flow per tree, from that tree's parent. What a
+parent that fails left comes from the root once the other parents'
+ranges are in (not from another parent: it may be below the failed one in
+that tree, waiting on the same bytes); if the root fails too, the receiver
+asks the directory, which finishes the copy on the dynamic path (the bytes
+in hand are kept).
 
 Which of the ranges a relay serves first does not matter: a data server
 serves a range as soon as its bytes are written (`StoredObject.ready_from`).
@@ -112,7 +114,7 @@ async def _broadcast(node: Any, value: Any, name: str, rank: int, root: int,
     info = cards[chosen[root]]
     layout = Layout.from_wire(info.layout)
     obj = await _fill(node, oid, layout, flows_for(plan, info.size, chosen[rank], cards),
-                      deadline)
+                      deadline, info)
     return from_buffer(obj.buffer, layout, array_type)
 
 
@@ -130,9 +132,11 @@ async def _cards(node: Any, name: str, chosen: tuple[Any, ...], plan: Any, rank:
 
 
 async def _fill(node: Any, oid: ObjectID, layout: Layout, flows: list[SubFlow],
-                deadline: float) -> Any:
-    """Register as a holder of `oid` to be, fill it as `flows` say (finishing
-    on the dynamic path if every parent fails), and announce it complete."""
+                deadline: float, root: m.TreeMember) -> Any:
+    """Register as a holder of `oid` to be, fill it as `flows` say, and
+    announce it complete. What a failed parent left comes from the root
+    (`root`'s card), at once; if the root fails too, from the directory's choice
+    (the bytes in hand are kept)."""
     existing = node.store.get(oid)
     if existing is not None and existing.complete:
         return existing
@@ -142,13 +146,17 @@ async def _fill(node: Any, oid: ObjectID, layout: Layout, flows: list[SubFlow],
     await node._request(m.Put(rid=0, oid=oid.binary, size=layout.nbytes,
                               layout=layout.to_wire()), max(0.001, deadline - time.monotonic()))
     senders = tuple(dict.fromkeys((f.sender, f.address) for f in flows))
+    # Not from another parent (it may be below the failed one in that tree,
+    # waiting on the same bytes from us): from the root, at once.
+    plan = Plan(oid, obj.size, tuple(flows), senders, pinned=True, spares=False,
+                backups=((root.node, root.address),))
     try:
         async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
-            await node.pull_plan(obj, Plan(oid, obj.size, tuple(flows), senders, pinned=True))
+            await node.pull_plan(obj, plan)
     except PEER_FAILURES as exc:
         if time.monotonic() >= deadline:
             raise Timeout(f"multitree broadcast of {oid.hex()}: not complete in time") from exc
-        # Every parent failed: what is missing comes the directory's way.
+        # The root failed too: what is missing comes the directory's way.
         return await node.fetch(oid, max(0.001, deadline - time.monotonic()))
     except TimeoutError:
         raise Timeout(f"multitree broadcast of {oid.hex()}: not complete in time") from None

@@ -431,3 +431,27 @@ def directory_in_use() -> tuple[str, list[tuple[str, float]]]:
     its registrations with one."""
     node = hg.runtime().node
     return node.directory_address, list(node.registrations)
+
+
+def tree_broadcast_crc(name: str, rank: int, size: int, nbytes: int, seed: int,
+                       timeout: float) -> int:
+    """One `multitree_broadcast` of `size` ranks over the DGX-1V fixture's
+    first `size` GPUs (rank 0 the root); the crc32 of what this rank holds."""
+    from hoplite_gpu.multitree import multitree_broadcast
+    from hoplite_gpu.topology import fixture
+
+    value = pattern(nbytes, seed) if rank == 0 else None
+    got = multitree_broadcast(value, name=name, rank=rank, size=size,
+                              topology=fixture("dgx1v"), timeout=timeout)
+    return zlib.crc32(np.ascontiguousarray(got).view(np.uint8))
+
+
+def tree_cards_posted(name: str, size: int, timeout: float) -> int:
+    """Wait (bounded) until every rank of the multitree broadcast `name` has
+    posted its card; how many there are."""
+    from hoplite_gpu.multitree import call_ids
+
+    cards = call_ids(name, size)[1:]
+    for oid in cards:
+        hg.get(oid, timeout=timeout)
+    return len(cards)

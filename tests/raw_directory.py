@@ -33,8 +33,9 @@ async def registered(address: str, node: str, token: str = TOKEN):
     await send_msg(stream, {"op": "register", "node": node, "address": f"tcp://127.0.0.1:1{len(node)}"})
     async with asyncio.timeout(5):
         reply = await recv_msg(stream)
-    assert reply == {"ok": True, "node": node, "lease_s": reply.get("lease_s")}
-    assert reply["lease_s"] > 0
+    assert reply["ok"] is True and reply["node"] == node, reply
+    assert set(reply) <= {"ok", "node", "lease_s", "nodes"}, reply  # ("nodes" left out when 0)
+    assert reply["lease_s"] > 0 and reply.get("nodes", 0) >= 0
     return stream
 
 

@@ -1,7 +1,8 @@
 """Chaos: repeated broadcasts and reduces while participants are SIGKILLed
 mid-transfer, a sender is stopped (SIGSTOP), the directory is restarted, a
-holder is killed while others pull from several complete copies at once, and
-the first of two directories is lost for good mid-broadcast.
+holder is killed while others pull from several complete copies at once, a
+relay of a broadcast over packed spanning trees is killed, and the first of
+two directories is lost for good mid-broadcast.
 Every survivor must end with byte-identical data, every reduce must equal the
 oracle over the inputs it reports, and nothing may outlive its deadline.
 
@@ -16,6 +17,7 @@ import random
 import signal
 import threading
 import time
+import zlib
 
 import cluster_tasks as t
 import numpy as np
@@ -41,9 +43,10 @@ def run_chaos(seed: int, rounds: int = 3) -> dict:
         _broadcast_with_stalled_sender(c, "cs")
         _broadcast_across_directory_restart(c, "cd")
         _multi_source_pulls_with_kill(c, rng, "cm")
+        _multitree_broadcast_with_kill(c, rng, "ct")
         _broadcast_with_directory_lost(c, rng, "cx")  # (last: the first directory is gone)
-        stats["broadcasts"] += 4
-        stats["kills"] += 2
+        stats["broadcasts"] += 5
+        stats["kills"] += 3
     return stats
 
 
@@ -126,6 +129,26 @@ def _multi_source_pulls_with_kill(c: LocalCluster, rng: random.Random, name: str
     c.restart(victim)
 
 
+def _multitree_broadcast_with_kill(c: LocalCluster, rng: random.Random, name: str) -> None:
+    """A broadcast over the packed spanning trees of the DGX-1V fixture's
+    first seven GPUs (workers 0-6; every rank relays in some tree), and one
+    non-root rank SIGKILLed once every rank has posted its card: its
+    children pull its ranges from their other parents, or from the
+    directory's choice, and every survivor ends byte-identical."""
+    size, nbytes = N - 1, 48 << 20
+    crc = zlib.crc32(t.pattern(nbytes, 7))
+    for rank in range(size):
+        c.submit(rank, t.tree_broadcast_crc, name, rank, size, nbytes, 7, DEADLINE)
+    assert c.run(N - 1, t.tree_cards_posted, name, size, DEADLINE) == size
+    time.sleep(rng.uniform(0.0, 0.05))
+    victim = rng.randrange(1, size)
+    c.kill(victim)
+    for rank in range(size):
+        if rank != victim:
+            assert c.result(rank, DEADLINE + 5) == crc, f"rank {rank} got wrong bytes"
+    c.restart(victim)
+
+
 def _broadcast_with_directory_lost(c: LocalCluster, rng: random.Random, name: str) -> None:
     """The first directory's process SIGKILLed for good mid-broadcast: every
     node moves to the standby, re-announces what it holds, and every
@@ -146,7 +169,7 @@ def test_chaos():
     seed = int(os.environ.get("CHAOS_SEED", "0") or 0) or random.randrange(1 << 30)
     print(f"chaos seed {seed}")
     stats = run_chaos(seed)
-    assert stats["kills"] == 8
+    assert stats["kills"] == 9
 
 
 @pytest.mark.timeout(120)

@@ -51,8 +51,7 @@ def test_members_are_checked():
         multitree.members_of(MESH, 3, [0, 1])
 
 
-def _run(nodes, value, plan, name, kill=None):
-    chosen = (0, 1, 2, 3)
+def _run(nodes, value, plan, name, chosen=(0, 1, 2, 3)):
 
     async def one(rank, node):
         return await multitree._broadcast(node, value if rank == 0 else None, name, rank, 0,
@@ -112,6 +111,35 @@ def test_a_parent_dying_midway_leaves_its_range_to_the_others_or_the_directory()
             np.testing.assert_array_equal(got, value)
 
     run_nodes([config] * 4, body, bound=60)
+
+
+def test_a_relay_that_serves_nothing_leaves_its_ranges_to_the_root():
+    """A relay SIGKILLed during a broadcast over the DGX-1V fixture's first
+    seven GPUs left its children's ranges to their other parents, who were
+    below it in those trees and waited on the same bytes from them: every
+    survivor waited out its deadline (found by the chaos suite). What a
+    failed parent leaves comes from the root."""
+    from hoplite_gpu.topology import fixture
+
+    chosen = tuple(range(7))
+    plan = pack(fixture("dgx1v"), 0, chosen)
+    # the member that is a parent most often, not the root
+    counts = {n: sum(p == n for tree in plan.trees for p, _ in tree.edges) for n in chosen[1:]}
+    victim = max(counts, key=counts.get)
+    value = (np.arange(12 * MiB) % 241).astype(np.uint8)
+    config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=20, stall_timeout_s=1.0)
+
+    async def body(directory, *nodes):
+        async def dead(stream, *args):
+            await stream.close()
+            return False
+
+        nodes[victim].server._stream_range = dead
+        results = await asyncio.gather(*_run(nodes, value, plan, "mt-dead", chosen))
+        for rank, got in enumerate(results):
+            np.testing.assert_array_equal(got, value, err_msg=f"rank {rank}")
+
+    run_nodes([config] * 7, body, bound=60)
 
 
 async def _eventually(check, timeout=5.0):

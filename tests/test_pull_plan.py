@@ -470,3 +470,34 @@ def test_a_pinned_plan_pulls_each_range_from_its_own_sender_at_once():
     assert sorted(calls) == [("a", 0, 100), ("a", 100, 200), ("b", 200, 300),
                              ("spare", 250, 300)] or ("a", 250, 300) in calls
     assert obj.complete
+
+
+def test_without_spares_a_failed_ranges_rest_goes_only_to_a_backup_and_at_once():
+    """A multitree broadcast's plan (no spares, the root a backup): b's
+    range fails at 250 while a still pulls its own; the rest of b's range
+    is pulled from the root at once, never from a (a parent that may wait
+    on those very bytes), and a's pull ends only after the root's."""
+    obj = _object(300)
+    plan = Plan(obj.oid, 300, (SubFlow(0, 200, "a", "x"), SubFlow(200, 300, "b", "y")),
+                pinned=True, spares=False, backups=(("root", "r"),))
+    calls = []
+
+    async def main():
+        root_done = asyncio.Event()
+
+        async def fetch(flow, sink):
+            calls.append((flow.sender, flow.start, flow.end))
+            if flow.sender == "b":
+                sink.advance(250)
+                raise PeerLost("b died (test)")
+            if flow.sender == "a":  # (waits for the root's: not after a is done)
+                await asyncio.wait_for(root_done.wait(), 1)
+            sink.advance(flow.end)
+            if flow.sender == "root":
+                root_done.set()
+
+        await engine.run_plan(plan, obj, fetch, lambda f, e: None, (PeerLost,))
+
+    asyncio.run(main())
+    assert sorted(calls) == [("a", 0, 200), ("b", 200, 300), ("root", 250, 300)]
+    assert obj.complete

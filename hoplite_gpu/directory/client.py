@@ -45,6 +45,8 @@ class DirectoryClient:
         self._outbox = Outbox(stream, self._fail, stall_s=stall_s)
         #: the directory's node lease, if it said (register's answer)
         self.lease_s: float | None = None
+        #: the other nodes registered there when we did (register's answer)
+        self.peers = 0
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -81,6 +83,7 @@ class DirectoryClient:
             await stream.close()
             raise
         client = cls(stream, on_push, stall_s=stall_s)
+        client.peers = answer.nodes
         if answer.lease_s > 0:
             client.lease_s = float(answer.lease_s)
         return client

@@ -245,7 +245,8 @@ class DirectoryServer:
             return
         peer = self.peers[node] = _Peer(node, stream, self.state.lease_s)
         # (our lease, which the node beats well within, whatever its own settings)
-        peer.outbox.post(m.Registered(ok=True, node=node, lease_s=self.state.lease_s))
+        peer.outbox.post(m.Registered(ok=True, node=node, lease_s=self.state.lease_s,
+                                      nodes=len(self.peers) - 1))
         self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
         try:
             await self._read_loop(peer)

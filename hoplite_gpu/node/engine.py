@@ -151,6 +151,8 @@ class _Queue:
         self.flows = collections.deque(plan.flows)
         #: whether a worker done with its own sub-flow takes what failed ones left
         self.spares = plan.spares
+        #: who takes what failed ones left all the same (`Plan.backups`)
+        self.backups = set(plan.backups)
         self.obj, self.ledger, self.fetch, self.failed = obj, ledger, fetch, failed
         self.retry_on = retry_on
         self.busy = 0
@@ -169,7 +171,7 @@ class _Queue:
         while True:
             if own is not None:  # (counted as pulling by `take_all`)
                 flow, own = own, None
-            elif not self.spares:
+            elif not self.spares and (sender, address) not in self.backups:
                 return  # (its own sub-flow done: what others leave goes nowhere else)
             else:
                 async with self.changed:

@@ -63,25 +63,48 @@ class DirectoryLink:
 
     async def connect(self, data_address: str) -> None:
         """Register this node (its data server at `data_address`) with the
-        first directory that answers, and start beating."""
+        first directory that answers (`_join`), and start beating."""
         self._data_address = data_address
-        for i, address in enumerate(self.addresses):
-            self.address = address
-            try:
-                self.client = await self._connect()
-                break
-            except DirectoryUnavailable:
-                if i == len(self.addresses) - 1:
-                    raise
-                log.warning("the directory at %s is unreachable; trying %s", address,
-                            self.addresses[i + 1])
+        self.client = await self._join(0, fail=True)
         self.registrations.append((self.address, time.time()))
         self.connected.set()
         self.start_heartbeat()
 
-    def _connect(self):  # (a coroutine: the client once connected)
+    async def _join(self, first: int, *, fail: bool) -> DirectoryClient | None:
+        """A client of the first directory that answers, trying `addresses`
+        from index `first` round: or, if that one has no other node and a
+        later one has some, of that one (nodes that moved to a standby while
+        the first was away stay there; a node joining then must find them,
+        not the first restarted empty). None if none answers, unless `fail`
+        (then the last one's error)."""
+        count = len(self.addresses)
+        chosen: DirectoryClient | None = None
+        for i in range(count):
+            address = self.addresses[(first + i) % count]
+            try:
+                client = await self._connect(address)
+            except HopliteError as exc:
+                log.info("the directory at %s did not take us: %s", address, exc)
+                if fail and chosen is None and i == count - 1:
+                    raise
+                continue
+            if chosen is None:
+                chosen, self.address = client, address
+                if client.peers > 0:
+                    break
+            elif client.peers > 0:  # (the empty one held nothing of ours: leaving it costs nothing)
+                log.warning("the directory at %s has no other node; joining the one at %s, "
+                            "which has %d", self.address, address, client.peers)
+                await chosen.close()
+                chosen, self.address = client, address
+                break
+            else:
+                await client.close()
+        return chosen
+
+    def _connect(self, address: str):  # (a coroutine: the client once connected)
         return DirectoryClient.connect(
-            self.address, token=self.token, node=self.node_id,
+            address, token=self.token, node=self.node_id,
             data_address=self._data_address,
             timeout=self.config.connect_timeout_s, on_push=self.on_push,
             stall_s=self.config.stall_timeout_s, tls=self.tls)
@@ -196,22 +219,18 @@ class DirectoryLink:
 
     async def _reconnect(self) -> None:
         """Reconnect with backoff, to the directory in use or, failing that,
-        the next of `addresses` in turn; then tell the new directory what we
-        hold: the directory keeps only soft state, so nodes rebuild it."""
+        the next of `addresses` in turn (`_join`); then tell the new
+        directory what we hold: the directory keeps only soft state, so
+        nodes rebuild it."""
         deadline = time.monotonic() + self.config.timeout_s
         delay = 0.05
         old = self.client
-        start = at = self.addresses.index(self.address) if self.address in self.addresses else 0
+        at = self.addresses.index(self.address) if self.address in self.addresses else 0
         while self._closed is None and time.monotonic() < deadline:
-            try:
-                client = await self._connect()
-            except HopliteError as exc:
-                log.info("reconnect to %s failed: %s", self.address, exc)
-                at, wait = next_directory(at, start, len(self.addresses))
-                if wait:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                self.address = self.addresses[at]
+            client = await self._join(at, fail=False)
+            if client is None:  # (a whole round failed: back off)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
                 continue
             self.client = client
             if old is not None:
@@ -222,11 +241,3 @@ class DirectoryLink:
             log.warning("reconnected to the directory at %s", self.address)
             return
         self._gone(PeerLost(f"the directory at {', '.join(self.addresses)} stayed unreachable"))
-
-
-def next_directory(at: int, start: int, count: int) -> tuple[int, bool]:
-    """After directory `at` of `count` failed, in a reconnection that began
-    at `start`: the one to try next, and whether to back off first (once a
-    round of them all has failed, wherever in the list the round began)."""
-    at = (at + 1) % count
-    return at, at == start

@@ -67,6 +67,10 @@ class Plan:
     #: this node sends that stripe to, and each would wait on the other's
     #: bytes; the directory names a new sender instead (`Restripe`).
     spares: bool = True
+    #: senders that, without `spares`, still take what failed sub-flows
+    #: left, at once (each a complete copy that waits on nobody: a
+    #: multitree broadcast's root)
+    backups: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         last = 0
@@ -137,6 +141,7 @@ class Plan:
         """Its senders with their addresses, each once: its `sources`, or
         those its sub-flows name, in order of first use."""
         seen: dict[tuple[str, str], None] = dict.fromkeys(self.sources)
+        seen.update(dict.fromkeys(self.backups))
         for flow in self.flows:
             seen.setdefault((flow.sender, flow.address), None)
         return list(seen)

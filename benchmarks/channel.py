@@ -8,7 +8,9 @@ each system side by side:
   the same, each actor fetching into arrays it made once (`fetch(out=...)`);
   `hoplite-kill`: the same as `hoplite`, with one actor SIGKILLed mid-fetch
   while another pulls from it (a relay of the chain; the others' time is
-  what counts), then started again to fetch as a late joiner.
+  what counts), then started again to fetch as a late joiner; `hoplite-get`:
+  the yardstick, the same bytes as one plain array (`hg.put` on host 0,
+  `hg.get` on every other host): what the channel adds to a broadcast.
 - `ray`: Ray's object store (`ray.put` in a learner actor, `ray.get` in one
   actor per host, one Ray node per host: benchmarks/rayemu.py), with the
   pull timeout of `rayemu.TUNED` (Ray's default re-sends bytes on these links).
@@ -18,7 +20,11 @@ each system side by side:
 The state dict (`benchmarks/weights.py`) is float32 tensors of mixed sizes, 4
 KiB to 64 MiB (766 tensors at 256 MiB), version v's values depending on v;
 every actor's copy is checked by CRC32 against the learner's. Each system
-moves a warm-up version, then `--repeats` timed ones; the bound is S/B, the
+moves `--warmup` untimed versions (3: with the channel's keep=2 a node
+holds two versions while the next arrives, so the fourth is the first
+whose buffers it has had before; fresh memory is slow on first touch on
+some machines, `python -m benchmarks machine`), then `--repeats` timed
+ones; the first version's time is reported apart. The bound is S/B, the
 state dict's bits over one link's rate.
 """
 
@@ -46,7 +52,7 @@ from .multisource import _fraction, _Process
 from .netbench import ROOT, CpuSampler
 from .weights import mixed_sizes
 
-SYSTEMS = ("hoplite", "hoplite-out", "hoplite-kill", "ray", "gloo")
+SYSTEMS = ("hoplite", "hoplite-out", "hoplite-kill", "hoplite-get", "ray", "gloo")
 #: The acceptance: the channel at or under this many S/B, and an actor killed
 #: mid-fetch costing the others less than this much more time
 TARGET_TO_BOUND = 1.15
@@ -118,11 +124,10 @@ def hoplite_launch(cluster, system: str, args: argparse.Namespace, cpu: CpuSampl
     rows = []
     try:
         run.start()
-        for version in range(args.repeats + 1):  # version 0 warms up, untimed
-            kill = system == "hoplite-kill" and version > 0
+        for version in range(args.warmup + args.repeats):  # the first `warmup` untimed
+            kill = system == "hoplite-kill" and version >= args.warmup
             row = _hoplite_version(cluster, run, version, system == "hoplite-out", kill, args, cpu)
-            if version > 0:
-                rows.append({"system": system, "repeat": version - 1, **row})
+            rows.append(_numbered({"system": system, **row}, version, args))
     finally:
         run.close()
     return rows
@@ -132,11 +137,15 @@ def _hoplite_version(cluster, run: _Channel, version: int, out: bool, kill: bool
                      args: argparse.Namespace, cpu: CpuSampler) -> dict:
     wait = args.timeout
     expected = run.learner.ask(wait, op="prepare", version=version)["crc"]
+    plain = run.name.endswith("hoplite-get")
     for actor in run.actors:
-        actor.send(op="fetch", newer_than=version - 1, out=out, timeout=wait)
+        if plain:
+            actor.send(op="get_plain", version=version, timeout=wait)
+        else:
+            actor.send(op="fetch", newer_than=version - 1, out=out, timeout=wait)
     time.sleep(0.3)  # (every actor's wait for a newer head is at the directory)
     before = cluster.link_counters()
-    published = run.learner.ask(wait, op="publish", version=version)
+    published = run.learner.ask(wait, op="put_plain" if plain else "publish", version=version)
     killed, waiting = None, list(run.actors)
     if kill:
         seen = run.learner.ask(wait, op="relay", version=version,
@@ -161,7 +170,7 @@ def _hoplite_version(cluster, run: _Channel, version: int, out: bool, kill: bool
 
 # ----------------------------------------------------------------- gloo ---
 def gloo_launch(cluster, args: argparse.Namespace, cpu: CpuSampler) -> list[dict]:
-    rounds = args.repeats + 1
+    rounds = args.warmup + args.repeats
     procs = [cluster.popen(i, [PY, "-m", "benchmarks.channelgloo", "--rank", str(i), "--world",
                                str(cluster.hosts), "--master", cluster.address(0), "--size",
                                str(args.size), "--rounds", str(rounds)],
@@ -182,13 +191,14 @@ def gloo_launch(cluster, args: argparse.Namespace, cpu: CpuSampler) -> list[dict
         raise RuntimeError(f"gloo rank 0 failed (exit {procs[0].returncode})")
     ranks = json.loads(lines[-1])["ranks"]
     rows = []
-    for k in range(1, rounds):
+    for k in range(rounds):
         start = ranks[0]["rounds"][k]["start"]
         end = max(r["rounds"][k]["end"] for r in ranks[1:])
         crcs = {r["rounds"][k]["crc"] for r in ranks}
-        rows.append({"system": "gloo", "repeat": k - 1, "seconds": end - start,
-                     "byte_identical": len(crcs) == 1, "actors_timed": len(ranks) - 1,
-                     "tensors": ranks[0]["tensors"], "cpu": cpu.window(start, end)})
+        rows.append(_numbered({"system": "gloo", "seconds": end - start,
+                               "byte_identical": len(crcs) == 1,
+                               "actors_timed": len(ranks) - 1, "tensors": ranks[0]["tensors"],
+                               "cpu": cpu.window(start, end)}, k, args))
     return rows
 
 
@@ -196,7 +206,7 @@ def gloo_launch(cluster, args: argparse.Namespace, cpu: CpuSampler) -> list[dict
 def ray_launch(cluster, args: argparse.Namespace, cpu: CpuSampler) -> list[dict]:
     from .rayemu import TUNED, RayOnEmulated
 
-    rounds = args.repeats + 1
+    rounds = args.warmup + args.repeats
     with RayOnEmulated(cluster, ray_config=TUNED,
                        object_store_bytes=max(1 << 30, 3 * args.size),
                        head_object_store_bytes=max(5 << 29, 3 * args.size)) as rc:
@@ -215,13 +225,20 @@ def ray_launch(cluster, args: argparse.Namespace, cpu: CpuSampler) -> list[dict]
             raise RuntimeError(f"the Ray driver failed (exit {proc.returncode}); Ray nodes' "
                                f"logs:\n{rc.log_tail()}")
     rows = []
-    for k, r in enumerate(json.loads(lines[-1])["rounds"][1:]):
+    for k, r in enumerate(json.loads(lines[-1])["rounds"]):
         end = max(r["ends"])
-        rows.append({"system": "ray", "repeat": k, "seconds": end - r["start"],
-                     "byte_identical": all(c == r["expected"] for c in r["crcs"]),
-                     "actors_timed": len(r["ends"]), "tensors": r["tensors"],
-                     "cpu": cpu.window(r["start"], end)})
+        rows.append(_numbered({"system": "ray", "seconds": end - r["start"],
+                               "byte_identical": all(c == r["expected"] for c in r["crcs"]),
+                               "actors_timed": len(r["ends"]), "tensors": r["tensors"],
+                               "cpu": cpu.window(r["start"], end)}, k, args))
     return rows
+
+
+def _numbered(row: dict, version: int, args: argparse.Namespace) -> dict:
+    """`row` of version `version`: a warm-up one, or timed repeat `version - warmup`."""
+    warm = version < args.warmup
+    return {**row, "version": version, "warmup": warm,
+            "repeat": None if warm else version - args.warmup}
 
 
 # -------------------------------------------------------------- the run ---
@@ -235,12 +252,15 @@ def summarize(rows: list[dict], args: argparse.Namespace) -> dict:
     s_over_b = bound(args)
     out: dict[str, Any] = {"bound_s": s_over_b, "systems": {}}
     for system in SYSTEMS:
-        samples = [r["seconds"] for r in rows if r["system"] == system]
+        samples = [r["seconds"] for r in rows if r["system"] == system and not r.get("warmup")]
+        first = [r["seconds"] for r in rows if r["system"] == system and r.get("version") == 0]
         if samples:
             med = statistics.median(samples)
             out["systems"][system] = {"n": len(samples), "median_s": med, "samples_s": samples,
                                       "min_s": min(samples), "max_s": max(samples),
-                                      "to_bound": med / s_over_b}
+                                      "to_bound": med / s_over_b,
+                                      "first_version_s": statistics.median(first) if first
+                                      else None}
     med = {k: v["median_s"] for k, v in out["systems"].items()}
     hop = med.get("hoplite")
     out["ratio_to_hoplite"] = {k: v / hop for k, v in med.items() if hop and k != "hoplite"}
@@ -297,7 +317,8 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     _verdict(console, summary)
     settings = {"hosts": args.hosts, "bandwidth_bps": args.gbit * 1e9, "measured_link_bps": link,
                 "size_bytes": args.size, "tensors": len(sizes), "smallest": min(sizes),
-                "largest": max(sizes), "repeats": args.repeats, "rounds": args.rounds,
+                "largest": max(sizes), "repeats": args.repeats, "warmup": args.warmup,
+                "rounds": args.rounds,
                 "kill_at": args.kill_at,
                 "systems": args.systems, "timeout_s": args.timeout,
                 "ray": "one Ray node per host, object_manager_pull_timeout_ms=100000",
@@ -309,7 +330,9 @@ def run(args: argparse.Namespace, console: Console) -> dict:
 
 def _say(console: Console, row: dict) -> None:
     cpu = row.get("cpu")
-    line = (f"{row['system']} repeat {row['repeat']}: {fmt_s(row['seconds'])} "
+    which = "warm-up" if row.get("warmup") else "repeat"
+    line = (f"{row['system']} version {row.get('version')} ({which} "
+            f"{'' if row.get('warmup') else row['repeat']}): {fmt_s(row['seconds'])} "
             f"({row['seconds'] / row['lower_bound_s']:.2f} x S/B), {row['actors_timed']} actors"
             + ("" if cpu is None else f", CPU busy {cpu['busy']:.0%}")
             + ("" if row["byte_identical"] else " [red]BYTES DIFFER[/]"))
@@ -323,14 +346,16 @@ def _say(console: Console, row: dict) -> None:
 def table(summary: dict, args: argparse.Namespace, tensors: int) -> Table:
     t = Table(title=f"{human(args.size)} in {tensors} tensors to {args.hosts - 1} actors at "
                     f"{args.gbit:g} Gbit/s: publish -> the last actor holds it")
-    t.caption = "S/B: the state dict over one link; x hoplite: median against the channel's"
-    for col in ("system", "n", "median", "min", "max", "x S/B", "x hoplite"):
+    t.caption = ("S/B: the state dict over one link; x hoplite: median against the channel's; "
+                 "first: the first version (fresh processes and memory), untimed")
+    for col in ("system", "n", "median", "min", "max", "x S/B", "x hoplite", "first"):
         t.add_column(col, justify="right", no_wrap=True)
     for system, e in summary["systems"].items():
         ratio = summary["ratio_to_hoplite"].get(system)
         t.add_row(system, str(e["n"]), fmt_s(e["median_s"]), fmt_s(e["min_s"]),
                   fmt_s(e["max_s"]), f"{e['to_bound']:.2f}",
-                  "1.00" if system == "hoplite" else "-" if ratio is None else f"{ratio:.2f}")
+                  "1.00" if system == "hoplite" else "-" if ratio is None else f"{ratio:.2f}",
+                  "-" if e["first_version_s"] is None else fmt_s(e["first_version_s"]))
     return t
 
 
@@ -351,7 +376,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=parse_size, default=parse_size("256M"),
                    help="the state dict's size, binary units (256M; a bare number is MiB)")
     p.add_argument("--repeats", type=at_least(1), default=3,
-                   help="timed versions per launch (after a warm-up one)")
+                   help="timed versions per launch (after the warm-up ones)")
+    p.add_argument("--warmup", type=at_least(1), default=3,
+                   help="untimed versions first: with the channel's keep=2, the third is the "
+                        "first whose buffers every node has had before (reported apart)")
     p.add_argument("--rounds", type=at_least(1), default=1,
                    help="launches of every system, in turn (drift hits all alike)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))

@@ -17,6 +17,9 @@ Commands (each carries a `timeout` in seconds; an error is answered as
   (a relay of the chain; progress reports come every 0.1 s); answers its
   node id and what it held.
 - holders {version}: `WeightChannel.holders`.
+- put_plain {version} / get_plain {version}: the yardstick: the same bytes
+  as one plain array under a name of the version (`hg.put`, `hg.get`), the
+  learner freeing the one two versions back as the channel's `keep=2` does.
 - failovers: this node's (pull failed, bytes flowed again) wall times.
 """
 
@@ -27,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 import hoplite_gpu as hg
 from hoplite_gpu.channel import WeightChannel, _part
 
@@ -35,7 +40,8 @@ from .weights import crc, empty_like, mixed_sizes, state_dict
 
 #: How often `reach` asks the directory (its progress reports come every 0.1 s)
 POLL_S = 0.01
-OPS = ("prepare", "publish", "fetch", "relay", "holders", "failovers")
+OPS = ("prepare", "publish", "fetch", "relay", "holders", "failovers", "put_plain",
+       "get_plain")
 
 
 class Commands:
@@ -64,6 +70,22 @@ class Commands:
         return {"end": end, "version": version, "crc": crc(self.held.values()),
                 "tensors": len(self.held)}
 
+    def put_plain(self, version: int, timeout: float) -> dict:
+        flat = np.concatenate([a.reshape(-1) for a in self.state.values()])  # (untimed)
+        start = time.time()
+        hg.put(flat, _plain(self.channel.name, version))
+        if version >= 2:
+            hg.delete(_plain(self.channel.name, version - 2))
+        return {"start": start, "end": time.time(), "version": version}
+
+    def get_plain(self, version: int, timeout: float) -> dict:
+        self.held = {}
+        got = hg.get(_plain(self.channel.name, version), timeout=timeout)
+        end = time.time()
+        self.held = {"flat": got}
+        # (CRC32 chains: the flat array's is the tensors' in order)
+        return {"end": end, "version": version, "crc": crc([got]), "tensors": len(self.sizes)}
+
     def relay(self, version: int, nbytes: int, timeout: float) -> dict:
         oid = _part(self.channel.name, version, 0)
         me = hg.node_id()
@@ -83,6 +105,10 @@ class Commands:
 
     def failovers(self, timeout: float) -> dict:
         return {"failovers": [(a, b) for _, a, b in list(hg.runtime().node.failovers)]}
+
+
+def _plain(channel: str, version: int) -> hg.ObjectID:
+    return hg.ObjectID.from_name(f"plain/{channel}/{version}")
 
 
 def main() -> int:

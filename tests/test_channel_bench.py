@@ -73,27 +73,30 @@ def test_bad_settings_are_refused_before_anything_starts(argv, capsys):
         bench_main(["channel", *argv, "--no-save"])
 
 
-@pytest.mark.slow  # three launches of five processes and four Gloo ranks on 4 hosts: ~35 s
+@pytest.mark.slow  # four launches of five processes and four Gloo ranks on 4 hosts: ~35 s
 @pytest.mark.timeout(300)
 def test_the_channel_and_gloo_run_end_to_end(monkeypatch, capsys):
     monkeypatch.setattr(channel, "_stop_on_signals", lambda: None)  # keep pytest's handlers
-    # 2 MiB at 20 Mbit/s: 0.8 s a version, so the kill lands mid-fetch
+    # 8 MiB at 80 Mbit/s: 0.8 s a version, so the kill lands mid-fetch (at 2 MiB and
+    # 20 Mbit/s the learner never saw an actor relaying a part: the kill timed out)
     try:
-        bench_main(["channel", "--hosts", "4", "--gbit", "0.02", "--size", "2M",
-                    "--repeats", "1", "--timeout", "60", "--systems", "hoplite", "hoplite-out",
-                    "hoplite-kill", "gloo", "--no-save", "--json"])
+        bench_main(["channel", "--hosts", "4", "--gbit", "0.08", "--size", "8M",
+                    "--repeats", "1", "--warmup", "1", "--timeout", "60", "--systems", "hoplite",
+                    "hoplite-out",
+                    "hoplite-kill", "hoplite-get", "gloo", "--no-save", "--json"])
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["byte_identical"] and not result["failed"], result["failed"]
     rows = {r["system"]: r for r in result["rows"]}
-    assert sorted(rows) == ["gloo", "hoplite", "hoplite-kill", "hoplite-out"]
+    assert sorted(rows) == ["gloo", "hoplite", "hoplite-get", "hoplite-kill", "hoplite-out"]
     for row in rows.values():
-        assert row["seconds"] > 0 and row["tensors"] == len(weights.mixed_sizes(2 * MiB))
-    assert rows["hoplite"]["actors_timed"] == rows["gloo"]["actors_timed"] == 3
+        assert row["seconds"] > 0 and row["tensors"] == len(weights.mixed_sizes(8 * MiB))
+    assert (rows["hoplite"]["actors_timed"] == rows["gloo"]["actors_timed"]
+            == rows["hoplite-get"]["actors_timed"] == 3)
     assert rows["hoplite-kill"]["actors_timed"] == 2
     killed = rows["hoplite-kill"]["killed"]
     assert killed["late_joiner_ok"] and 0 < killed["had"] < 1
     # the learner's uplink carried the version about once: a chain, not a star
-    assert rows["hoplite"]["learner_uplink_bytes"] < 2 * 2 * MiB
+    assert rows["hoplite"]["learner_uplink_bytes"] < 2 * 8 * MiB
     assert set(result["summary"]["systems"]) == set(rows)

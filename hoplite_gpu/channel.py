@@ -143,6 +143,9 @@ class WeightChannel:
         #: the highest version this publisher tried: a failed one is not reused
         self._tried = -1
         self._adopted = False
+        #: the host part's bytes of the last version this channel published or
+        #: fetched: the next one's buffer is made ready ahead (`_prepare`)
+        self._host_bytes = 0
 
     # ------------------------------------------------------------ publisher ---
     def publish(self, tensors: Mapping[str, Any], *, version: int | None = None,
@@ -207,6 +210,8 @@ class WeightChannel:
         finally:
             await _stopped(copying)
         await self._free_old(node, version)
+        self._host_bytes = sum(p.nbytes for p in parts if not p.device)
+        self._prepare(node)  # (for the next version)
         return version
 
     async def _put_version(self, node: Any, version: int, encoded: dict[str, Any],
@@ -425,12 +430,15 @@ class WeightChannel:
                      found: dict[str, packing.Target] | None = None, array_type: str = "cupy"
                      ) -> tuple[int, list[packing.Slot], list[Any], dict[str, Any]]:
         deadline = time.monotonic() + limit
+        self._prepare(node)  # (while the next version is awaited)
         while True:
             left = max(0.001, deadline - time.monotonic())
             head = await node.channel_head(self.name, newer_than, left)
             got = await self._fetch_version(node, head, deadline, found)
             if got is not None:
                 slots, parts = got
+                self._host_bytes = sum(p.nbytes for p in parts if isinstance(p, np.ndarray))
+                self._prepare(node)  # (for the next version)
                 made = {}
                 if found is not None:  # (device copies: ordered on this thread's stream)
                     packing.copy_into(slots, parts, found, loop=True)
@@ -441,6 +449,16 @@ class WeightChannel:
             # That version was freed: a newer one is out (the reader was too
             # far behind). (Asking again for `head` would get it back at once.)
             newer_than = max(newer_than, head)
+
+    def _prepare(self, node: Any) -> None:
+        """In the background, have a buffer of the last version's host part,
+        its pages touched, free in this node's pool for the next version
+        (`Node.prepare_buffer`; nothing once the versions' buffers cycle
+        through the pool): fresh memory's page faults are then paid while
+        the reader waits or the learner trains, not while the version
+        arrives."""
+        if self._host_bytes:
+            node.in_background(node.prepare_buffer(self._host_bytes))
 
     async def _fetch_version(self, node: Any, version: int, deadline: float,
                              found: dict[str, packing.Target] | None = None

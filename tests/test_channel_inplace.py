@@ -183,6 +183,48 @@ def test_fetch_out_allocates_nothing_for_the_tensors_in_steady_state(monkeypatch
     assert peak < nbytes / 50, f"the heap's peak grew by {peak} bytes ({nbytes} per version)"
 
 
+def test_the_next_versions_buffer_is_ready_in_the_pool_before_it_is_published():
+    """On the reader: once a version is fetched, a buffer of its size, its
+    pages touched, waits free in the pool while the reader waits for the
+    next, and that version lands in it (a pool hit) although every older
+    buffer is still held; on the learner likewise after a publish. Fresh
+    memory's first touch cost 0.65-0.76 s per 256 MiB per process on the
+    machine measured (`python -m benchmarks machine`)."""
+    sizes = [2 << 20, 1 << 20, 300]
+    nbytes = 4 * sum(sizes)
+    with LocalCluster(1, shared_memory=False, timeout_s=30) as cluster:
+        hg.init(cluster.address, token=cluster.token, shared_memory=False, timeout_s=30)
+        try:
+            ch = WeightChannel("ahead")
+            held = []
+            for v in range(2):
+                assert cluster.run(0, publish_step, "ahead", v, sizes, timeout=60) == v
+                held.append(ch.fetch(newer_than=v - 1, timeout=20)[1])  # (keeps each version)
+                deadline = time.monotonic() + 10
+                while hg.node_stats()["pooled_bytes"] < nbytes and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                stats = hg.node_stats()
+                assert stats["pooled_bytes"] >= nbytes, stats
+                if v == 0:
+                    before = stats["pool_hits"]
+            assert hg.node_stats()["pool_hits"] > before
+            assert float(held[1]["t0"][0]) == 1.0 and float(held[0]["t0"][0]) == 0.0
+            learner = cluster.run(0, pooled_after_publish, "ahead", 2, sizes, timeout=60)
+            assert learner >= nbytes, learner
+        finally:
+            hg.shutdown()
+
+
+def pooled_after_publish(channel: str, version: int, sizes: list[int]) -> int:
+    """(on the learner) publish `version`; the pool's free bytes once the
+    next version's buffer is made (waited for, bounded)."""
+    publish_step(channel, version, sizes)
+    deadline = time.monotonic() + 10
+    while hg.node_stats()["pooled_bytes"] < 4 * sum(sizes) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return hg.node_stats()["pooled_bytes"]
+
+
 # ---------------------------------------------------------- torch ---
 def test_load_into_writes_a_torch_modules_parameters_and_buffers_in_place():
     torch = pytest.importorskip("torch")

@@ -45,6 +45,19 @@ def host_buffer(nbytes: int, shared: bool = False) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
+#: A first touch faults in one page of this many bytes (or more: huge pages)
+PAGE = 4096
+
+
+def touched_buffer(nbytes: int, shared: bool = False) -> np.ndarray:
+    """`host_buffer(nbytes, shared)` with every page written once (faulted
+    in): what a transfer into it then costs is the copy alone. Runs in any
+    thread (NumPy's fill lets go of the GIL)."""
+    buffer = host_buffer(nbytes, shared)
+    buffer[::PAGE] = 0
+    return buffer
+
+
 def _owns_its_memory(buffer: np.ndarray) -> bool:
     """A whole array of its own: not a view of another array or of part of a map."""
     base = buffer.base
@@ -121,6 +134,12 @@ class BufferPool:
         (they may be in use for good; their holders keep their memory alive)."""
         while self._lent and self.pooled + self.lent + nbytes > self.budget:
             self.lent -= self._lent.pop(0).nbytes
+
+    def wants(self, nbytes: int) -> bool:
+        """Whether a buffer of `nbytes` made now would be kept: none of that
+        size is free, and the budget has room (`prepare`)."""
+        return (MIN_POOLED <= nbytes and not self._free.get(nbytes)
+                and self.pooled + nbytes <= self.budget)
 
     def release(self, buffer: np.ndarray) -> bool:
         """Keep `buffer` for reuse if no one else holds it and the budget allows."""

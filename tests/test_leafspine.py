@@ -219,3 +219,125 @@ def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
     finally:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# ------------------------------------------- python -m benchmarks leafspine ---
+def test_the_paths_hook_is_refused_until_the_runtime_has_the_setting(capsys):
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match=r"--paths 2: this runtime has no path setting"):
+        main(["leafspine", "--paths", "2", "--no-save"])
+
+
+def test_the_paths_hook_passes_the_setting_to_every_node(monkeypatch):
+    from benchmarks import leafspinerun
+
+    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")  # a setting there is
+    assert leafspinerun.paths_env(3) == {"HOPLITE_MAX_SOURCES": "3"}
+
+
+def test_uneven_hosts_are_a_usage_error_before_anything_runs():
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match="must split evenly"):
+        main(["leafspine", "--hosts", "5", "--leaves", "2", "--no-save"])
+
+
+def test_bounds_come_from_the_fabric_simulator():
+    from benchmarks.leafspinerun import fabric_bound
+
+    size = 64 << 20
+    # 4 spines at 2:1: a leaf's uplinks carry 2 host links' worth, so a
+    # broadcast is bound by a host's downlink, S/B
+    f = LeafSpine(8, 2, 4, host_bps=100e6, oversubscription=2)
+    assert fabric_bound(f, "broadcast", size) == pytest.approx(size * 8 / 100e6)
+    # ranks in host order: one ring step leaves each leaf, the ring's own 2(p-1)/p S/B
+    assert fabric_bound(f, "allreduce", size) == pytest.approx(2 * 7 / 8 * size * 8 / 100e6)
+    g = LeafSpine(8, 2, 4, host_bps=100e6, oversubscription=2, placement="interleaved")
+    assert fabric_bound(g, "allreduce", size) == pytest.approx(2 * fabric_bound(f, "allreduce",
+                                                                                 size))
+
+
+def test_the_simulator_plays_each_op_on_the_same_fabric():
+    from benchmarks.leafspinerun import simulated
+
+    fabric = {"hosts": 8, "leaves": 2, "spines": 4, "host_bps": 100e6, "oversubscription": 2,
+              "placement": "interleaved"}
+    out = simulated({"fabric": fabric}, ["broadcast", "allreduce"], 16 << 20, seeds=3)
+    for op in ("broadcast", "allreduce"):
+        times = out[op]["completion_s"]
+        assert set(times) == {"spray", "ethereal", "ecmp"}
+        assert min(times.values()) >= out[op]["bound_s"] * (1 - 1e-9)
+    # every ring step sends 4 flows out of each leaf over its 4 uplinks, each
+    # uplink one flow's share at the bound: spraying meets it; ECMP draws a
+    # spine per message and puts two on a link in most steps (seeds fixed)
+    ring = out["allreduce"]
+    assert ring["completion_s"]["spray"] <= 1.01 * ring["bound_s"]
+    assert ring["completion_s"]["ecmp"] >= 1.5 * ring["bound_s"]
+
+
+def test_the_per_link_plot_draws_every_op(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plots import _spine_links
+
+    links = {"leaf0>spine0": 3 << 20, "leaf0>spine1": 0, "spine0>leaf1": 3 << 20,
+             "spine1>leaf1": 0}
+    rows = [{"op": op, "system": system, "seed": seed, "size_bytes": 1 << 20,
+             "spine_link_bytes": links} for op in ("broadcast", "allreduce")
+            for system in ("hoplite-gpu", "gloo") for seed in (1, 2)]
+    made = _spine_links({"rows": rows}, tmp_path / "leafspine-2026-12-10.json")
+    assert sorted(p.name for p in made) == ["leafspine-2026-12-10-allreduce-links.png",
+                                            "leafspine-2026-12-10-broadcast-links.png"]
+    assert all(p.stat().st_size > 0 for p in made)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
+    """hoplite-gpu, Gloo (where torch is here) and the paths hook (pointed at
+    an existing setting) run the allreduce on 4 hosts under 2 leaves: about
+    20 s, most of it processes starting (Gloo's torch)."""
+    import argparse
+    import signal
+
+    from rich.console import Console
+
+    from benchmarks import leafspinerun
+
+    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")
+    p = argparse.ArgumentParser()
+    leafspinerun.add_arguments(p)
+    systems = ["hoplite-gpu"]
+    try:
+        import torch  # noqa: F401
+
+        systems.append("gloo")
+    except ImportError:
+        pass
+    args = p.parse_args(["--hosts", "4", "--spines", "2", "--mbit", "40", "--size", "1M",
+                         "--seeds", "1", "--probe-flows", "4", "--paths", "2", "--op",
+                         "allreduce", "--systems", *systems])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = leafspinerun.run(args, Console(quiet=True))
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    ran = sorted((r["system"], r["op"]) for r in result["rows"])
+    assert ran == sorted((s, "allreduce") for s in [*systems, "hoplite-gpu-paths2"]), \
+        result["failed"]
+    assert result["byte_identical"]
+    assert sum(result["ecmp_probe"][0]["flows_per_spine"]) == 4
+    for r in result["rows"]:
+        assert r["lower_bound_s"] >= r["host_bound_s"] > 0 and r["ratio_to_bound"] > 0.5
+        up = sum(v for k, v in r["spine_link_bytes"].items() if k.startswith("leaf"))
+        down = sum(v for k, v in r["spine_link_bytes"].items() if k.startswith("spine"))
+        # (what went up came down, less what a spine's queue dropped; counters
+        # are read leaf by leaf, so a few control packets may fall between)
+        assert up >= 1 << 20 and abs(down - up) <= 0.1 * up, r["spine_link_bytes"]
+        assert 0 < r["cpu"]["busy"] <= 1
+    paths = [e for e in result["summary"] if e["system"] == "hoplite-gpu-paths2"]
+    assert len(paths) == 1 and "hoplite-gpu" in paths[0]["ratio_to"]
+    assert set(result["simulated"]["allreduce"]["completion_s"]) == {"spray", "ethereal", "ecmp"}

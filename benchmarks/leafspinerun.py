@@ -133,8 +133,7 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                     _say(console, row)
         settings = _settings(fab, args, systems, link)
     summary = summarize(rows)
-    for e in summary:
-        e["cpu_bound"] = e["cpu_busy"] is not None and e["cpu_busy"] >= CPU_BUSY
+    _cpu_summary(summary, rows)
     console.print(table(summary, settings), width=max(console.width, 150))
     _say_cpu(console, summary)
     return {"benchmark": "leafspine", "file_stem": args.tag, "settings": settings,
@@ -283,15 +282,31 @@ def _say(console: Console, row: dict) -> None:
                   f"CPU {cpu.get('busy', float('nan')):.0%}; MiB up to the spines: {spines}")
 
 
+def _cpu_summary(summary: list[dict], rows: list[dict]) -> None:
+    """Per summary entry, medians over its launches: the kernels' share of all
+    cores in softirq (forwarding and shaping: the fabric's own cost), the
+    ranks' own CPU time as a share of all cores over the call, and whether
+    the machine was busy enough (`CPU_BUSY`) that the cores may have limited it.
+    `cpu_busy` is the whole machine's: other work on it counts too."""
+    for e in summary:
+        mine = [r for r in rows if (r["op"], r["system"]) == (e["op"], e["system"])]
+        soft = [r["cpu"]["softirq"] for r in mine if r.get("cpu")]
+        own = [r["cpu_s_per_call"] / (r["seconds"] * r["cpu"]["cores"]) for r in mine
+               if r.get("cpu") and r.get("cpu_s_per_call") is not None]
+        e["cpu_softirq"] = statistics.median(soft) if soft else None
+        e["ranks_cpu_share"] = statistics.median(own) if own else None
+        e["cpu_bound"] = e["cpu_busy"] is not None and e["cpu_busy"] >= CPU_BUSY
+
+
 def _say_cpu(console: Console, summary: list[dict]) -> None:
-    busy = [e["cpu_busy"] for e in summary if e["cpu_busy"] is not None]
-    if not busy:
-        return
-    worst = max(busy)
-    verdict = ("may have been the bottleneck: lower --mbit" if worst >= CPU_BUSY
-               else "were not the bottleneck")
-    console.print(f"CPU: at most {worst:.0%} of all cores busy (median over the seeds of a "
-                  f"system's timed calls): the cores {verdict}")
+    for e in summary:
+        if e["cpu_busy"] is None:
+            continue
+        own = "" if e["ranks_cpu_share"] is None else f", the ranks' own {e['ranks_cpu_share']:.0%}"
+        verdict = ("may have limited it: lower --mbit, or quiet the machine" if e["cpu_bound"]
+                   else "did not limit it")
+        console.print(f"CPU, {e['system']} {e['op']}: the machine's cores {e['cpu_busy']:.0%} "
+                      f"busy (softirq {e['cpu_softirq']:.0%}{own}): the cores {verdict}")
 
 
 def table(summary: list[dict], settings: dict) -> Table:

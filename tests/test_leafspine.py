@@ -329,6 +329,8 @@ def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
     assert ran == sorted((s, "allreduce") for s in [*systems, "hoplite-gpu-paths2"]), \
         result["failed"]
     assert result["byte_identical"]
+    assert all(e["cpu_softirq"] is not None and e["cpu_bound"] in (True, False)
+               for e in result["summary"])
     assert sum(result["ecmp_probe"][0]["flows_per_spine"]) == 4
     for r in result["rows"]:
         assert r["lower_bound_s"] >= r["host_bound_s"] > 0 and r["ratio_to_bound"] > 0.5

@@ -33,6 +33,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -157,7 +158,7 @@ class LeafSpine(Closing):
         if os.geteuid() != 0:
             raise EmulationUnavailable("the emulated leaf-spine needs root (network namespaces, tc)")
         for tool in ("ip", "tc"):
-            if not _which(tool):
+            if shutil.which(tool) is None:
                 raise EmulationUnavailable(f"missing {tool}: install iproute2 "
                                            "(apt-get install iproute2)")
         self._made.append(probe)
@@ -388,12 +389,6 @@ def _seed(where: str, seed: object) -> None:
                          f"got {seed!r}")
 
 
-def _which(tool: str) -> bool:
-    import shutil
-
-    return shutil.which(tool) is not None
-
-
 def sweep_stale() -> list[str]:
     """Delete the namespaces of earlier fabrics whose process is gone (killed
     outright, it could not clean up); those whose tag matches a live process
@@ -437,11 +432,12 @@ def _expect(lines: _Lines, want: str, timeout: float, what: str) -> None:
         raise RuntimeError(f"{what}: {exc}") from None
     if got != want:
         err = ""
-        if got is None:
+        if got is None:  # (it closed its output: it is exiting, and says why on stderr)
             try:
-                err = lines.proc.stderr.read()[-500:] if lines.proc.poll() is not None else ""
-            except (OSError, ValueError):
-                err = ""
+                lines.proc.wait(5)
+                err = lines.proc.stderr.read()[-500:]
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
         raise RuntimeError(f"{what}: {got or 'exited'} {err.strip()}".strip())
 
 

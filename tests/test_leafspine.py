@@ -6,6 +6,7 @@ under 2 spines) and skip with the reason where namespaces cannot be made."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -142,26 +143,35 @@ def test_ecmp_spreads_flows_over_both_spines_and_the_ports_decide_the_spine():
     assert not _ours(fabric)
 
 
+def _hold(fabric: LeafSpine, host: int, port: int) -> subprocess.Popen:
+    """A process on `host` listening on `port` until killed."""
+    hold = fabric.popen(host, [sys.executable, "-c", (
+        "import socket, sys; s = socket.socket(); "
+        f"s.bind(('{fabric.address(host)}', {port})); s.listen(); print('up', flush=True); "
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert hold.stdout.readline().strip() == "up"
+    return hold
+
+
 @pytest.mark.timeout(60)
-def test_probe_refuses_hosts_on_one_leaf_and_a_port_in_use():
+def test_probe_refuses_hosts_on_one_leaf_and_ports_in_use():
     fabric = LeafSpine(4, 2, 2, host_bps=200e6)
+    held = []
     try:
         with fabric:
             with pytest.raises(ValueError, match="both on leaf 0"):
                 fabric.probe_path(0, 1, 41000, 5600)
-            hold = fabric.popen(0, [sys.executable, "-c", (
-                "import socket, sys; s = socket.socket(); "
-                f"s.bind(('{fabric.address(0)}', 41001)); s.listen(); print('up', flush=True); "
-                "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            try:
-                assert hold.stdout.readline().strip() == "up"
-                with pytest.raises(RuntimeError, match="41001.*[Aa]ddress already in use"):
-                    fabric.probe_path(0, 2, 41001, 5600)
-            finally:
-                hold.kill()
-                hold.communicate()
+            held += [_hold(fabric, 0, 41001), _hold(fabric, 2, 5601)]
+            with pytest.raises(RuntimeError, match="41001.*[Aa]ddress already in use"):
+                fabric.probe_path(0, 2, 41001, 5600)
+            with pytest.raises(RuntimeError, match="(?s)sink on host 2: exited.*[Aa]ddress already"):
+                fabric.probe_path(0, 2, 41002, 5601)
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
+    finally:
+        for hold in held:
+            hold.kill()
+            hold.communicate()
     assert not _ours(fabric)
 
 
@@ -329,6 +339,7 @@ def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
     assert ran == sorted((s, "allreduce") for s in [*systems, "hoplite-gpu-paths2"]), \
         result["failed"]
     assert result["byte_identical"]
+    json.dumps(result)  # (what the command saves)
     assert all(e["cpu_softirq"] is not None and e["cpu_bound"] in (True, False)
                for e in result["summary"])
     assert sum(result["ecmp_probe"][0]["flows_per_spine"]) == 4

@@ -10,11 +10,11 @@ by `fib_multipath_hash_seed`: the plain L4 policy (1) takes the hash a
 packet already carries when it has one, and a TCP packet made on this same
 kernel carries its socket's random hash, so there the spine is drawn per
 connection and the ports do not decide it (a probe of one 4-tuple twice
-lands on either spine). Every
-link is a veth pair shaped with `tc tbf` in both directions: host links to
-`host_bps`, leaf-spine links to hosts_per_leaf * host_bps / (spines *
-oversubscription), as `hoplite_gpu.fabric.topology.leaf_spine` builds the
-same fabric for the flow-level simulator (`fabric()`).
+lands on either spine). Every link is a veth pair shaped with `tc tbf` in
+both directions: host links to `host_bps`, leaf-spine links to
+hosts_per_leaf * host_bps / (spines * oversubscription), as
+`hoplite_gpu.fabric.topology.leaf_spine` builds the same fabric for the
+flow-level simulator (`fabric()`).
 
 Inside a leaf its hosts' links are ports of a bridge; the leaf routes between
 that bridge (10.88.<leaf>.0/24, the hosts .1 up, the leaf .254) and its

@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     _module_command(sub, "channel", "channel", "new weights from a learner to an actor on "
                     "every other emulated host (network namespaces + tc; root): the weight "
                     "channel beside Ray's object store and Gloo, tensor by tensor")
+    _module_command(sub, "leafspine", "leafspinerun", "broadcast and ring allreduce on an "
+                    "emulated leaf-spine with ECMP (network namespaces + tc; root) against the "
+                    "fabric's bound, per ECMP hash seed: hoplite-gpu, OpenMPI, Gloo")
     _module_command(sub, "fabric-sim", "fabric_sim", "ECMP, spraying and Ethereal on a "
                     "simulated 1,024-host fat-tree: ring allreduce, all-to-all, broadcast")
     _module_command(sub, "dirfailover", "dirfailover", "the directory in use SIGKILLed during "

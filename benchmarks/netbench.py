@@ -89,13 +89,16 @@ def _readline(p: subprocess.Popen, what: str) -> dict:
 def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: int = 1,
                 iters: int = 1, warmup: int = 0, period: float = 0.0,
                 ready: list[float] | None = None, chunk: int | None = None,
-                sync: bool = False, variant: str = "") -> list[dict]:
+                sync: bool = False, variant: str = "",
+                env: dict[str, str] | None = None) -> list[dict]:
     """hoplite-gpu: a directory on host 0 and one node per host; every rank
     calls `hoplite_gpu.collectives.<op>` (with the settings of `variant`, a
-    key of VARIANT_ENV, if given). Returns every rank's report."""
+    key of VARIANT_ENV, if given, and `env` on top). Returns every rank's
+    report."""
     token = new_token()
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
-           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **VARIANT_ENV.get(variant, {})}
+           "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **VARIANT_ENV.get(variant, {}),
+           **(env or {})}
     directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
                             "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
     procs: list[subprocess.Popen] = []
@@ -195,14 +198,17 @@ class CpuSampler:
 
 def run_launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int = 1,
                warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
-               sync: bool = False, timeline: bool = False) -> dict:
+               sync: bool = False, timeline: bool = False,
+               env: dict[str, str] | None = None) -> dict:
     """One launch of `system`: returns a row with every measured call's time
     (`samples_s`), checked results and the bytes that crossed the links; with
-    `timeline`, also every link's use over the timed calls (`link_timeline`)."""
+    `timeline`, also every link's use over the timed calls (`link_timeline`).
+    `env`: settings on top of the variant's (hoplite-gpu systems only)."""
     with CpuSampler() as cpu, (c.link_sampler() if timeline
                                else contextlib.nullcontext()) as links:
         ranks, extra, before, after = _launch(c, system, op, size, tag=tag, iters=iters,
-                                              warmup=warmup, period=period, ready=ready, sync=sync)
+                                              warmup=warmup, period=period, ready=ready, sync=sync,
+                                              env=env)
     row = _row(c, system, op, size, ranks, iters=iters, warmup=warmup, period=period)
     if links is not None:
         # (with staggered inputs the last rank's start is when the last input was ready)
@@ -264,13 +270,14 @@ def link_timeline(samples: list[tuple[float, list[tuple[int, int]]]], bps: float
 
 
 def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, iters: int,
-            warmup: int, period: float, ready: list[float] | None, sync: bool = False):
+            warmup: int, period: float, ready: list[float] | None, sync: bool = False,
+            env: dict[str, str] | None = None):
     before = c.link_counters()
     extra: dict = {}
     if system in ("hoplite-gpu", "star", *VARIANT_ENV):
         fanout = c.hosts - 1 if system == "star" else 1
         ranks = hoplite_run(c, op, size, tag, fanout=fanout, iters=iters, warmup=warmup,
-                            period=period, ready=ready, sync=sync, variant=system)
+                            period=period, ready=ready, sync=sync, variant=system, env=env)
     elif system == "gloo":
         ranks = gloo_run(c, op, size, iters=iters, warmup=warmup, period=period, ready=ready,
                          sync=sync)

@@ -29,6 +29,8 @@ def plot_all(results: Path) -> list[Path]:
             made.append(_loopback(data, path.with_suffix(".png")))
         elif kind == "allreduce-dynamic-emulated":
             made.append(_dynamic(data, path.with_suffix(".png")))
+        if kind == "leafspine":
+            made.extend(_spine_links(data, path))
     sweep = _gap_sweep(results)
     if sweep is not None:
         made.append(sweep)
@@ -179,6 +181,41 @@ def _summary_plots(data: dict, path: Path) -> list[Path]:
         ax.set_ylabel("per-call latency, ms (median; bars: p25-p75)")
         ax.set_title(f"small collectives on {lat[0]['hosts']} emulated hosts")
         made.append(_save(fig, path.with_name(f"{path.stem}-latency.png")))
+    return made
+
+
+def _spine_links(data: dict, path: Path) -> list[Path]:
+    """Per op of an emulated leaf-spine run: the bytes each leaf-spine link
+    carried (both directions), one panel per system, one bar per ECMP seed;
+    dashed: every link's share were the bytes spread evenly."""
+    import matplotlib.pyplot as plt
+
+    made = []
+    for op in dict.fromkeys(r["op"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["op"] == op]
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        links = sorted(rows[0]["spine_link_bytes"], key=lambda k: (not k.startswith("leaf"), k))
+        seeds = sorted({r["seed"] for r in rows})
+        width = 0.8 / len(seeds)
+        fig, axes = plt.subplots(len(systems), 1, figsize=(max(6, 0.5 * len(links) + 2),
+                                                           2.2 * len(systems) + 0.6),
+                                 sharex=True, squeeze=False)
+        for ax, system in zip(axes[:, 0], systems, strict=True):
+            mine = [r for r in rows if r["system"] == system]
+            for r in mine:
+                k = seeds.index(r["seed"])
+                ax.bar([j + k * width for j in range(len(links))],
+                       [r["spine_link_bytes"][n] / 2**20 for n in links], width,
+                       label=f"seed {r['seed']}")
+            even = statistics.fmean(sum(r["spine_link_bytes"].values()) / len(links)
+                                    for r in mine) / 2**20
+            ax.axhline(even, color="black", linewidth=0.8, linestyle="--")
+            ax.set_title(f"{system}: {op} {_size(mine[0]['size_bytes'])}", fontsize=9)
+            ax.set_ylabel("MiB")
+        axes[-1, 0].set_xticks([j + width * (len(seeds) - 1) / 2 for j in range(len(links))],
+                               links, rotation=60, fontsize=7)
+        axes[0, 0].legend(fontsize=7, ncol=len(seeds))
+        made.append(_save(fig, path.with_name(f"{path.stem}-{op}-links.png")))
     return made
 
 

@@ -1,0 +1,356 @@
+"""The emulated leaf-spine fabric (benchmarks/leafspine.py): built and torn
+down, ECMP per flow over every spine, path probes, per-link counters, clean-up
+after errors and interrupts, and refusals of bad settings. Tests that need
+network namespaces make them only through the harness (2 hosts on 2 leaves
+under 2 spines) and skip with the reason where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import leafspine
+from benchmarks.emulated import EmulationUnavailable, _alive
+from benchmarks.leafspine import LeafSpine, spine_that_carried, sweep_stale
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _ours(fabric: LeafSpine) -> list[str]:
+    return [ns for ns in _namespaces() if ns.startswith(fabric.prefix)]
+
+
+def _tiny(**kw) -> LeafSpine:
+    return LeafSpine(2, 2, 2, host_bps=kw.pop("host_bps", 200e6), **kw)
+
+
+# ---------------------------------------------------- layout, no root needed ---
+def test_rates_placement_and_addresses():
+    f = LeafSpine(8, 2, 4, host_bps=100e6, oversubscription=2)
+    assert f.hosts_per_leaf == 4 and f.bandwidth_bps == 100e6
+    assert f.uplink_bps == pytest.approx(4 * 100e6 / (4 * 2))  # h B / (u x)
+    assert [f.leaf_of(i) for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert f.address(5) == "10.88.1.2" and f.ns(5) == f"{f.prefix}h5"
+    g = LeafSpine(8, 2, 4, placement="interleaved")
+    assert [g.leaf_of(i) for i in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert g.hosts_on(1) == [1, 3, 5, 7] and g.address(5) == "10.88.1.3"
+    assert sorted(g.fabric_host(i) for i in range(8)) == list(range(8))
+    assert all(g.fabric().host_leaf[g.fabric_host(i)] == g.leaf_of(i) for i in range(8))
+    assert f.prefix != g.prefix  # two fabrics of one process never share a name
+
+
+def test_fabric_matches_the_simulators_leaf_spine():
+    from hoplite_gpu.fabric.ops import RingAllreduce
+    from hoplite_gpu.fabric.run import op_bound
+    from hoplite_gpu.fabric.topology import LEAF_UP
+
+    f = LeafSpine(8, 2, 2, host_bps=80e6, oversubscription=2, placement="interleaved")
+    fab = f.fabric()
+    assert fab.capacity[fab.host_up[0]] == pytest.approx(10e6)  # bytes/s
+    assert np.allclose(fab.capacity[fab.layer == LEAF_UP], f.uplink_bps / 8)
+    # every ring step crosses leaves: 4 flows leave a leaf over 2 x 40 Mbit/s,
+    # so the ring takes oversubscription x its host-link time
+    size = 8 << 20
+    ring = RingAllreduce([f.fabric_host(r) for r in range(8)], size)
+    assert op_bound(fab, ring) == pytest.approx(2 * 2 * 7 / 8 * size / 10e6)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"hosts": 7}, "split evenly"),
+    ({"leaves": 1}, "leaves must be"),
+    ({"spines": 0}, "spines must be"),
+    ({"oversubscription": 0}, "oversubscription"),
+    ({"host_bps": -1e9}, "host_bps"),
+    ({"host_bps": 1e3, "oversubscription": 4}, "leaf-spine rate"),
+    ({"placement": "random"}, "placement"),
+    ({"hash_seed": -1}, "hash seed"),
+])
+def test_bad_settings_are_refused_before_anything_is_made(kw, message):
+    args = {"hosts": 8, "leaves": 2, "spines": 2, **kw}
+    with pytest.raises(ValueError, match=message):
+        LeafSpine(args.pop("hosts"), args.pop("leaves"), args.pop("spines"), **args)
+
+
+def test_a_probe_names_the_one_spine_that_carried_it():
+    assert spine_that_carried([120, 300_000, 0], 262_144, "probe") == 1
+    for moved in ([0, 0], [300_000, 300_000], [300_000, 80_000]):  # none; two; a busy other
+        with pytest.raises(RuntimeError, match="no single spine carried"):
+            spine_that_carried(moved, 262_144, "probe")
+
+
+# ------------------------------------------------------------- namespaces ---
+@pytest.mark.timeout(60)
+def test_builds_routes_over_every_spine_and_tears_down():
+    fabric = _tiny(hash_seed=7)
+    try:
+        with fabric:
+            assert sorted(_ours(fabric)) == sorted(
+                [fabric.ns(0), fabric.ns(1), *map(fabric.leaf_ns, (0, 1)),
+                 *map(fabric.spine_ns, (0, 1))])
+            route = subprocess.run(["ip", "-n", fabric.leaf_ns(0), "route", "show",
+                                    "10.88.1.0/24"], capture_output=True, text=True).stdout
+            assert route.count("nexthop via") == 2, route
+            for ns in (fabric.leaf_ns(0), fabric.spine_ns(1)):
+                got = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n",
+                                      "net.ipv4.fib_multipath_hash_policy",
+                                      "net.ipv4.fib_multipath_hash_fields",
+                                      "net.ipv4.fib_multipath_hash_seed", "net.ipv4.ip_forward"],
+                                     capture_output=True, text=True).stdout.split()
+                assert got[0] == "3" and int(got[1], 0) == 0x37 and got[2:] == ["7", "1"], got
+            before = fabric.link_bytes()
+            spine = fabric.probe_path(0, 1, 41000, 5600)
+            moved = {k: v - before[k] for k, v in fabric.link_bytes().items()}
+            # the probe's bytes went up host 0's link, over that spine, down to host 1
+            for link in (("h0", "leaf0"), ("leaf0", f"spine{spine}"), (f"spine{spine}", "leaf1"),
+                         ("leaf1", "h1")):
+                assert moved[link] >= leafspine.PROBE_BYTES, (link, moved)
+            other = f"spine{1 - spine}"
+            assert moved["leaf0", other] < 4096 and moved[other, "leaf1"] < 4096, moved
+            down, up = fabric.link_counters()[1][:2]
+            assert down >= leafspine.PROBE_BYTES and up < down
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert not _ours(fabric)
+
+
+@pytest.mark.timeout(60)
+def test_ecmp_spreads_flows_over_both_spines_and_the_ports_decide_the_spine():
+    """The spine must be a function of the 5-tuple and the seed alone: with
+    the plain L4 policy (fib_multipath_hash_policy=1) the kernel hashed the
+    sending socket's random hash instead, so one 4-tuple probed twice landed
+    on either spine and no port could be chosen for a path."""
+    fabric = _tiny(hash_seed=1)
+    try:
+        with fabric:
+            spread = fabric.ecmp_spread(0, 1, flows=16)
+            ports = [(p, 5600) for p in spread["src_ports"]]
+            again = fabric.probe_paths(0, 1, ports, nbytes=64 << 10)
+            fabric.set_hash_seed(2)
+            reseeded = fabric.probe_paths(0, 1, ports, nbytes=64 << 10)
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert all(n >= 2 for n in spread["flows_per_spine"]), spread
+    assert sum(spread["flows_per_spine"]) == 16
+    assert again == spread["spines"]
+    assert reseeded != spread["spines"]  # (all 16 alike by chance: 2 ** -16)
+    assert not _ours(fabric)
+
+
+def _hold(fabric: LeafSpine, host: int, port: int) -> subprocess.Popen:
+    """A process on `host` listening on `port` until killed."""
+    hold = fabric.popen(host, [sys.executable, "-c", (
+        "import socket, sys; s = socket.socket(); "
+        f"s.bind(('{fabric.address(host)}', {port})); s.listen(); print('up', flush=True); "
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert hold.stdout.readline().strip() == "up"
+    return hold
+
+
+@pytest.mark.timeout(60)
+def test_probe_refuses_hosts_on_one_leaf_and_ports_in_use():
+    fabric = LeafSpine(4, 2, 2, host_bps=200e6)
+    held = []
+    try:
+        with fabric:
+            with pytest.raises(ValueError, match="both on leaf 0"):
+                fabric.probe_path(0, 1, 41000, 5600)
+            held += [_hold(fabric, 0, 41001), _hold(fabric, 2, 5601)]
+            with pytest.raises(RuntimeError, match="41001.*[Aa]ddress already in use"):
+                fabric.probe_path(0, 2, 41001, 5600)
+            with pytest.raises(RuntimeError, match="(?s)sink on host 2: exited.*[Aa]ddress already"):
+                fabric.probe_path(0, 2, 41002, 5601)
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    finally:
+        for hold in held:
+            hold.kill()
+            hold.communicate()
+    assert not _ours(fabric)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", [KeyboardInterrupt, subprocess.CalledProcessError])
+def test_a_failed_build_leaves_nothing(monkeypatch, error):
+    # a Ctrl-C or a failing command halfway through the build (after the
+    # leaves, the spines and a host were made, during a cable)
+    real, calls = leafspine._sh, []
+
+    def sh(*argv, check=True):
+        calls.append(argv)
+        if argv[:3] == ("ip", "link", "add") and sum(a[:3] == ("ip", "link", "add")
+                                                    for a in calls) == 2:
+            raise error(1, argv) if error is subprocess.CalledProcessError else error()
+        return real(*argv, check=check)
+
+    monkeypatch.setattr(leafspine, "_sh", sh)
+    fabric = _tiny()
+    try:
+        with pytest.raises(error), fabric:
+            pass
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert any(a[:3] == ("ip", "netns", "add") for a in calls)
+    assert not _ours(fabric)
+
+
+@pytest.mark.timeout(60)
+def test_an_error_inside_the_run_tears_the_fabric_down():
+    fabric = _tiny()
+    try:
+        with pytest.raises(ZeroDivisionError), fabric:
+            assert len(_ours(fabric)) == 6
+            raise ZeroDivisionError("an error in the run")
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert not _ours(fabric)
+
+
+@pytest.mark.timeout(60)
+def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
+    dead = next(t for t in range(99998, 0, -1) if not _alive(t))
+    live = _tiny().prefix  # this process's own tag: alive
+    made = []
+    try:
+        for name in (f"ls{dead}x0h0", f"ls{dead}x3s1", f"{live}l9"):
+            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+            if r.returncode:
+                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
+            made.append(name)
+        swept = sweep_stale()
+        assert sorted(swept) == [f"ls{dead}x0h0", f"ls{dead}x3s1"]
+        assert f"{live}l9" in _namespaces()
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# ------------------------------------------- python -m benchmarks leafspine ---
+def test_the_paths_hook_is_refused_until_the_runtime_has_the_setting(capsys):
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match=r"--paths 2: this runtime has no path setting"):
+        main(["leafspine", "--paths", "2", "--no-save"])
+
+
+def test_the_paths_hook_passes_the_setting_to_every_node(monkeypatch):
+    from benchmarks import leafspinerun
+
+    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")  # a setting there is
+    assert leafspinerun.paths_env(3) == {"HOPLITE_MAX_SOURCES": "3"}
+
+
+def test_uneven_hosts_are_a_usage_error_before_anything_runs():
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit, match="must split evenly"):
+        main(["leafspine", "--hosts", "5", "--leaves", "2", "--no-save"])
+
+
+def test_bounds_come_from_the_fabric_simulator():
+    from benchmarks.leafspinerun import fabric_bound
+
+    size = 64 << 20
+    # 4 spines at 2:1: a leaf's uplinks carry 2 host links' worth, so a
+    # broadcast is bound by a host's downlink, S/B
+    f = LeafSpine(8, 2, 4, host_bps=100e6, oversubscription=2)
+    assert fabric_bound(f, "broadcast", size) == pytest.approx(size * 8 / 100e6)
+    # ranks in host order: one ring step leaves each leaf, the ring's own 2(p-1)/p S/B
+    assert fabric_bound(f, "allreduce", size) == pytest.approx(2 * 7 / 8 * size * 8 / 100e6)
+    g = LeafSpine(8, 2, 4, host_bps=100e6, oversubscription=2, placement="interleaved")
+    assert fabric_bound(g, "allreduce", size) == pytest.approx(2 * fabric_bound(f, "allreduce",
+                                                                                 size))
+
+
+def test_the_simulator_plays_each_op_on_the_same_fabric():
+    from benchmarks.leafspinerun import simulated
+
+    fabric = {"hosts": 8, "leaves": 2, "spines": 4, "host_bps": 100e6, "oversubscription": 2,
+              "placement": "interleaved"}
+    out = simulated({"fabric": fabric}, ["broadcast", "allreduce"], 16 << 20, seeds=3)
+    for op in ("broadcast", "allreduce"):
+        times = out[op]["completion_s"]
+        assert set(times) == {"spray", "ethereal", "ecmp"}
+        assert min(times.values()) >= out[op]["bound_s"] * (1 - 1e-9)
+    # every ring step sends 4 flows out of each leaf over its 4 uplinks, each
+    # uplink one flow's share at the bound: spraying meets it; ECMP draws a
+    # spine per message and puts two on a link in most steps (seeds fixed)
+    ring = out["allreduce"]
+    assert ring["completion_s"]["spray"] <= 1.01 * ring["bound_s"]
+    assert ring["completion_s"]["ecmp"] >= 1.5 * ring["bound_s"]
+
+
+def test_the_per_link_plot_draws_every_op(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plots import _spine_links
+
+    links = {"leaf0>spine0": 3 << 20, "leaf0>spine1": 0, "spine0>leaf1": 3 << 20,
+             "spine1>leaf1": 0}
+    rows = [{"op": op, "system": system, "seed": seed, "size_bytes": 1 << 20,
+             "spine_link_bytes": links} for op in ("broadcast", "allreduce")
+            for system in ("hoplite-gpu", "gloo") for seed in (1, 2)]
+    made = _spine_links({"rows": rows}, tmp_path / "leafspine-2026-12-10.json")
+    assert sorted(p.name for p in made) == ["leafspine-2026-12-10-allreduce-links.png",
+                                            "leafspine-2026-12-10-broadcast-links.png"]
+    assert all(p.stat().st_size > 0 for p in made)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
+    """hoplite-gpu, Gloo (where torch is here) and the paths hook (pointed at
+    an existing setting) run the allreduce on 4 hosts under 2 leaves: about
+    20 s, most of it processes starting (Gloo's torch)."""
+    import argparse
+    import signal
+
+    from rich.console import Console
+
+    from benchmarks import leafspinerun
+
+    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")
+    p = argparse.ArgumentParser()
+    leafspinerun.add_arguments(p)
+    systems = ["hoplite-gpu"]
+    try:
+        import torch  # noqa: F401
+
+        systems.append("gloo")
+    except ImportError:
+        pass
+    args = p.parse_args(["--hosts", "4", "--spines", "2", "--mbit", "40", "--size", "1M",
+                         "--seeds", "1", "--probe-flows", "4", "--paths", "2", "--op",
+                         "allreduce", "--systems", *systems])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = leafspinerun.run(args, Console(quiet=True))
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    ran = sorted((r["system"], r["op"]) for r in result["rows"])
+    assert ran == sorted((s, "allreduce") for s in [*systems, "hoplite-gpu-paths2"]), \
+        result["failed"]
+    assert result["byte_identical"]
+    json.dumps(result)  # (what the command saves)
+    assert all(e["cpu_softirq"] is not None and e["cpu_bound"] in (True, False)
+               for e in result["summary"])
+    assert sum(result["ecmp_probe"][0]["flows_per_spine"]) == 4
+    for r in result["rows"]:
+        assert r["lower_bound_s"] >= r["host_bound_s"] > 0 and r["ratio_to_bound"] > 0.5
+        up = sum(v for k, v in r["spine_link_bytes"].items() if k.startswith("leaf"))
+        down = sum(v for k, v in r["spine_link_bytes"].items() if k.startswith("spine"))
+        # (what went up came down, less what a spine's queue dropped; counters
+        # are read leaf by leaf, so a few control packets may fall between)
+        assert up >= 1 << 20 and abs(down - up) <= 0.1 * up, r["spine_link_bytes"]
+        assert 0 < r["cpu"]["busy"] <= 1
+    paths = [e for e in result["summary"] if e["system"] == "hoplite-gpu-paths2"]
+    assert len(paths) == 1 and "hoplite-gpu" in paths[0]["ratio_to"]
+    assert set(result["simulated"]["allreduce"]["completion_s"]) == {"spray", "ethereal", "ecmp"}

@@ -426,6 +426,40 @@ def group_tree_broadcasts(name: str, rank: int, size: int, calls: int, nbytes: i
     return {"right": right, "held": held, "after_close": hg.node_stats()["held_bytes"]}
 
 
+def group_tree_reduces(name: str, rank: int, size: int, calls: int, n: int) -> dict:
+    """`calls` allreduces and `calls` reduces (rooted at rank 1) of `n`
+    float32 per rank by a Group over the 4-member mesh of
+    tests/test_multitree.py, then one small allreduce; whether each result
+    was right, how each call went (`Group._how`), and what this node holds."""
+    import numpy as np
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.topology import from_json
+
+    mesh = from_json({"nodes": [0, 1, 2, 3], "links": [
+        {"a": 0, "b": 1, "capacity": 1}, {"a": 0, "b": 2, "capacity": 1},
+        {"a": 0, "b": 3, "capacity": 1}, {"a": 1, "b": 2, "capacity": 2},
+        {"a": 2, "b": 3, "capacity": 2}, {"a": 1, "b": 3, "capacity": 2}]}, source="mesh")
+    right, ways = True, []
+    with hg.Group(name, rank=rank, size=size, topology=mesh, timeout=60) as group:
+        for i in range(calls):
+            mine = (np.arange(n) % (13 + i) + rank).astype(np.float32)
+            want = sum((np.arange(n) % (13 + i) + r).astype(np.float32) for r in range(size))
+            got = group.allreduce(mine)
+            ways.append(group._last[2])
+            right = right and np.array_equal(got, want) and not got.flags.writeable
+            got = group.reduce(mine, root=1, op="max")
+            ways.append(group._last[2])
+            right = right and (np.array_equal(got, mine + (size - 1 - rank)) if rank == 1
+                               else got is None)
+        right = right and np.array_equal(group.allreduce(np.ones(4, np.int64)),
+                                         np.full(4, size))
+        ways.append(group._last[2])
+        held = hg.node_stats()["held_bytes"]
+    return {"right": right, "ways": ways, "held": held,
+            "after_close": hg.node_stats()["held_bytes"]}
+
+
 def directory_in_use() -> tuple[str, list[tuple[str, float]]]:
     """The directory this node uses now, and (address, wall time) of each of
     its registrations with one."""

@@ -1,7 +1,8 @@
 """Reduce and allreduce over packed spanning trees
 (`hoplite_gpu.multitree_reduce`): results against NumPy's between in-process
 nodes over TCP (several dtypes and ops, sizes the trees do not split evenly,
-the 4-member mesh and the DGX-1V fixture's 8 GPUs), a rank lost mid-way."""
+the 4-member mesh and the DGX-1V fixture's 8 GPUs), a rank lost mid-way,
+and a `Group` on a topology in a LocalCluster."""
 
 from __future__ import annotations
 
@@ -236,3 +237,20 @@ def test_calls_are_checked_before_anything_is_sent():
                                members=[1, 1])
     with pytest.raises(InvalidArgument, match="unknown reduce op"):
         mr.multitree_allreduce(np.zeros(4), name="x", rank=0, size=2, topology=MESH, op="xor")
+
+
+def test_a_group_on_a_topology_reduces_over_its_trees_and_frees_each_call():
+    import cluster_tasks as t
+
+    from hoplite_gpu.cluster import LocalCluster
+
+    size, calls, n = 4, 3, 1 << 20
+    with LocalCluster(size, shared_memory=False) as c:
+        out = c.map(t.group_tree_reduces, [("mt-reduce", r, size, calls, n)
+                                           for r in range(size)], timeout=120)
+    for rank, node in enumerate(out):
+        assert node["right"], (rank, node)
+        assert node["ways"] == ["trees"] * (2 * calls) + ["whole"], node["ways"]
+        # the last call's result (4 bytes an element), its inputs never copied
+        assert node["held"] <= 2 * 4 * n, f"{node['held']} bytes held after {2 * calls} calls"
+        assert node["after_close"] == 0

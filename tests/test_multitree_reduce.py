@@ -254,3 +254,16 @@ def test_a_group_on_a_topology_reduces_over_its_trees_and_frees_each_call():
         # the last call's result (4 bytes an element), its inputs never copied
         assert node["held"] <= 2 * 4 * n, f"{node['held']} bytes held after {2 * calls} calls"
         assert node["after_close"] == 0
+
+
+def test_a_group_of_one_rank_on_a_topology_takes_the_dynamic_path():
+    """A Group of one rank on a topology packed trees for its broadcast, and
+    `pack` refuses a single member: the call failed with TopologyError. One
+    rank has nothing to send over trees."""
+    from in_process import local_mode
+
+    with local_mode(), hg.Group("one-rank", rank=0, size=1, topology=MESH, timeout=10) as g:
+        value = np.arange(100_000, dtype=np.float32)
+        np.testing.assert_array_equal(g.broadcast(value), value)
+        np.testing.assert_array_equal(g.allreduce(value), value)
+        np.testing.assert_array_equal(g.reduce(value), value)

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from . import api, kernels
+from . import api, device, kernels
 from . import messages as m
 from .device import element_view, is_device_buffer
 from .directory.reduce_plan import FOLD_STEP, fold_unit
@@ -191,7 +191,13 @@ class _TreeReduce:
         if self.dtype.name not in kernels.DTYPES:
             raise InvalidArgument(f"{self.what}: cannot reduce dtype {self.dtype}; supported "
                                   f"dtypes are {', '.join(kernels.DTYPES)}")
-        self.input = buf if is_device_buffer(buf) else np.frombuffer(buf, dtype=np.uint8)
+        if is_device_buffer(buf):
+            # Copied, as a put copies a device array: on the device, queued on
+            # this thread's stream after the work that produced it (`device`).
+            self.input = device.empty(self.layout.nbytes)
+            device.copy_into(self.input, buf)
+        else:  # (a host array is read in place until the call returns)
+            self.input = np.frombuffer(buf, dtype=np.uint8)
         #: per tree with bytes: (index, start, end, children's ranks, parent's rank)
         self.trees: list[tuple[int, int, int, list[int], int | None]] = []
         split = plan.split(self.layout.nbytes, align=self.dtype.itemsize)

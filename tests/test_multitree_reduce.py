@@ -156,6 +156,31 @@ def test_a_rank_lost_midway_fails_every_rank_naming_it(everyone):
     run_nodes([CONFIG] * 4, body, bound=60)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("everyone", [False, True], ids=["reduce", "allreduce"])
+def test_device_arrays_fold_on_the_device(everyone):
+    """CuPy inputs over TCP (pinned staging): partial results live in device
+    memory and fold with the CuPy kernels; the result is a CuPy array."""
+    cp = pytest.importorskip("cupy")
+    host = _inputs(4, 1_000_003, "float32", seed=3)
+    want = _oracle(host, "sum")
+
+    async def body(directory, *nodes):
+        inputs = [cp.asarray(x) for x in host]
+        chosen = tuple(MESH.nodes)
+        plan = mr.plan_for("allreduce" if everyone else "reduce", MESH, 1, chosen)
+        got = await asyncio.gather(*[
+            mr.tree_reduce(node, inputs[r], f"gpu-{everyone}", r, 1, chosen, plan, "sum", 20.0,
+                           everyone=everyone, array_type="cupy")
+            for r, node in enumerate(nodes)])
+        for r, out in enumerate(got):
+            if everyone or r == 1:
+                assert isinstance(out, cp.ndarray), type(out)
+                np.testing.assert_array_equal(cp.asnumpy(out), want, err_msg=f"rank {r}")
+
+    run_nodes([CONFIG] * 4, body, bound=60)
+
+
 def test_a_stalled_rank_is_named_after_the_stall_timeout():
     """A rank whose node stops sending (alive, no keepalive) on the DGX-1V
     allreduce: its parents' stall timeouts name it, every rank fails with

@@ -147,7 +147,10 @@ def _blocking(kind: str, value: Any, name: str, rank: int, size: int, topology: 
                               f"[0, {size!r})")
     if not isinstance(name, str) or not name:
         raise InvalidArgument(f"{call}: name must be a non-empty str; got {name!r}")
-    kernels.check_op(op)
+    try:
+        kernels.check_op(op)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{call}: {exc}") from None
     chosen = members_of(topology, size, members, call)
     plan = plan_for(kind, topology, chosen[root], chosen)
     rt = api.runtime()

@@ -427,10 +427,11 @@ def group_tree_broadcasts(name: str, rank: int, size: int, calls: int, nbytes: i
 
 
 def group_tree_reduces(name: str, rank: int, size: int, calls: int, n: int) -> dict:
-    """`calls` allreduces and `calls` reduces (rooted at rank 1) of `n`
-    float32 per rank by a Group over the 4-member mesh of
-    tests/test_multitree.py, then one small allreduce; whether each result
-    was right, how each call went (`Group._how`), and what this node holds."""
+    """One `multitree_allreduce` without a group, then `calls` allreduces and
+    `calls` reduces (rooted at rank 1) of `n` float32 per rank by a Group
+    over the 4-member mesh of tests/test_multitree.py, then one small
+    allreduce; whether each result was right, how each group call went
+    (`Group._how`), and what this node holds."""
     import numpy as np
 
     import hoplite_gpu as hg
@@ -440,7 +441,14 @@ def group_tree_reduces(name: str, rank: int, size: int, calls: int, n: int) -> d
         {"a": 0, "b": 1, "capacity": 1}, {"a": 0, "b": 2, "capacity": 1},
         {"a": 0, "b": 3, "capacity": 1}, {"a": 1, "b": 2, "capacity": 2},
         {"a": 2, "b": 3, "capacity": 2}, {"a": 1, "b": 3, "capacity": 2}]}, source="mesh")
-    right, ways = True, []
+    from hoplite_gpu.multitree_reduce import call_ids, multitree_allreduce
+
+    # the same call without a group first; rank 0 frees it once every rank
+    # is past the group's first call
+    got = multitree_allreduce(np.full(n, rank, np.int32), name=f"{name}-alone", rank=rank,
+                              size=size, topology=mesh, op="max", timeout=60)
+    right, ways = np.array_equal(got, np.full(n, size - 1)), []
+    del got
     with hg.Group(name, rank=rank, size=size, topology=mesh, timeout=60) as group:
         for i in range(calls):
             mine = (np.arange(n) % (13 + i) + rank).astype(np.float32)
@@ -448,6 +456,9 @@ def group_tree_reduces(name: str, rank: int, size: int, calls: int, n: int) -> d
             got = group.allreduce(mine)
             ways.append(group._last[2])
             right = right and np.array_equal(got, want) and not got.flags.writeable
+            if i == 0 and rank == 0:
+                for oid in call_ids(f"{name}-alone", size):
+                    hg.delete(oid)
             got = group.reduce(mine, root=1, op="max")
             ways.append(group._last[2])
             right = right and (np.array_equal(got, mine + (size - 1 - rank)) if rank == 1

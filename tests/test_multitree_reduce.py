@@ -264,7 +264,11 @@ def test_calls_are_checked_before_anything_is_sent():
         mr.multitree_allreduce(np.zeros(4), name="x", rank=0, size=2, topology=MESH, op="xor")
 
 
+@pytest.mark.slow
 def test_a_group_on_a_topology_reduces_over_its_trees_and_frees_each_call():
+    """Four processes (their start is most of the test's 6 s on 2 cores): a
+    standalone allreduce, then a Group's large allreduces and reduces over
+    the trees, a small one on the dynamic path, and memory freed call by call."""
     import cluster_tasks as t
 
     from hoplite_gpu.cluster import LocalCluster

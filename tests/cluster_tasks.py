@@ -491,6 +491,35 @@ def tree_broadcast_crc(name: str, rank: int, size: int, nbytes: int, seed: int,
     return zlib.crc32(np.ascontiguousarray(got).view(np.uint8))
 
 
+def tree_allreduce_outcome(name: str, rank: int, size: int, n: int,
+                           timeout: float) -> tuple[str, float]:
+    """One `multitree_allreduce` of `n` int32 (each rank's rank + 1) over the
+    DGX-1V fixture's first `size` GPUs: ("right" or the error's type and
+    text, seconds it took)."""
+    from hoplite_gpu.multitree_reduce import multitree_allreduce
+    from hoplite_gpu.topology import fixture
+
+    began = time.monotonic()
+    try:
+        got = multitree_allreduce(np.full(n, rank + 1, np.int32), name=name, rank=rank,
+                                  size=size, topology=fixture("dgx1v"), timeout=timeout)
+    except hg.HopliteError as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - began
+    right = np.array_equal(got, np.full(n, size * (size + 1) // 2))
+    return "right" if right else "wrong", time.monotonic() - began
+
+
+def tree_reduce_cards_posted(name: str, size: int, timeout: float) -> int:
+    """Wait (bounded) until every rank of the multitree reduce or allreduce
+    `name` has posted its card; how many there are."""
+    from hoplite_gpu.multitree_reduce import call_ids
+
+    cards = call_ids(name, size)[2:]
+    for oid in cards:
+        hg.get(oid, timeout=timeout)
+    return len(cards)
+
+
 def tree_cards_posted(name: str, size: int, timeout: float) -> int:
     """Wait (bounded) until every rank of the multitree broadcast `name` has
     posted its card; how many there are."""

@@ -33,6 +33,7 @@ the same moment are both refused (docs/collectives.md).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -56,6 +57,7 @@ from .errors import (
 from .ids import ObjectID
 from .multitree import _broadcast as multitree_over
 from .multitree import members_of
+from .multitree_reduce import plan_for, tree_reduce
 from .roster import Descriptor, Roster, array_kind, stale_tokens
 from .runtime import GIVE_UP_S, time_left
 
@@ -118,9 +120,11 @@ class Group:
     block) frees what the last call left, on every node.
 
     With a `topology` (`hoplite_gpu.topology`; rank r on its node
-    `members[r]`, by default its r-th), a broadcast goes over the spanning
-    trees packed for it (`hoplite_gpu.multitree`), the object split across
-    them by their rates; other calls are unchanged."""
+    `members[r]`, by default its r-th) and two ranks or more, a broadcast
+    goes over the spanning trees packed for it (`hoplite_gpu.multitree`),
+    the object split across them by their rates, and so do a reduce and an
+    allreduce of an array larger than `inline_threshold`, up the trees turned
+    around (`hoplite_gpu.multitree_reduce`); other calls are unchanged."""
 
     def __init__(self, name: str, *, rank: int, size: int, timeout: float | None = None,
                  topology: Any = None, members: Any = None) -> None:
@@ -143,8 +147,10 @@ class Group:
         self._ids = self._roster.ids
         #: calls made so far (the next call's number)
         self.calls = 0
-        #: (kind, op, sliced) of the last call made: rank 0 frees its objects at the next
-        self._last: tuple[str, str | None, bool] = ("barrier", None, False)
+        #: (kind, op, how) of the last call made: rank 0 frees its objects at the next
+        self._last: tuple[str, str | None, str] = ("barrier", None, "whole")
+        #: packed trees by (flow, root), made once (off the loop: packing takes a while)
+        self._plans: dict[tuple[str, int], Any] = {}
         self._broken: BaseException | None = None
         self._closed = False
         self._busy = threading.Lock()
@@ -370,11 +376,7 @@ class Group:
         result = await self._work(node, kind, value, op, root, k, deadline, limit, spent)
         if k == 0:
             await roster.seal(node, deadline, limit)
-        # (every rank decides alike whether an allreduce is sliced: by the
-        # dtype and shape they agreed on)
-        sliced = (kind == "allreduce" and collectives._slices(value, self.size, None) > 1
-                  or kind == "broadcast" and self._over_trees(value, root))
-        self.calls, self._last = k + 1, (kind, op, sliced)
+        self.calls, self._last = k + 1, (kind, op, self._how(kind, value, root))
         return result
 
     async def _work(self, node: Any, kind: str, value: Any, op: str | None, root: int | None,
@@ -402,12 +404,14 @@ class Group:
     async def _collective(self, kind: str, value: Any, op: str | None, root: int | None,
                           k: int, left: float) -> Any:
         name, rank, size = self._ids.call(k), self.rank, self.size
-        if kind == "broadcast" and self._over_trees(value, root):
-            from .trees import pack
-
-            plan = pack(self.topology, self.members[root], self.members)
-            return await multitree_over(api.runtime().node, value, name, rank, root,
-                                        self.members, plan, left, "cupy")
+        if self._how(kind, value, root) == "trees":
+            node, root = api.runtime().node, root or 0
+            plan = await self._plan(kind, root)
+            if kind == "broadcast":
+                return await multitree_over(node, value, name, rank, root, self.members, plan,
+                                            left, "cupy")
+            return await tree_reduce(node, value, name, rank, root, self.members, plan, op,
+                                     left, everyone=kind == "allreduce", array_type="cupy")
         if kind == "broadcast":
             return await collectives.broadcast_async(value, name=name, rank=rank, size=size,
                                                      root=root, timeout=left)
@@ -428,10 +432,37 @@ class Group:
                                                      timeout=left)
         return None  # a barrier: the agreement was all of it
 
-    def _over_trees(self, value: Any, root: int | None) -> bool:
-        """Whether this broadcast goes over packed trees: with a topology
-        (every rank decides alike)."""
-        return self.topology is not None
+    def _how(self, kind: str, value: Any, root: int | None) -> str:
+        """How a call goes: over packed trees ("trees"), sliced ("sliced", an
+        allreduce of `allreduce_slicing`) or whole. Every rank decides alike:
+        by the kind, and the dtype and shape the ranks agreed on."""
+        if self.topology is not None and self.size > 1:
+            if kind == "broadcast":
+                return "trees"
+            nbytes = getattr(value, "nbytes", None)
+            if kind in ("reduce", "allreduce") and collectives._int(nbytes) \
+                    and nbytes > api.runtime().config.inline_threshold:
+                # (smaller arrays travel inline through the directory: trees
+                # of data connections would only add round trips)
+                return "trees"
+        if kind == "allreduce" and collectives._slices(value, self.size, None) > 1:
+            return "sliced"
+        return "whole"
+
+    async def _plan(self, kind: str, root: int) -> Any:
+        """The trees of a call of `kind` rooted at rank `root`."""
+        flow = "broadcast" if kind == "broadcast" else kind
+        plan = self._plans.get((flow, root))
+        if plan is None:
+            if flow == "broadcast":
+                from .trees import pack
+
+                make = functools.partial(pack, self.topology, self.members[root], self.members)
+            else:
+                make = functools.partial(plan_for, flow, self.topology, self.members[root],
+                                         self.members)
+            plan = self._plans[(flow, root)] = await asyncio.to_thread(make)
+        return plan
 
     async def _close(self, node: Any, mine: Descriptor, deadline: float, limit: float) -> None:
         """`close`'s work: rank 0 frees the last call's objects, the claims and

@@ -50,25 +50,29 @@ def call_ids(name: str, size: int) -> list[ObjectID]:
     return [_ids(name, 0)[0], *(_ids(name, r)[1] for r in range(size))]
 
 
-def members_of(topology: Any, size: int, members: Sequence[Any] | None) -> tuple[Any, ...]:
-    """The topology node of each rank, checked."""
+def members_of(topology: Any, size: int, members: Sequence[Any] | None,
+               call: str = "multitree_broadcast") -> tuple[Any, ...]:
+    """The topology node of each rank, checked (errors name `call`)."""
     chosen = tuple(topology.nodes[:size]) if members is None else tuple(members)
     if len(chosen) != size:
-        raise InvalidArgument(f"multitree_broadcast: {size} ranks need {size} members of the "
+        raise InvalidArgument(f"{call}: {size} ranks need {size} members of the "
                               f"topology; got {len(chosen)} ({list(chosen)})")
     if len(set(chosen)) != size:
-        raise InvalidArgument(f"multitree_broadcast: members must be distinct; got {list(chosen)}")
+        raise InvalidArgument(f"{call}: members must be distinct; got {list(chosen)}")
     unknown = [n for n in chosen if n not in topology.nodes]
     if unknown:
-        raise InvalidArgument(f"multitree_broadcast: {unknown} are not nodes of topology "
+        raise InvalidArgument(f"{call}: {unknown} are not nodes of topology "
                               f"{topology.name!r} ({list(topology.nodes)})")
     return chosen
 
 
-def flows_for(plan: Any, size: int, me: Any, cards: dict[Any, m.TreeMember]) -> list[SubFlow]:
-    """`me`'s sub-flows: each tree's range of the object, from `me`'s parent in it."""
+def flows_for(plan: Any, size: int, me: Any, cards: dict[Any, m.TreeMember],
+              ranges: Sequence[tuple[int, int]] | None = None) -> list[SubFlow]:
+    """`me`'s sub-flows: each tree's range of the object (`ranges`, one per
+    tree; by default `plan.split(size)`), from `me`'s parent in it."""
     flows = []
-    for tree, (start, end) in zip(plan.trees, plan.split(size), strict=True):
+    ranges = plan.split(size) if ranges is None else ranges
+    for tree, (start, end) in zip(plan.trees, ranges, strict=True):
         if start == end:
             continue
         [parent] = [p for p, child in tree.edges if child == me]

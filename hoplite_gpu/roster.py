@@ -138,19 +138,24 @@ class GroupIds:
                  for j in range(size)],
                 [ObjectID.from_name(f"{name}/scatter/{j}/{op}") for j in range(size)])
 
-    def spent(self, k: int, kind: str, op: str | None, sliced: bool = False) -> list[ObjectID]:
-        """Every object call `k` (of `kind`, `op`; an allreduce `sliced` or not)
-        may have made; its descriptors too (the first call's are the claims,
-        kept until `close`: `held`)."""
+    def spent(self, k: int, kind: str, op: str | None, how: str = "whole") -> list[ObjectID]:
+        """Every object call `k` (of `kind`, `op`; gone `how`: "whole",
+        "sliced" or over packed "trees", `Group._how`) may have made; its
+        descriptors too (the first call's are the claims, kept until
+        `close`: `held`)."""
         size, name = self.size, self.call(k)
         ids = [] if k == 0 else [self.descriptor(k, r) for r in range(size)]
-        if kind == "broadcast" and sliced:  # (over packed trees: hoplite_gpu.multitree)
+        if kind == "broadcast" and how == "trees":  # (hoplite_gpu.multitree)
             from .multitree import call_ids
 
             ids += call_ids(name, size)
+        elif kind in ("reduce", "allreduce") and how == "trees":
+            from .multitree_reduce import call_ids as reduce_ids
+
+            ids += reduce_ids(name, size)
         elif kind == "broadcast":
             ids.append(ObjectID.from_name(f"{name}/bcast"))
-        elif kind in ("reduce", "allreduce") and sliced:
+        elif kind in ("reduce", "allreduce") and how == "sliced":
             ids += collectives._doomed(name, size, op or "sum", None)
         elif kind in ("reduce", "allreduce"):
             inputs, target = collectives._reduce_ids(name, size, op or "sum", None)

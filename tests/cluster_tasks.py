@@ -426,6 +426,51 @@ def group_tree_broadcasts(name: str, rank: int, size: int, calls: int, nbytes: i
     return {"right": right, "held": held, "after_close": hg.node_stats()["held_bytes"]}
 
 
+def group_tree_reduces(name: str, rank: int, size: int, calls: int, n: int) -> dict:
+    """One `multitree_allreduce` without a group, then `calls` allreduces and
+    `calls` reduces (rooted at rank 1) of `n` float32 per rank by a Group
+    over the 4-member mesh of tests/test_multitree.py, then one small
+    allreduce; whether each result was right, how each group call went
+    (`Group._how`), and what this node holds."""
+    import numpy as np
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.topology import from_json
+
+    mesh = from_json({"nodes": [0, 1, 2, 3], "links": [
+        {"a": 0, "b": 1, "capacity": 1}, {"a": 0, "b": 2, "capacity": 1},
+        {"a": 0, "b": 3, "capacity": 1}, {"a": 1, "b": 2, "capacity": 2},
+        {"a": 2, "b": 3, "capacity": 2}, {"a": 1, "b": 3, "capacity": 2}]}, source="mesh")
+    from hoplite_gpu.multitree_reduce import call_ids, multitree_allreduce
+
+    # the same call without a group first; rank 0 frees it once every rank
+    # is past the group's first call
+    got = multitree_allreduce(np.full(n, rank, np.int32), name=f"{name}-alone", rank=rank,
+                              size=size, topology=mesh, op="max", timeout=60)
+    right, ways = np.array_equal(got, np.full(n, size - 1)), []
+    del got
+    with hg.Group(name, rank=rank, size=size, topology=mesh, timeout=60) as group:
+        for i in range(calls):
+            mine = (np.arange(n) % (13 + i) + rank).astype(np.float32)
+            want = sum((np.arange(n) % (13 + i) + r).astype(np.float32) for r in range(size))
+            got = group.allreduce(mine)
+            ways.append(group._last[2])
+            right = right and np.array_equal(got, want) and not got.flags.writeable
+            if i == 0 and rank == 0:
+                for oid in call_ids(f"{name}-alone", size):
+                    hg.delete(oid)
+            got = group.reduce(mine, root=1, op="max")
+            ways.append(group._last[2])
+            right = right and (np.array_equal(got, mine + (size - 1 - rank)) if rank == 1
+                               else got is None)
+        right = right and np.array_equal(group.allreduce(np.ones(4, np.int64)),
+                                         np.full(4, size))
+        ways.append(group._last[2])
+        held = hg.node_stats()["held_bytes"]
+    return {"right": right, "ways": ways, "held": held,
+            "after_close": hg.node_stats()["held_bytes"]}
+
+
 def directory_in_use() -> tuple[str, list[tuple[str, float]]]:
     """The directory this node uses now, and (address, wall time) of each of
     its registrations with one."""
@@ -444,6 +489,35 @@ def tree_broadcast_crc(name: str, rank: int, size: int, nbytes: int, seed: int,
     got = multitree_broadcast(value, name=name, rank=rank, size=size,
                               topology=fixture("dgx1v"), timeout=timeout)
     return zlib.crc32(np.ascontiguousarray(got).view(np.uint8))
+
+
+def tree_allreduce_outcome(name: str, rank: int, size: int, n: int,
+                           timeout: float) -> tuple[str, float]:
+    """One `multitree_allreduce` of `n` int32 (each rank's rank + 1) over the
+    DGX-1V fixture's first `size` GPUs: ("right" or the error's type and
+    text, seconds it took)."""
+    from hoplite_gpu.multitree_reduce import multitree_allreduce
+    from hoplite_gpu.topology import fixture
+
+    began = time.monotonic()
+    try:
+        got = multitree_allreduce(np.full(n, rank + 1, np.int32), name=name, rank=rank,
+                                  size=size, topology=fixture("dgx1v"), timeout=timeout)
+    except hg.HopliteError as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - began
+    right = np.array_equal(got, np.full(n, size * (size + 1) // 2))
+    return "right" if right else "wrong", time.monotonic() - began
+
+
+def tree_reduce_cards_posted(name: str, size: int, timeout: float) -> int:
+    """Wait (bounded) until every rank of the multitree reduce or allreduce
+    `name` has posted its card; how many there are."""
+    from hoplite_gpu.multitree_reduce import call_ids
+
+    cards = call_ids(name, size)[2:]
+    for oid in cards:
+        hg.get(oid, timeout=timeout)
+    return len(cards)
 
 
 def tree_cards_posted(name: str, size: int, timeout: float) -> int:

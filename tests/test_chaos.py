@@ -1,10 +1,13 @@
 """Chaos: repeated broadcasts and reduces while participants are SIGKILLed
 mid-transfer, a sender is stopped (SIGSTOP), the directory is restarted, a
 holder is killed while others pull from several complete copies at once, a
-relay of a broadcast over packed spanning trees is killed, and the first of
-two directories is lost for good mid-broadcast.
+relay of a broadcast over packed spanning trees is killed, a rank of an
+allreduce over packed trees is killed, and the first of two directories is
+lost for good mid-broadcast.
 Every survivor must end with byte-identical data, every reduce must equal the
-oracle over the inputs it reports, and nothing may outlive its deadline.
+oracle over the inputs it reports (an allreduce over trees: the whole
+reduction, or a ReduceFailed naming the killed rank on every survivor), and
+nothing may outlive its deadline.
 
 Bounded: one run takes about 15-25 s. `CHAOS_SEED` picks the seed; the
 soak variant runs it in a loop (python -m benchmarks soak).
@@ -44,9 +47,11 @@ def run_chaos(seed: int, rounds: int = 3) -> dict:
         _broadcast_across_directory_restart(c, "cd")
         _multi_source_pulls_with_kill(c, rng, "cm")
         _multitree_broadcast_with_kill(c, rng, "ct")
+        _multitree_allreduce_with_kill(c, rng, "ca")
         _broadcast_with_directory_lost(c, rng, "cx")  # (last: the first directory is gone)
         stats["broadcasts"] += 5
-        stats["kills"] += 3
+        stats["reduces"] += 1
+        stats["kills"] += 4
     return stats
 
 
@@ -149,6 +154,30 @@ def _multitree_broadcast_with_kill(c: LocalCluster, rng: random.Random, name: st
     c.restart(victim)
 
 
+def _multitree_allreduce_with_kill(c: LocalCluster, rng: random.Random, name: str) -> None:
+    """An allreduce over the packed trees of the DGX-1V fixture's first seven
+    GPUs (workers 0-6), one non-root rank SIGKILLed once every rank has
+    posted its card. Killed before its input was all pulled, it fails the
+    call on every survivor, soon, with a ReduceFailed naming it (no other
+    rank holds its input); killed after, every survivor ends with the whole
+    reduction (its broadcast ranges come from the root). Never a mix, never
+    a wait to the deadline."""
+    size, n = N - 1, (48 << 20) // 4
+    for rank in range(size):
+        c.submit(rank, t.tree_allreduce_outcome, name, rank, size, n, DEADLINE)
+    assert c.run(N - 1, t.tree_reduce_cards_posted, name, size, DEADLINE) == size
+    time.sleep(rng.uniform(0.0, 0.05))
+    victim = rng.randrange(1, size)
+    c.kill(victim)
+    outcomes = [c.result(rank, DEADLINE + 5) for rank in range(size) if rank != victim]
+    said = {text for text, _took in outcomes}
+    assert said == {"right"} or all(
+        text.startswith("ReduceFailed") and f"rank {victim} was lost" in text
+        for text in said), said
+    assert max(took for _text, took in outcomes) < DEADLINE / 2, outcomes
+    c.restart(victim)
+
+
 def _broadcast_with_directory_lost(c: LocalCluster, rng: random.Random, name: str) -> None:
     """The first directory's process SIGKILLed for good mid-broadcast: every
     node moves to the standby, re-announces what it holds, and every
@@ -169,7 +198,7 @@ def test_chaos():
     seed = int(os.environ.get("CHAOS_SEED", "0") or 0) or random.randrange(1 << 30)
     print(f"chaos seed {seed}")
     stats = run_chaos(seed)
-    assert stats["kills"] == 9
+    assert stats["kills"] == 10
 
 
 @pytest.mark.timeout(120)

@@ -19,7 +19,7 @@ import socket
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import count_writes, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -445,5 +445,46 @@ def test_rails_and_paths_together_pin_each_rails_sub_flows_and_keep_the_bytes_wh
         assert sorted((p["local"], p["path"]) for p in info["paths"]) == [
             (f"127.0.1.2:{low}", 0), (f"127.0.1.2:{low + 1}", 1),
             (f"127.0.2.2:{low}", 0), (f"127.0.2.2:{low + 1}", 1)]
+
+    run_nodes([sender, receiver], body, bound=30)
+
+
+def test_a_rail_that_fails_midway_leaves_its_bytes_to_the_other_rail():
+    """The sender's second rail cuts its sub-flow halfway (a NIC going
+    down): the pull goes on over the first rail alone, every byte written
+    exactly once, and the directory heard of the failure. (What is left,
+    a quarter, is still worth spreading: the next plan must leave the
+    failed rail out, not meet its failure again.)"""
+    size = 16 * MiB
+    value = _value(size)
+    sender = Config(node_host="127.0.1.1,127.0.2.1", **_BASE)
+    receiver = Config(node_host="127.0.1.2,127.0.2.2", **_BASE)
+
+    async def body(directory, a, b):
+        rail2 = a.data_addresses[1].split("//")[1]
+        real = a.server._stream_range
+        cut = []
+
+        async def dies_on_rail2(stream, obj, pos, end, stall, size):
+            if stream.local != rail2:
+                return await real(stream, obj, pos, end, stall, size)
+            cut.append((pos, end))
+            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
+            await stream.close()
+            return False
+
+        a.server._stream_range = dies_on_rail2
+        counts = np.zeros(size, np.int64)
+        count_writes(b, counts)
+        failed = []
+        real_failed = b.pulls._flow_failed
+        b.pulls._flow_failed = lambda o, f, e: (failed.append(f.address), real_failed(o, f, e))
+        oid = hg.ObjectID.from_name("rail-fails")
+        await a.put(value, oid)
+        got = await b.fetch(oid, 15)
+        np.testing.assert_array_equal(np.asarray(got.buffer), value)
+        assert (counts == 1).all(), "a byte was written twice, or never"
+        assert cut == [(size // 2, size)] and failed == [a.data_addresses[1]]
+        assert not b.pulls._failed_ways  # (the pull's record ended with it)
 
     run_nodes([sender, receiver], body, bound=30)

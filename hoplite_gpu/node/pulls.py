@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import AbstractAsyncContextManager
 
 import numpy as np
@@ -113,6 +113,9 @@ class Pulls:
                          if self.paths is not None and config.path_map else None)
         #: per pull, the connections told to the directory (`PathTaken`)
         self._told: dict[ObjectID, set[tuple[str, str]]] = {}
+        #: per pull, the rail pairs (sender, address, local) a sub-flow failed
+        #: on: the next plan leaves them out (a sender's NIC that is down)
+        self._failed_ways: dict[ObjectID, set[tuple[str, str, str]]] = {}
 
     # (read only, for the node's own checks and tests)
     @property
@@ -298,6 +301,7 @@ class Pulls:
         # (this pull's leftovers: none may outlive it)
         self._restripes.pop(oid, None)
         self._told.pop(oid, None)
+        self._failed_ways.pop(oid, None)
         self._pull_errors.pop(oid, None)
         self._failed_at.pop(oid, None)
         self._pull_deadlines.pop(oid, None)
@@ -469,7 +473,7 @@ class Pulls:
                 seq, piece, also = newest.seq, newest.piece, []
                 stripes = [(s.start, s.end, s.sender, s.address) for s in newest.stripes]
             routes, held = ([], []) if stripes else self._routes(
-                obj, [(sender, address), *also], reply.rails)
+                obj, [(sender, address), *also], reply.rails, self._failed_ways.get(oid, ()))
             plan = plan_for(obj, sender, address, also, stripes, piece, routes)
             self._planning[oid] = me
             try:
@@ -488,14 +492,17 @@ class Pulls:
                     self.paths.ended(rail, path, nbytes)
 
     def _routes(self, obj: StoredObject, senders: list[tuple[str, str]],
-                rails: dict[str, list[str]]) -> tuple[list[Route], list[tuple[str, int, float]]]:
+                rails: dict[str, list[str]], failed: Collection[tuple[str, str, str]] = ()
+                ) -> tuple[list[Route], list[tuple[str, int, float]]]:
         """The routes of a pull of what `obj` misses from `senders`, and the
         (rail, path, bytes) each path was assigned (released when the plan
         ends). A pull of at least `multi_source_bytes` goes over every pair
-        of (our rail, their address) that share a subnet (`rails.pairs`;
-        none shared: the sender's address, as today), and with `paths` > 1
-        over that many ECMP paths of each pair, assigned least loaded first
-        (`PathTable.assign`). Anything else: one route per sender, as today."""
+        of (our rail, their address) that share a subnet (`rails.pairs`),
+        but those `failed` (a sub-flow of this pull failed on it: none
+        left, or none shared, and it is the sender's own address, as
+        today), and with `paths` > 1 over that many ECMP paths of each
+        pair, assigned least loaded first (`PathTable.assign`). Anything
+        else: one route per sender, as today."""
         missing = obj.size - (obj.ready if obj.ledger is None else obj.ledger.written)
         plain = [as_route(s) for s in senders]
         if missing < self.config.multi_source_bytes or (
@@ -507,6 +514,8 @@ class Pulls:
             theirs = rails.get(sender)
             shared = (rails_.pairs(self.rails, theirs or [address])
                       if theirs or len(self.rails) > 1 else [])
+            shared = [(here, there) for here, there in shared
+                      if (sender, there, here) not in failed]
             ways += [(sender, there, here if bound else "")
                      for here, there in shared or [("", address)]]
         if self.paths is None:
@@ -550,6 +559,9 @@ class Pulls:
                        functools.partial(self._flow_failed, obj), PEER_FAILURES)
 
     def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
+        if flow.local:  # (a rail pair: the next plan of this pull goes round it)
+            self._failed_ways.setdefault(obj.oid, set()).add(
+                (flow.sender, flow.address, flow.local))
         log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
                  obj.ready, exc)
         self._failed_at.setdefault(obj.oid, time.time())

@@ -391,7 +391,7 @@ def test_pinned_source_ports_are_the_ones_chosen_and_shown_in_object_info():
             (f"127.0.0.1:{low}", 0), (f"127.0.0.1:{low + 1}", 1)]
         assert all(p["sender"] == a.node_id and p["receiver"] == b.node_id
                    for p in info["paths"])
-        assert b.pulls.paths.active[""] == [0.0, 0.0]  # (the pull's load released)
+        assert b.pulls.ways.paths.active[""] == [0.0, 0.0]  # (the pull's load released)
 
     run_nodes([sender, receiver], body, bound=30)
 
@@ -485,6 +485,6 @@ def test_a_rail_that_fails_midway_leaves_its_bytes_to_the_other_rail():
         np.testing.assert_array_equal(np.asarray(got.buffer), value)
         assert (counts == 1).all(), "a byte was written twice, or never"
         assert cut == [(size // 2, size)] and failed == [a.data_addresses[1]]
-        assert not b.pulls._failed_ways  # (the pull's record ended with it)
+        assert not b.pulls.ways.failed_ways  # (the pull's record ended with it)
 
     run_nodes([sender, receiver], body, bound=30)

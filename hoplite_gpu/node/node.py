@@ -213,16 +213,17 @@ class Node:
         return self.memory.evicted
 
     async def start(self) -> None:
-        if self.pulls.path_map is not None:
-            self.pulls.path_map.refresh()  # (ConfigError naming the file, before anything starts)
+        if self.pulls.ways.path_map is not None:
+            # (ConfigError naming the file, before anything starts)
+            self.pulls.ways.path_map.refresh()
         await self.server.start()
         #: every address this node's data server listens on (a rail each; the first its own)
         self.data_addresses = [advertised(one, self.directory_address)
                                for one in self.server.addresses]
         # (kept for reconnects: the same-host socket is named after it)
         self._data_address = address = self.data_addresses[0]
-        self.pulls.rails = rails_of(self.data_addresses,
-                                    [bits for _, bits in self.config.node_hosts()])
+        self.pulls.ways.rails = rails_of(self.data_addresses,
+                                         [bits for _, bits in self.config.node_hosts()])
         if self.config.shared_memory:
             await self.server.listen_local(address)  # pullers on this host find it by that address
         await self.link.connect(address, self.data_addresses)

@@ -2,7 +2,7 @@
 every get of it, each get waiting on a future of its own; the sender comes
 from the directory, the bytes through the pull engine (`engine.run_plan`),
 a large pull spread over the rails this node shares with its senders and
-over ECMP paths (`rails`, `paths`)."""
+over ECMP paths (`ways`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 
 import numpy as np
@@ -20,7 +20,6 @@ from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
 from hoplite_gpu.errors import (
-    ConfigError,
     HopliteError,
     ObjectNotFound,
     PeerLost,
@@ -30,20 +29,19 @@ from hoplite_gpu.errors import (
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
-from hoplite_gpu.transports import Bind, Stream
+from hoplite_gpu.transports import Stream
 from hoplite_gpu.values import Layout
 
-from . import rails as rails_
 from .engine import plan_for, run_plan
 from .holdings import complete_msg
-from .paths import MapFile, PathTable
-from .plan import Plan, Route, SubFlow, as_route
+from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
 from .pull_modes import Sink
 from .retry import Retry
 from .store import ChunkStore, StoredObject
 from .tasks import TaskSet
 from .transfer import PeerPool, fetch_range, map_object
+from .ways import Ways
 
 log = logging.getLogger("hoplite_gpu.node")
 
@@ -104,18 +102,8 @@ class Pulls:
         self._moving: set[ObjectID] = set()
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
-        #: this node's rails (`rails.rails_of`), set by the node once it listens
-        self.rails: tuple[rails_.Rail, ...] = ()
-        #: the ECMP paths of its sub-flows (`paths` > 1), and their port map
-        self.paths = (PathTable(config.paths, config.path_port_range())
-                      if config.paths > 1 else None)
-        self.path_map = (MapFile(config.path_map, self.paths)
-                         if self.paths is not None and config.path_map else None)
-        #: per pull, the connections told to the directory (`PathTaken`)
-        self._told: dict[ObjectID, set[tuple[str, str]]] = {}
-        #: per pull, the rail pairs (sender, address, local) a sub-flow failed
-        #: on: the next plan leaves them out (a sender's NIC that is down)
-        self._failed_ways: dict[ObjectID, set[tuple[str, str, str]]] = {}
+        #: how large pulls reach their senders: rails and ECMP paths
+        self.ways = Ways(config)
 
     # (read only, for the node's own checks and tests)
     @property
@@ -300,8 +288,7 @@ class Pulls:
                 result = task.result()
         # (this pull's leftovers: none may outlive it)
         self._restripes.pop(oid, None)
-        self._told.pop(oid, None)
-        self._failed_ways.pop(oid, None)
+        self.ways.forget(oid)
         self._pull_errors.pop(oid, None)
         self._failed_at.pop(oid, None)
         self._pull_deadlines.pop(oid, None)
@@ -472,8 +459,9 @@ class Pulls:
             if newest is not None and newest.seq > seq:
                 seq, piece, also = newest.seq, newest.piece, []
                 stripes = [(s.start, s.end, s.sender, s.address) for s in newest.stripes]
-            routes, held = ([], []) if stripes else self._routes(
-                obj, [(sender, address), *also], reply.rails, self._failed_ways.get(oid, ()))
+            missing = obj.size - (obj.ready if obj.ledger is None else obj.ledger.written)
+            routes, held = ([], []) if stripes else self.ways.routes(
+                oid, missing, [(sender, address), *also], reply.rails)
             plan = plan_for(obj, sender, address, also, stripes, piece, routes)
             self._planning[oid] = me
             try:
@@ -488,57 +476,7 @@ class Pulls:
             finally:
                 self._planning.pop(oid, None)
                 self._moving.discard(oid)
-                for rail, path, nbytes in held:
-                    self.paths.ended(rail, path, nbytes)
-
-    def _routes(self, obj: StoredObject, senders: list[tuple[str, str]],
-                rails: dict[str, list[str]], failed: Collection[tuple[str, str, str]] = ()
-                ) -> tuple[list[Route], list[tuple[str, int, float]]]:
-        """The routes of a pull of what `obj` misses from `senders`, and the
-        (rail, path, bytes) each path was assigned (released when the plan
-        ends). A pull of at least `multi_source_bytes` goes over every pair
-        of (our rail, their address) that share a subnet (`rails.pairs`),
-        but those `failed` (a sub-flow of this pull failed on it: none
-        left, or none shared, and it is the sender's own address, as
-        today), and with `paths` > 1 over that many ECMP paths of each
-        pair, assigned least loaded first (`PathTable.assign`). Anything
-        else: one route per sender, as today."""
-        missing = obj.size - (obj.ready if obj.ledger is None else obj.ledger.written)
-        plain = [as_route(s) for s in senders]
-        if missing < self.config.multi_source_bytes or (
-                self.paths is None and len(self.rails) < 2 and not rails):
-            return plain, []
-        bound = self.config.transport == "tcp"  # (others pick their own source address)
-        ways: list[tuple[str, str, str]] = []
-        for sender, address in senders:
-            theirs = rails.get(sender)
-            shared = (rails_.pairs(self.rails, theirs or [address])
-                      if theirs or len(self.rails) > 1 else [])
-            shared = [(here, there) for here, there in shared
-                      if (sender, there, here) not in failed]
-            ways += [(sender, there, here if bound else "")
-                     for here, there in shared or [("", address)]]
-        if self.paths is None:
-            return [(s, a, here, -1) for s, a, here in ways], []
-        self._fresh_map()
-        n = self.paths.paths
-        share = missing / (len(ways) * n)
-        routes: list[Route] = []
-        held: list[tuple[str, int, float]] = []
-        for sender, address, here in ways:
-            for path in self.paths.assign(here, n, share):
-                routes.append((sender, address, here, path))
-                held.append((here, path, share))
-        return routes, held
-
-    def _fresh_map(self) -> None:
-        """The port map as its file says now; one that cannot be read is
-        logged and the last one kept (checked at start: `Node.start`)."""
-        if self.path_map is not None:
-            try:
-                self.path_map.refresh()
-            except ConfigError as exc:
-                log.warning("keeping the last port map: %s", exc)
+                self.ways.release(held)
 
     def withdrawn(self, oid: ObjectID) -> None:
         """A locate given up. The directory may have named a sender just
@@ -559,9 +497,7 @@ class Pulls:
                        functools.partial(self._flow_failed, obj), PEER_FAILURES)
 
     def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
-        if flow.local:  # (a rail pair: the next plan of this pull goes round it)
-            self._failed_ways.setdefault(obj.oid, set()).add(
-                (flow.sender, flow.address, flow.local))
+        self.ways.failed(obj.oid, flow)
         log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
                  obj.ready, exc)
         self._failed_at.setdefault(obj.oid, time.time())
@@ -581,26 +517,18 @@ class Pulls:
                 last[0] = now
                 self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
 
-        bind = opened = None
-        if flow.local or flow.path >= 0:
-            ports = () if flow.path < 0 else self.paths.ports(flow.path, flow.address)
-            bind = Bind(flow.local, ports)
-            opened = functools.partial(self._opened, obj.oid, flow)
+        bind = self.ways.bind(flow)
         await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
                           start=flow.start, sink=sink, message=flow.piece, bind=bind,
-                          opened=opened)
+                          opened=None if bind is None else functools.partial(
+                              self._opened, obj.oid, flow))
 
     def _opened(self, oid: ObjectID, flow: SubFlow, stream: Stream) -> None:
         """A sub-flow on a rail or path has its connection: the directory
         hears where it runs (once per connection and pull), for `query`."""
-        if stream.caps.local or not stream.local:
-            return  # (a same-host stream: no rail, no path)
-        told = self._told.setdefault(oid, set())
-        if (flow.sender, stream.local) in told:
-            return
-        told.add((flow.sender, stream.local))
-        self._post(m.PathTaken(oid=oid.binary, sender=flow.sender, address=flow.address,
-                               local=stream.local, path=flow.path))
+        notice = self.ways.tell(oid, flow, stream)
+        if notice is not None:
+            self._post(notice)
 
     def store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)

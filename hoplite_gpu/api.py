@@ -196,7 +196,9 @@ def node_stats() -> dict[str, Any]:
     of the hits, result arrays handed to the caller and taken back once it
     dropped them, as a sliced allreduce's); `failovers`
     (recent pulls that resumed at another sender, the last 1000 at most);
-    `direct_puts` and `direct_gets` (blocking calls of small objects made on
+    `bytes_sent_by_address` (bytes this node's data server sent over the
+    transport, per address of its own it listens on: which rail carried
+    them); `direct_puts` and `direct_gets` (blocking calls of small objects made on
     the caller's thread, `hoplite_gpu.direct`)."""
     rt = runtime()
     stats = rt.call(rt.node.stats(), rt.config.timeout_s)

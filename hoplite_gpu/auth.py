@@ -15,7 +15,7 @@ from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 14  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 15  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
@@ -33,6 +33,8 @@ PROTOCOL_VERSION = 14  # 2: reduce_confirm, reduce_tag in locate replies, tag in
 #                      13: striped pulls: a locate's (and a located push's) "stripes"
 #                          and "seq", the push "restripe", a holder's "stripes"
 #                      14: a register's answer's "nodes" (the others registered there)
+#                      15: rails and paths: a register's "addresses", a locate's (and a
+#                          located push's) "rails", the notice "path", a query's "paths"
 _NONCE = 32
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import numbers
 import os
@@ -61,6 +62,11 @@ class Config:
     #: ucxx's polled requests (see docs/architecture.md, "Control connections").
     control_transport: str = "tcp"
     #: Interface a node's data server binds to. Loopback unless you run across hosts.
+    #: Several, comma-separated (`10.0.0.5/24,10.1.0.5/24`): one per rail (a
+    #: NIC and its subnet, the prefix /24 (IPv4) or /64 (IPv6) if not
+    #: given); the data server listens on each, the node registers them all,
+    #: and a large pull is spread over the rails it shares with its sender
+    #: (docs/fabric.md, "Rails and paths").
     node_host: str = "127.0.0.1"
     #: Bytes per pipelined chunk.
     chunk_size: int = 4 * MiB
@@ -86,8 +92,24 @@ class Config:
     #: pieces from each (docs/design.md, "Pulls from several senders"). 1:
     #: one sender per pull.
     max_sources: int = 4
-    #: Objects at least this large may be pulled from several senders.
+    #: Objects at least this large may be pulled from several senders, or
+    #: from one over several rails or paths.
     multi_source_bytes: int = 16 * MiB
+    #: ECMP paths a pull of at least `multi_source_bytes` from one sender is
+    #: split over (per rail): one sub-flow per path, each on a TCP connection
+    #: whose source port this node chose for that path, paths assigned least
+    #: loaded first (docs/fabric.md, "Rails and paths"). 1: off, the kernel
+    #: picks source ports.
+    paths: int = 1
+    #: Source ports the sub-flows of `paths` are bound to ("low-high"): with
+    #: n paths, port p is taken to lie on path (p - low) mod n, unless
+    #: `path_map` says otherwise; one in use is skipped.
+    path_ports: str = "61000-61999"
+    #: A JSON file mapping source ports to paths, which a fabric harness
+    #: learned (e.g. with `ip route get ... sport P dport Q`): {destination:
+    #: {port: path}}, a destination being a data address's "host:port", its
+    #: "host", or "*"; re-read when it changes. None: ports by their class.
+    path_map: str | None = None
     #: Stripes of a broadcast object of at least `multi_source_bytes`: its
     #: bytes in contiguous ranges, each sent down a tree of its own in which
     #: a receiver relays at most one (docs/design.md, "Striped broadcast").
@@ -151,6 +173,8 @@ class Config:
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
+        if self.path_map == "":  # (HOPLITE_PATH_MAP= : not set)
+            object.__setattr__(self, "path_map", None)
         for name in TLS_SETTINGS:
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
@@ -196,6 +220,20 @@ class Config:
         if not 0 <= self.shutdown_grace_s <= MAX_TIMEOUT_S:
             raise ConfigError(f"shutdown_grace_s must be >= 0 and at most {MAX_TIMEOUT_S:g}; "
                               f"got {self.shutdown_grace_s}")
+        self.node_hosts()  # (ConfigError naming the bad entry)
+        if not 1 <= self.paths <= 64:
+            raise ConfigError(f"paths (HOPLITE_PATHS) must be between 1 and 64; got {self.paths}")
+        ports = self.path_port_range()
+        if self.paths > 1 and self.transport != "tcp":
+            raise ConfigError(f"paths (HOPLITE_PATHS={self.paths}) pins each sub-flow's source "
+                              f"port, which only the tcp transport can; transport is "
+                              f"{self.transport!r}")
+        if self.path_map is not None and self.paths < 2:
+            raise ConfigError(f"path_map (HOPLITE_PATH_MAP={self.path_map!r}) maps ports to "
+                              "paths, but paths (HOPLITE_PATHS) is 1: set it to their number")
+        if len(ports) < self.paths:
+            raise ConfigError(f"path_ports (HOPLITE_PATH_PORTS={self.path_ports!r}) holds "
+                              f"{len(ports)} ports, fewer than paths ({self.paths})")
         if self.multi_source_bytes < 0:
             raise ConfigError(f"multi_source_bytes must be >= 0; got {self.multi_source_bytes}")
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",
@@ -256,6 +294,14 @@ class Config:
         TCP, a whole message (`chunk_size`) over a message transport."""
         return min(self.chunk_size, RELAY_STEP) if self.transport == "tcp" else self.chunk_size
 
+    def node_hosts(self) -> list[tuple[str, int | None]]:
+        """`node_host`'s entries: (host, the rail's prefix length or None)."""
+        return parse_node_hosts(self.node_host)
+
+    def path_port_range(self) -> range:
+        """`path_ports` as a range of port numbers."""
+        return parse_port_range(self.path_ports)
+
     def replace(self, **changes: object) -> Config:
         return dataclasses.replace(self, **changes)
 
@@ -288,6 +334,59 @@ def _check_type(f: dataclasses.Field, value: object) -> None:
     if not ok:
         raise ConfigError(f"{f.name} must be {kind.split(' ')[0]}; got {value!r} "
                           f"({type(value).__name__})")
+
+
+#: Entries `node_host` may list (rails of one node).
+MAX_NODE_HOSTS = 16
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def parse_node_hosts(text: str) -> list[tuple[str, int | None]]:
+    """HOPLITE_NODE_HOST's entries, comma-separated, each a host name or an
+    IP address, an IP with the prefix length of its rail's subnet after a
+    slash (`10.0.0.5/24`): (host, prefix or None). ConfigError naming the
+    setting and the bad entry."""
+    what = f"node_host (HOPLITE_NODE_HOST={text!r})"
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} must be a str")
+    entries = [part.strip() for part in text.split(",")]
+    if len(entries) > MAX_NODE_HOSTS:
+        raise ConfigError(f"{what} lists {len(entries)} hosts; at most {MAX_NODE_HOSTS}")
+    hosts: list[tuple[str, int | None]] = []
+    for entry in entries:
+        host, slash, prefix = entry.partition("/")
+        host = host.strip().removeprefix("[").removesuffix("]")
+        if len(entries) > 1 and (not host or host in _WILDCARDS):
+            raise ConfigError(f"{what}: {entry!r} is no address of one interface; list each "
+                              "rail's address, or give a wildcard alone")
+        bits = None
+        if slash:
+            try:
+                family = ipaddress.ip_address(host).version
+                bits = int(prefix)
+            except ValueError:
+                raise ConfigError(f"{what}: {entry!r} is not an IP address with a prefix "
+                                  "length (like 10.0.0.5/24)") from None
+            if host in _WILDCARDS or not 0 <= bits <= (32 if family == 4 else 128):
+                raise ConfigError(f"{what}: {entry!r} has no usable prefix length")
+        if any(host == seen for seen, _ in hosts):
+            raise ConfigError(f"{what} lists {host!r} twice")
+        hosts.append((host, bits))
+    return hosts
+
+
+def parse_port_range(text: str) -> range:
+    """HOPLITE_PATH_PORTS: "low-high", ports from 1024 to 65535 (ConfigError
+    naming the setting otherwise)."""
+    low, dash, high = str(text).partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = -1
+    if not dash or not 1024 <= lo <= hi <= 65535:
+        raise ConfigError(f"path_ports (HOPLITE_PATH_PORTS={text!r}) must be \"low-high\", "
+                          "ports between 1024 and 65535, low <= high")
+    return range(lo, hi + 1)
 
 
 _UNITS = {"k": KiB, "m": MiB, "g": 1 << 30, "t": 1 << 40}

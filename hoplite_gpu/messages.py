@@ -75,8 +75,13 @@ class Verdict(Struct, omit_defaults=True, kw_only=True):
 
 # ------------------------------------------------ first message of a connection ---
 class Register(Message, tag="register"):
+    """A node joins: its data server's `address`, and with several rails
+    (`node_host` lists several hosts) every address it listens on, the
+    first being `address`."""
+
     node: str
     address: str
+    addresses: list[str] = []
 
 
 class Attach(Message, tag="attach"):
@@ -175,6 +180,7 @@ class Located(Message, tag="located"):
     stripes: list[Stripe] = []
     seq: int = 0
     piece: int = 0
+    rails: dict[str, list[str]] = {}
 
 
 class Restripe(Message, tag="restripe"):
@@ -243,6 +249,19 @@ class Failed(Message, tag="failed"):
     oid: Id
     sender: str
     have: int
+
+
+class PathTaken(Message, tag="path"):
+    """A sub-flow of the node's pull of `oid` from `sender` runs on a
+    connection to `address` (a rail of the sender) from `local` ("host:port"
+    here), its source port chosen for ECMP path `path` (-1: not pinned, a
+    rail only). Sent once per connection a pull uses, for `query`'s `paths`."""
+
+    oid: Id
+    sender: str
+    address: str
+    local: str
+    path: int = -1
 
 
 class Dropped(Message, tag="dropped"):
@@ -366,6 +385,9 @@ class Location(Body, kw_only=True):
     piece: int = 0
     pushed: bool = False
     held: bool = False
+    #: the data addresses of each sender named that listens on several
+    #: (rails; its `address` among them), for the pull to spread over
+    rails: dict[str, list[str]] = {}
 
 
 class Evicted(Body, kw_only=True):
@@ -406,6 +428,18 @@ class HolderInfo(Struct, omit_defaults=True, kw_only=True):
     stripes: list[Stripe] = []
 
 
+class PathInfo(Struct, kw_only=True):
+    """The way one connection of a pull went (`Description.paths`): from
+    `receiver` at `local` ("host:port") to `sender`'s `address`, on ECMP
+    path `path` (-1: its source port was not chosen for a path)."""
+
+    receiver: str
+    sender: str
+    address: str
+    local: str
+    path: int
+
+
 class Description(Body, kw_only=True):
     """The answer to a `query`: what the directory knows of an object."""
 
@@ -415,6 +449,8 @@ class Description(Body, kw_only=True):
     holders: list[HolderInfo]
     edges: list[list[str]]
     waiting: int
+    #: the connections of pulls spread over rails or paths, latest 1,024
+    paths: list[PathInfo] = []
 
 
 class NodeList(Body, kw_only=True):
@@ -493,7 +529,8 @@ def answering(body: Body, rid: int) -> Body:
 
 
 #: What a node may send the directory on its connection, after `register`.
-ToDirectory = (Ping | Nodes | Put | Locate | Cancel | Progress | Complete | Failed | Dropped
+ToDirectory = (Ping | Nodes | Put | Locate | Cancel | Progress | Complete | Failed | PathTaken
+               | Dropped
                | Evict | Delete | DeleteMany | Query | ChannelPublish | ChannelHead | Reduce
                | ReduceFailed | StepLost | ReducedInputs | ReduceConfirm)
 #: A connection's first message after the handshake.

@@ -370,7 +370,7 @@ def test_node_stats_counts_what_this_node_holds(local):
     assert set(before) == {"objects", "shared_memory", "kept_mappings", "copied_from_mappings",
                            "bytes_copied_from_mappings", "pool_hits", "pooled_bytes",
                            "pool_reclaimed", "failovers", "held_bytes", "store_bytes", "evicted",
-                           "direct_puts", "direct_gets"}
+                           "direct_puts", "direct_gets", "bytes_sent_by_address"}
     oid = hg.put(np.zeros(2 << 20, dtype=np.uint8))
     assert hg.node_stats()["objects"] == before["objects"] + 1
     hg.delete(oid)

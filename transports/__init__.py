@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .base import HEAD, Backend, Head, Listener, SendWindow, Stream, StreamCaps, split_address
+from .base import HEAD, Backend, Bind, Head, Listener, SendWindow, Stream, StreamCaps, split_address
 
 if TYPE_CHECKING:
     from .tls import TLS
@@ -65,5 +65,5 @@ def usable(scheme: str) -> bool:
     return True
 
 
-__all__ = ["HEAD", "Backend", "Head", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
+__all__ = ["HEAD", "Backend", "Bind", "Head", "Listener", "SendWindow", "Stream", "StreamCaps", "get_backend",
            "register_backend", "split_address", "usable"]

@@ -74,6 +74,8 @@ class Stream(abc.ABC):
 
     #: Human-readable peer address, for error messages.
     peer: str = "?"
+    #: This end's address, "host:port" where the transport has one ("" else).
+    local: str = ""
     #: What this kind of stream can do.
     caps: ClassVar[StreamCaps] = StreamCaps()
     #: Whether its bytes travel in TLS (`transports.tls`).
@@ -311,6 +313,17 @@ class SendWindow:
 Handler = Callable[[Stream], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class Bind:
+    """Where a connection starts (`Backend.connect`): from this host's
+    address `host` ("": the kernel's choice), and from the first of `ports`
+    that is free (none given: any port). A port in use, or one whose
+    connection to this peer exists already, is skipped for the next."""
+
+    host: str = ""
+    ports: tuple[int, ...] = ()
+
+
 class Listener(abc.ABC):
     """Accepts streams and hands each to a handler task it owns."""
 
@@ -335,8 +348,10 @@ class Backend(abc.ABC):
     async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
 
     @abc.abstractmethod
-    async def connect(self, address: str, timeout: float) -> Stream:
-        """Connect to ``address`` (``scheme://host:port`` or ``host:port``)."""
+    async def connect(self, address: str, timeout: float, bind: Bind | None = None) -> Stream:
+        """Connect to ``address`` (``scheme://host:port`` or ``host:port``),
+        from where `bind` says (a transport that cannot choose raises
+        ConfigError if one is asked of it)."""
 
     def with_tls(self, tls: Any) -> Backend:
         """This transport with every connection in TLS (`transports.tls.TLS`).

@@ -28,9 +28,15 @@ import struct
 import sys
 import time
 
-from hoplite_gpu.errors import ConnectionRefused, Timeout, TransportClosed, TransportError
+from hoplite_gpu.errors import (
+    ConfigError,
+    ConnectionRefused,
+    Timeout,
+    TransportClosed,
+    TransportError,
+)
 
-from .base import Backend, Handler, Listener, Stream, StreamCaps, split_address
+from .base import Backend, Bind, Handler, Listener, Stream, StreamCaps, split_address
 from .tcp import TCPListener, TCPStream, resolve
 
 _NAME = "hoplite-gpu-data "
@@ -155,11 +161,14 @@ class LocalBackend(Backend):
         sock.setblocking(False)
         return LocalListener(sock, handler, f"local://{_host_port(host, port)}")
 
-    async def connect(self, address: str, timeout: float) -> Stream:
+    async def connect(self, address: str, timeout: float, bind: Bind | None = None) -> Stream:
         """A stream to the listener named after `address`'s host and port.
         ConnectionRefused where there is none here (another host, another
         namespace, nobody listening) or it is another user's; Timeout when
-        its backlog stays full for `timeout` (a burst of connections)."""
+        its backlog stays full for `timeout` (a burst of connections). A
+        Unix socket has no source address to choose (`bind`: ConfigError)."""
+        if bind is not None:
+            raise ConfigError("the same-host transport cannot choose where a connection starts")
         name = socket_name(address)
         peer = f"{address} (same host)"
         give_up, pause = time.monotonic() + timeout, 0.001

@@ -34,6 +34,7 @@ from .base import (
     HEAD_PART,
     STEP,
     Backend,
+    Bind,
     Buffer,
     Handler,
     Head,
@@ -107,6 +108,11 @@ class TCPStream(Stream):
     def __init__(self, sock: socket.socket, peer: str) -> None:
         _tune(sock)
         self._sock = sock
+        with contextlib.suppress(OSError, IndexError):
+            name = sock.getsockname()
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                self.local = (f"{name[0]}:{name[1]}" if sock.family == socket.AF_INET
+                              else f"[{name[0]}]:{name[1]}")
         self._closed = False
         self._lowat = 1
         self.peer = peer
@@ -512,6 +518,61 @@ async def resolve(host: str, port: int, flags: int = 0) -> list:
         raise OSError(f"not a host name: {exc}") from exc
 
 
+#: A source port that cannot be had for this connection: taken (by any
+#: socket, or one of ours in TIME_WAIT that a bound socket may not reuse),
+#: or its connection to this peer exists already.
+_PORT_TAKEN = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+
+
+def _socket(family: int, peer: str) -> socket.socket:
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:  # e.g. no file descriptor left
+        raise ConnectionRefused(f"cannot open a socket to {peer}: "
+                                f"{exc.strerror or exc}") from exc
+    sock.setblocking(False)
+    return sock
+
+
+async def _dial(family: int, addr: Any, bind: Bind | None, peer: str) -> socket.socket:
+    """A socket connected to `addr`, from where `bind` says: bound before it
+    connects, to the first of its ports that can be had. SO_REUSEADDR lets a
+    port serve connections to several peers (distinct 5-tuples); a port
+    another process holds, or whose connection to this peer exists, is
+    skipped. ConnectionRefused if none can be had, or the peer refuses."""
+    loop = asyncio.get_running_loop()
+    ports: tuple[int | None, ...] = (None,) if bind is None else (bind.ports or (0,))
+    for src in ports:
+        sock = _socket(family, peer)
+        try:
+            if bind is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((bind.host, src))
+                except OSError as exc:
+                    if src and exc.errno == errno.EADDRINUSE:
+                        sock.close()
+                        continue
+                    raise ConnectionRefused(f"cannot connect to {peer} from "
+                                            f"{bind.host or 'any address'}:{src}: "
+                                            f"{exc.strerror or exc}") from exc
+            try:
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                if src and exc.errno in _PORT_TAKEN:
+                    sock.close()
+                    continue
+                raise ConnectionRefused(f"cannot connect to {peer}: "
+                                        f"{exc.strerror or exc}") from exc
+            return sock
+        except BaseException:  # refused, or cancelled (its caller gave up): the socket goes
+            sock.close()
+            raise
+    raise ConnectionRefused(f"cannot connect to {peer} from {bind.host or 'any address'}: "
+                            f"every source port asked ({len(ports)}, {ports[0]} to "
+                            f"{ports[-1]}) is in use")
+
+
 class TCPBackend(Backend):
     scheme = "tcp"
 
@@ -545,7 +606,7 @@ class TCPBackend(Backend):
             return TLSListener(sock, handler, self.tls)
         return TCPListener(sock, handler)
 
-    async def connect(self, address: str, timeout: float) -> Stream:
+    async def connect(self, address: str, timeout: float, bind: Bind | None = None) -> Stream:
         _, host, port = split_address(address)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + timeout
@@ -558,23 +619,10 @@ class TCPBackend(Backend):
             raise ConnectionRefused(f"cannot resolve {host!r}: {exc}") from exc
         family, _, _, _, addr = infos[0]
         try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError as exc:  # e.g. no file descriptor left
-            raise ConnectionRefused(f"cannot open a socket to {host}:{port}: "
-                                    f"{exc.strerror or exc}") from exc
-        sock.setblocking(False)
-        try:
             async with asyncio.timeout(timeout):
-                await loop.sock_connect(sock, addr)
+                sock = await _dial(family, addr, bind, f"{host}:{port}")
         except TimeoutError as exc:
-            sock.close()
             raise Timeout(f"connecting to {host}:{port} took longer than {timeout:g}s") from exc
-        except OSError as exc:
-            sock.close()
-            raise ConnectionRefused(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
-        except BaseException:  # cancelled (its caller gave up): the socket goes too
-            sock.close()
-            raise
         if self.tls is None:
             return TCPStream(sock, f"{host}:{port}")
         from .tls import connect

@@ -90,6 +90,9 @@ class TLSSocket:
     def setsockopt(self, *args: Any) -> None:
         self._s.setsockopt(*args)
 
+    def getsockname(self) -> Any:
+        return self._s.getsockname()
+
     def pending(self) -> int:
         """Bytes decrypted and not yet received."""
         return self._s.pending()

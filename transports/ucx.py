@@ -60,6 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hoplite_gpu.errors import (
+    ConfigError,
     ConnectionRefused,
     InvalidArgument,
     Timeout,
@@ -72,6 +73,7 @@ from .base import (
     HEAD,
     STEP,
     Backend,
+    Bind,
     Handler,
     Head,
     Listener,
@@ -832,7 +834,10 @@ class UCXBackend(Backend):
         listener.start(port)
         return listener
 
-    async def connect(self, address: str, timeout: float) -> Stream:
+    async def connect(self, address: str, timeout: float, bind: Bind | None = None) -> Stream:
+        if bind is not None:  # (ucxx picks an endpoint's source itself)
+            raise ConfigError("the ucx transport cannot choose where a connection starts "
+                              "(source address or port): rails bind and HOPLITE_PATHS need tcp")
         _, host, port = split_address(address, "ucx")
         ucxx = _load()
         loop = asyncio.get_running_loop()

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hoplite_gpu import messages as m
@@ -52,10 +52,12 @@ class DirectoryClient:
     @classmethod
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
                       timeout: float, on_push: Callable[[m.Message], None],
-                      stall_s: float | None = None, tls: TLS | None = None) -> DirectoryClient:
+                      stall_s: float | None = None, tls: TLS | None = None,
+                      rails: Sequence[str] = ()) -> DirectoryClient:
         """Connect (in TLS, given `tls`), authenticate and register within
-        `timeout` seconds in all. A directory that then takes no message for
-        `stall_s` seconds is lost."""
+        `timeout` seconds in all, with every data address the node listens
+        on where it has several (`rails`, `data_address` first). A directory
+        that then takes no message for `stall_s` seconds is lost."""
         scheme, _, _ = split_address(address)
         deadline = time.monotonic() + timeout  # one deadline for the whole: connect, handshake, register
         try:
@@ -70,7 +72,8 @@ class DirectoryClient:
             left = max(deadline - time.monotonic(), 0.0)
             async with asyncio.timeout(left):
                 await client_handshake(stream, token, left)
-                await send_msg(stream, m.Register(node=node, address=data_address))
+                await send_msg(stream, m.Register(node=node, address=data_address,
+                                                  addresses=list(rails) if len(rails) > 1 else []))
                 answer = raise_for_error(m.read_reply(m.Register, await recv_msg(stream)))
         except (TimeoutError, Timeout) as exc:
             await stream.close()

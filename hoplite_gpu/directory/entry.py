@@ -168,6 +168,9 @@ class Entry:
     #: the latest (receiver, sender) assignments (a hot object's nodes come and go)
     edges: deque[tuple[NodeId, NodeId]] = field(
         default_factory=lambda: deque(maxlen=EDGES_KEPT))
+    #: the latest connections of pulls spread over rails or paths, each
+    #: (receiver, sender, address, local, path) (`PathTaken`); None until one
+    paths: deque[tuple[NodeId, NodeId, str, str, int]] | None = None
     #: nodes in relay order (see ReduceRequested.relay): each pulls from the one before
     relay: tuple[NodeId, ...] = ()
     #: node -> its place in `relay` (both set by `set_relay`)

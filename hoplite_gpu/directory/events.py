@@ -15,9 +15,13 @@ Key = bytes  # an ObjectID's 20 raw bytes
 
 @dataclass(frozen=True)
 class NodeJoined:
+    """`node` joined, its data server at `address`; `rails`: every address
+    it listens on, where it has several (`address` among them)."""
+
     node: NodeId
     address: str
     now: float = 0.0
+    rails: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,20 @@ class TransferFailed:
     oid: Key
     sender: NodeId
     have: int
+
+
+@dataclass(frozen=True)
+class PathTaken:
+    """A connection of `node`'s pull of `oid` from `sender` goes to
+    `address` from `local` ("host:port"), on ECMP path `path` (-1: none
+    chosen): kept for `Query` (the object's `paths`)."""
+
+    node: NodeId
+    oid: Key
+    sender: NodeId
+    address: str
+    local: str
+    path: int = -1
 
 
 @dataclass(frozen=True)
@@ -264,7 +282,7 @@ class ReduceConfirm:
 
 
 Event = (NodeJoined | Heartbeat | Tick | NodeLost | Put | Progress | Completed | Locate | CancelLocate
-         | TransferFailed | Dropped | Evict | Delete | DeleteMany | Query | ChannelPublish
+         | TransferFailed | PathTaken | Dropped | Evict | Delete | DeleteMany | Query | ChannelPublish
          | ChannelHead | ReduceRequested | ReduceFailed | StepLost | InlineReduced | ReducedInputs
          | ReduceConfirm)
 

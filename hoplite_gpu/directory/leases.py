@@ -11,13 +11,16 @@ from .events import Heartbeat, NodeId, NodeJoined, Tick
 
 
 class Leases:
-    """The live nodes (node -> address) and when each last renewed its lease."""
+    """The live nodes (node -> address), the addresses of those with several
+    (rails), and when each last renewed its lease."""
 
     def __init__(self, lease_s: float, tick_s: float | None) -> None:
         self.lease_s = lease_s
         #: how often the driver sends Tick (None: as it likes; no pause is told)
         self.tick_s = tick_s
         self.nodes: dict[NodeId, str] = {}
+        #: node -> every data address it listens on, for nodes with several
+        self.rails: dict[NodeId, tuple[str, ...]] = {}
         #: node -> when its lease was last renewed
         self.last_seen: dict[NodeId, float] = {}
         #: the last Tick's time (None before the first)
@@ -25,6 +28,10 @@ class Leases:
 
     def joined(self, ev: NodeJoined) -> None:
         self.nodes[ev.node] = ev.address
+        if len(ev.rails) > 1:
+            self.rails[ev.node] = ev.rails
+        else:
+            self.rails.pop(ev.node, None)
         self.last_seen[ev.node] = ev.now
 
     def heartbeat(self, ev: Heartbeat) -> None:
@@ -48,4 +55,5 @@ class Leases:
 
     def lost(self, node: NodeId) -> None:
         self.nodes.pop(node, None)
+        self.rails.pop(node, None)
         self.last_seen.pop(node, None)

@@ -24,6 +24,7 @@ from .events import (
     Key,
     Locate,
     NodeId,
+    PathTaken,
     Progress,
     Put,
     TransferFailed,
@@ -355,9 +356,22 @@ class Objects:
                          stripes=[] if entry.stripes is None else striping.stripes_of(entry, n))
             for n, h in entry.holders.items()
         ]
+        paths = [m.PathInfo(receiver=r, sender=s, address=a, local=here, path=p)
+                 for r, s, a, here, p in entry.paths or ()]
         return m.Description(size=entry.size, layout=entry.layout,
                              inline=entry.inline is not None, holders=holders,
-                             edges=[list(e) for e in entry.edges], waiting=len(entry.waiting))
+                             edges=[list(e) for e in entry.edges], waiting=len(entry.waiting),
+                             paths=paths)
+
+    def path_taken(self, ev: PathTaken, out: list[Command]) -> None:
+        """A holder's pull runs a connection on a rail or path: kept (the
+        latest EDGES_KEPT of them) for `describe`."""
+        entry = self.objects.get(ev.oid)
+        if entry is None or ev.node not in entry.holders:
+            return
+        if entry.paths is None:
+            entry.paths = deque(maxlen=EDGES_KEPT)
+        entry.paths.append((ev.node, ev.sender, ev.address, ev.local, ev.path))
 
     def node_lost(self, node: NodeId, out: list[Command]) -> None:
         """`node` is gone (its requests were unqueued already): its copies go,
@@ -470,6 +484,8 @@ class Objects:
                 entry.lose_source(receiver, node)
         if any(receiver == node for receiver, _ in entry.edges):  # (its pulls are history now)
             entry.edges = deque((e for e in entry.edges if e[0] != node), maxlen=EDGES_KEPT)
+        if entry.paths and any(p[0] == node for p in entry.paths):
+            entry.paths = deque((p for p in entry.paths if p[0] != node), maxlen=EDGES_KEPT)
 
     def after_loss(self, oid: Key, entry: Entry, out: list[Command]) -> None:
         """If no holder can ever complete any more, the object is lost: say so to everyone."""

@@ -42,6 +42,8 @@ class Senders:
         self.settings = settings
         #: the live nodes (`Leases.nodes`, read here, written there only)
         self._nodes = leases.nodes
+        #: the addresses of nodes with several (`Leases.rails`, read here)
+        self._rails = leases.rails
         #: the direct locates (`Requests.direct`, read here)
         self._direct = requests.direct
         self._objects = objects
@@ -93,7 +95,7 @@ class Senders:
             out.append(PushLocated(node, oid, m.Located(
                 oid=oid, size=body.size, layout=body.layout, reduce_tag=body.reduce_tag,
                 local=body.local, sender=body.sender, address=body.address, also=body.also,
-                stripes=body.stripes, seq=body.seq, piece=body.piece)))
+                stripes=body.stripes, seq=body.seq, piece=body.piece, rails=body.rails)))
             body = m.Location(size=entry.size, layout=entry.layout, pushed=True)
         out.append(Reply(node, request, body))
         return True
@@ -163,14 +165,24 @@ class Senders:
         if not also:
             mine.also, mine.several = (), False
             return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag,
-                              sender=sender, address=self._nodes[sender])
+                              sender=sender, address=self._nodes[sender],
+                              rails=self.rails_of((sender,)))
         for node in also:
             entry.holders[node].serving.add(receiver)
             entry.edges.append((receiver, node))
         mine.also, mine.several = tuple(also), True
         return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, sender=sender,
                           address=self._nodes[sender],
-                          also=[m.Source(sender=n, address=self._nodes[n]) for n in also])
+                          also=[m.Source(sender=n, address=self._nodes[n]) for n in also],
+                          rails=self.rails_of((sender, *also)))
+
+    def rails_of(self, senders: tuple[NodeId, ...]) -> dict[str, list[str]]:
+        """Every data address of each of `senders` that listens on several
+        (rails): a pull from it may spread over them."""
+        rails = self._rails
+        if not rails:
+            return {}
+        return {node: list(rails[node]) for node in senders if node in rails}
 
     def more_sources(self, entry: Entry, receiver: NodeId, sender: NodeId) -> list[NodeId]:
         """Other senders for a pull from `sender`, when the object is large

@@ -225,8 +225,13 @@ class DirectoryServer:
                 raise ProtocolError(f"expected 'register' or 'attach' from {stream.peer}, got "
                                     f"{hello.op!r}: {hello.message}")
             node, address = hello.node, hello.address
+            rails = tuple(hello.addresses)
+            if rails and rails[0] != address:
+                raise ProtocolError(f"a register's addresses begin with its address {address!r}; "
+                                    f"got {list(rails)!r}")
             try:
-                split_address(address)  # (other nodes will dial it)
+                for one in rails or (address,):
+                    split_address(one)  # (other nodes will dial it)
             except InvalidArgument as exc:
                 raise ProtocolError(f"bad data address: {exc}") from None
         except HopliteError as exc:
@@ -247,7 +252,7 @@ class DirectoryServer:
         # (our lease, which the node beats well within, whatever its own settings)
         peer.outbox.post(m.Registered(ok=True, node=node, lease_s=self.state.lease_s,
                                       nodes=len(self.peers) - 1))
-        self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time()))
+        self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time(), rails))
         try:
             await self._read_loop(peer)
         except HopliteError as exc:

@@ -65,6 +65,7 @@ from .events import (
     NodeId,
     NodeJoined,
     NodeLost,
+    PathTaken,
     Progress,
     Put,
     Query,
@@ -103,7 +104,7 @@ __all__ = [
     "ChannelPublish", "Command", "Completed", "Delete", "DeleteMany", "Directory",
     "Disconnect", "Drop", "Dropped", "EarliestFirst", "Entry", "Event", "Evict", "Heartbeat",
     "Holder", "InlineReduce", "InlineReduced", "Key", "Locate", "NodeId", "NodeJoined",
-    "NodeLost", "Progress", "PushLocated", "PushRestripe", "Put", "Query", "ReduceConfirm",
+    "NodeLost", "PathTaken", "Progress", "PushLocated", "PushRestripe", "Put", "Query", "ReduceConfirm",
     "ReduceFailed", "ReduceRequested", "ReduceTask", "ReducedInputs", "Reply", "StartReduceStep", "StepLost",
     "Tick", "TransferFailed", "Waiters", "broadcast_fanout", "choose_degree", "error_body",
     "fold_unit", "inorder_tree", "step_id", "tree_root",
@@ -163,7 +164,8 @@ class Directory:
             Tick: self._on_Tick, NodeLost: self._on_NodeLost,
             Put: objects.put, Progress: objects.progress, Completed: objects.completed,
             Locate: objects.locate, CancelLocate: self._on_CancelLocate,
-            TransferFailed: objects.transfer_failed, Dropped: objects.dropped,
+            TransferFailed: objects.transfer_failed, PathTaken: objects.path_taken,
+            Dropped: objects.dropped,
             Evict: objects.evict, Delete: self._on_Delete, DeleteMany: objects.delete_many,
             Query: self._on_Query,
             ChannelPublish: channels.publish, ChannelHead: channels.head,
@@ -241,6 +243,7 @@ class Directory:
 
     # ------------------------------------ the parts' tables, for reading ---
     nodes = _table("_leases", "nodes")
+    rails = _table("_leases", "rails")
     last_seen = _table("_leases", "last_seen")
     last_tick = _table("_leases", "last_tick")
     lease_s = _table("_leases", "lease_s")

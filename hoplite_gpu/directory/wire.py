@@ -32,6 +32,8 @@ EVENTS: dict[type, Callable[[str, Any], state.Event]] = {
     m.Progress: lambda node, msg: state.Progress(node, msg.oid, msg.nbytes),
     m.Complete: _complete,
     m.Failed: lambda node, msg: state.TransferFailed(node, msg.oid, msg.sender, msg.have),
+    m.PathTaken: lambda node, msg: state.PathTaken(node, msg.oid, msg.sender, msg.address,
+                                                   msg.local, msg.path),
     m.Dropped: lambda node, msg: state.Dropped(node, msg.oid),
     m.Evict: lambda node, msg: state.Evict(node, msg.rid, tuple(msg.oids), msg.need),
     m.Delete: lambda node, msg: state.Delete(node, msg.rid, msg.oid),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..balance import least_loaded
 from ..errors import InvalidArgument
 from .routes import NO_ROUTE, RouteTable
 from .topology import Fabric
@@ -209,26 +210,18 @@ class Ethereal(Router):
             way = min(max([act[x] for x in inner], default=0.0) for _, inner, _ in members[i])
             seen[i] = max(outer[i], way)
             best = min(best, seen[i])
-        tied = sorted(i for i, v in seen.items() if v <= best + tol)
-        if len(tied) == 1:
-            return tied[0]
-        tot = self.total
-        ever = [max(tot[pairs[i][0]], tot[pairs[i][1]]) for i in tied]
-        return tied[ever.index(min(ever))]
+        keys, tot = sorted(seen), self.total
+        return keys[least_loaded([seen[i] for i in keys],
+                                 lambda j: max(tot[pairs[keys[j]][0]], tot[pairs[keys[j]][1]]),
+                                 tol)]
 
     def _pick(self, options: list[tuple[int, ...]], tol: float) -> int:
         """The option (a tuple of links) whose most loaded link is least loaded;
         among ties, the one whose most used link carried least in all; then
         the first."""
-        act = self.active
-        now = [max([act[link] for link in links]) for links in options]
-        best = min(now)
-        tied = [i for i, v in enumerate(now) if v <= best + tol]
-        if len(tied) == 1:
-            return tied[0]
-        tot = self.total
-        ever = [max([tot[link] for link in options[i]]) for i in tied]
-        return tied[ever.index(min(ever))]
+        act, tot = self.active, self.total
+        return least_loaded([max([act[link] for link in links]) for links in options],
+                            lambda i: max([tot[link] for link in options[i]]), tol)
 
     def ended(self, route: np.ndarray, nbytes: np.ndarray) -> None:
         act, links_of = self.active, self._links_of

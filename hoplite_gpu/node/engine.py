@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from hoplite_gpu.errors import PeerLost
 
-from .plan import Ledger, Plan, SubFlow
+from .plan import Ledger, Plan, Route, SubFlow, as_route
 from .pull_modes import Sink
 from .store import StoredObject
 
@@ -66,25 +66,34 @@ PIECE_MIN, PIECE_MAX, PIECES_PER_SENDER = 1 << 20, 16 << 20, 4
 
 def plan_for(obj: StoredObject, sender: str, address: str,
              also: Sequence[tuple[str, str]] = (),
-             stripes: Sequence[tuple[int, int, str, str]] = (), piece: int = 0) -> Plan:
+             stripes: Sequence[tuple[int, int, str, str]] = (), piece: int = 0,
+             routes: Sequence[Route] = ()) -> Plan:
     """The plan that fills what `obj` still misses: from one sender, today's
     pull (from the watermark on), or, after a plan of several sub-flows
     failed, each range its ledger lacks; with `also` other senders, pieces
     that the senders take in turn (`Plan.pieces`); with `stripes` (start,
     end, sender, address), each stripe's missing bytes from its sender, in
-    messages of `piece` bytes (`Plan.striped`)."""
+    messages of `piece` bytes (`Plan.striped`). `routes`, where given, are
+    the ways to the senders (several per sender: its rails and paths):
+    pieces go to them in turn, and one sender's several routes split the
+    bytes equally, one sub-flow on each, all at once (`Plan.split`)."""
     missing = None if obj.ledger is None else obj.ledger.missing()
     if stripes:
         return Plan.striped(obj.oid, obj.size, stripes,
                             [(obj.ready, obj.size)] if missing is None else missing, piece)
+    ranges = [(obj.ready, obj.size)] if missing is None else missing
+    ways = list(routes) or [as_route(s) for s in [(sender, address), *also]]
     if also:
-        senders = [(sender, address), *also]
-        ranges = [(obj.ready, obj.size)] if missing is None else missing
-        return Plan.pieces(obj.oid, obj.size, senders, missing=ranges,
-                           piece=piece_size(sum(b - a for a, b in ranges), len(senders)))
+        return Plan.pieces(obj.oid, obj.size, ways, missing=ranges,
+                           piece=piece_size(sum(b - a for a, b in ranges), len(ways)))
+    if len(ways) > 1:
+        return Plan.split(obj.oid, obj.size, ways, missing=ranges, pinned=True)
     if missing is None:
-        return Plan.single(obj.oid, obj.size, sender, address, start=obj.ready)
-    return Plan(obj.oid, obj.size, tuple(SubFlow(a, b, sender, address) for a, b in missing))
+        flow = SubFlow(obj.ready, obj.size, sender, ways[0][1], local=ways[0][2],
+                       path=ways[0][3])
+        return Plan(obj.oid, obj.size, (flow,))
+    return Plan(obj.oid, obj.size, tuple(SubFlow(a, b, sender, ways[0][1], local=ways[0][2],
+                                                 path=ways[0][3]) for a, b in missing))
 
 
 def piece_size(nbytes: int, senders: int) -> int:
@@ -101,7 +110,7 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
     end the pull at once. Raises the failure that left a sub-flow no sender."""
     flows = plan.flows
     if (len(flows) == 1 and obj.ledger is None and flows[0].start == obj.ready
-            and len(plan.senders) == 1):
+            and len(plan.routes) == 1):
         # Today's pull: the watermark is the only record, no task in between.
         try:
             await fetch(flows[0], obj)
@@ -114,16 +123,16 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
     queue = _Queue(plan, obj, obj.ledger, fetch, failed, retry_on)
     try:
         async with asyncio.TaskGroup() as tasks:
-            if plan.pinned:  # each sub-flow from its own sender, all at once
-                named = {(f.sender, f.address) for f in plan.flows}
+            if plan.pinned:  # each sub-flow from its own route, all at once
+                named = {f.route for f in plan.flows}
                 for flow in queue.take_all():
-                    tasks.create_task(queue.work(flow.sender, flow.address, flow))
-                for sender, address in plan.senders:  # spares: only for what fails
-                    if (sender, address) not in named:
-                        tasks.create_task(queue.work(sender, address))
+                    tasks.create_task(queue.work(flow.route, flow))
+                for route in plan.routes:  # spares: only for what fails
+                    if route not in named:
+                        tasks.create_task(queue.work(route))
             else:
-                for sender, address in plan.senders:
-                    tasks.create_task(queue.work(sender, address))
+                for route in plan.routes:
+                    tasks.create_task(queue.work(route))
     except BaseExceptionGroup as group:
         # (one sub-flow's error is the pull's; the others were cancelled for it)
         raise _first(group) from None
@@ -137,12 +146,12 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
 
 
 class _Queue:
-    """A plan's sub-flows as a queue that one worker per sender takes from,
+    """A plan's sub-flows as a queue that one worker per route takes from,
     the next one whenever it is done with one: a faster sender takes more.
-    (A pinned plan's workers start with a sub-flow each, from its own
-    sender, and take from the queue only what failed ones left.) A sender
-    that fails is out; what its sub-flow had not written goes back to the
-    front of the queue for the others. The workers end when the queue is
+    (A pinned plan's workers start with a sub-flow each, on its own route,
+    and take from the queue only what failed ones left.) A sender that
+    fails, on any of its routes, is out; what its sub-flow had not written
+    goes back to the front of the queue for the others. The workers end when the queue is
     empty and none is pulling; `error` is the last failure, the pull's if
     some bytes were left with no sender to take them."""
 
@@ -152,7 +161,7 @@ class _Queue:
         #: whether a worker done with its own sub-flow takes what failed ones left
         self.spares = plan.spares
         #: who takes what failed ones left all the same (`Plan.backups`)
-        self.backups = set(plan.backups)
+        self.backups = {(b[0], b[1]) for b in plan.backups}
         self.obj, self.ledger, self.fetch, self.failed = obj, ledger, fetch, failed
         self.retry_on = retry_on
         self.busy = 0
@@ -167,7 +176,8 @@ class _Queue:
         self.busy = len(flows)
         return flows
 
-    async def work(self, sender: str, address: str, own: SubFlow | None = None) -> None:
+    async def work(self, route: Route, own: SubFlow | None = None) -> None:
+        sender, address, local, path = route
         while True:
             if own is not None:  # (counted as pulling by `take_all`)
                 flow, own = own, None
@@ -178,7 +188,7 @@ class _Queue:
                     await self.changed.wait_for(lambda: self.flows or not self.busy)
                     if not self.flows or sender in self.lost:
                         return  # (nothing left, and nobody pulling may hand back any)
-                    flow = self.flows.popleft().moved(sender, address)
+                    flow = self.flows.popleft().moved(sender, address, local=local, path=path)
                     self.busy += 1
             try:
                 await self.fetch(flow, FlowSink(self.obj, self.ledger, flow.start))

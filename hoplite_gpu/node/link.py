@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
@@ -54,6 +54,7 @@ class DirectoryLink:
         self._reconnector: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[m.Message], None]] = {}
         self._data_address = ""
+        self._rails: tuple[str, ...] = ()
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
 
@@ -61,10 +62,12 @@ class DirectoryLink:
         """Hand the directory's pushes of `kind` to `handler`."""
         self._handlers[kind] = handler
 
-    async def connect(self, data_address: str) -> None:
-        """Register this node (its data server at `data_address`) with the
-        first directory that answers (`_join`), and start beating."""
+    async def connect(self, data_address: str, rails: Sequence[str] = ()) -> None:
+        """Register this node (its data server at `data_address`, and at each
+        of `rails` where it listens on several) with the first directory that
+        answers (`_join`), and start beating."""
         self._data_address = data_address
+        self._rails = tuple(rails)
         self.client = await self._join(0, fail=True)
         self.registrations.append((self.address, time.time()))
         self.connected.set()
@@ -105,7 +108,7 @@ class DirectoryLink:
     def _connect(self, address: str):  # (a coroutine: the client once connected)
         return DirectoryClient.connect(
             address, token=self.token, node=self.node_id,
-            data_address=self._data_address,
+            data_address=self._data_address, rails=self._rails,
             timeout=self.config.connect_timeout_s, on_push=self.on_push,
             stall_s=self.config.stall_timeout_s, tls=self.tls)
 

@@ -40,6 +40,7 @@ from .plan import Plan
 from .pool import touched_buffer
 from .pulls import Pulls
 from .puts import Puts
+from .rails import rails_of
 from .retry import Retry as _Retry
 from .steps import Steps
 from .store import ChunkStore, StoredObject
@@ -215,12 +216,20 @@ class Node:
         return self.memory.evicted
 
     async def start(self) -> None:
+        if self.pulls.ways.path_map is not None:
+            # (ConfigError naming the file, before anything starts)
+            self.pulls.ways.path_map.refresh()
         await self.server.start()
+        #: every address this node's data server listens on (a rail each; the first its own)
+        self.data_addresses = [advertised(one, self.directory_address)
+                               for one in self.server.addresses]
         # (kept for reconnects: the same-host socket is named after it)
-        self._data_address = address = advertised(self.server.address, self.directory_address)
+        self._data_address = address = self.data_addresses[0]
+        self.pulls.ways.rails = rails_of(self.data_addresses,
+                                         [bits for _, bits in self.config.node_hosts()])
         if self.config.shared_memory:
             await self.server.listen_local(address)  # pullers on this host find it by that address
-        await self.link.connect(address)
+        await self.link.connect(address, self.data_addresses)
 
     async def drain(self, grace: float) -> int:
         """Wait, at most `grace` seconds, until no peer needs this node to stay:
@@ -507,7 +516,8 @@ class Node:
                 "pool_reclaimed": self.store.pool.reclaimed,
                 "held_bytes": self.store.held, "store_bytes": self.config.store_bytes,
                 "evicted": self.memory.evicted,
-                "failovers": len(self.pulls.failovers)}
+                "failovers": len(self.pulls.failovers),
+                "bytes_sent_by_address": dict(self.server.sent)}
 
     async def query(self, oid: ObjectID) -> dict:
         """What the directory knows of `oid`, as the map `object_info` gives users."""

@@ -1,14 +1,18 @@
 """A pull as a plan of sub-flows, and the ledger of the bytes it has written.
 
 A `Plan` splits one object's missing bytes into `SubFlow`s: each a byte range
-with the sender to pull it from and the address (a path to that sender) to
-use. A pull from one sender is `Plan.single`: one sub-flow. A pull from
-several (`Plan.pieces`) cuts the bytes into pieces that the pull engine
-(`hoplite_gpu.node.engine`) hands to its senders as a queue, so each takes
-the next piece when done with one (a faster sender takes more); when one
-fails, the `Ledger` says which of its bytes are still missing, and those go
-back to the queue for the others. The ledger refuses to record a byte
-twice, and its `prefix` is the watermark the store exposes for relaying.
+with the sender to pull it from and its *route*: the address (a rail of that
+sender) to use, the address of this node to connect from (its rail), and
+the ECMP path whose source port the connection takes (docs/fabric.md,
+"Rails and paths"). A pull from one sender is `Plan.single`: one sub-flow.
+A pull from several (`Plan.pieces`) cuts the bytes into pieces that the
+pull engine (`hoplite_gpu.node.engine`) hands to its routes as a queue, so
+each takes the next piece when done with one (a faster sender takes more);
+a pull from one sender over several rails or paths is `Plan.split`, one
+equal sub-flow per route. When one fails, the `Ledger` says which of its
+bytes are still missing, and those go back to the queue for the others.
+The ledger refuses to record a byte twice, and its `prefix` is the
+watermark the store exposes for relaying.
 
 Pure: no I/O, no clocks, no asyncio.
 """
@@ -20,17 +24,33 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+#: How a sub-flow reaches its sender: (sender, its address, this node's
+#: address to connect from ("": the kernel's choice), ECMP path (-1: none)).
+Route = tuple[str, str, str, int]
+
+
+def as_route(source: tuple[str, ...] | tuple[str, str, str, int]) -> Route:
+    """A (sender, address) pair, or a whole route, as a route."""
+    if len(source) == 2:
+        return (source[0], source[1], "", -1)
+    sender, address, local, path = source
+    return (sender, address, local, path)
+
 
 @dataclass(frozen=True)
 class SubFlow:
     """Bytes [start, end) of an object, from `sender` through `address`, in
-    messages of `piece` bytes (0: the puller's chunk size)."""
+    messages of `piece` bytes (0: the puller's chunk size), on a connection
+    from this node's `local` address ("": any) whose source port is chosen
+    for ECMP path `path` (-1: none)."""
 
     start: int
     end: int
     sender: str
     address: str
     piece: int = 0
+    local: str = ""
+    path: int = -1
 
     def __post_init__(self) -> None:
         if not 0 <= self.start <= self.end:
@@ -40,10 +60,15 @@ class SubFlow:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def route(self) -> Route:
+        return (self.sender, self.address, self.local, self.path)
+
     def moved(self, sender: str, address: str, start: int | None = None,
-              end: int | None = None) -> SubFlow:
-        """The same bytes (or [start, end) of them) from another sender."""
-        return replace(self, sender=sender, address=address,
+              end: int | None = None, local: str = "", path: int = -1) -> SubFlow:
+        """The same bytes (or [start, end) of them) from another sender, or
+        over another route."""
+        return replace(self, sender=sender, address=address, local=local, path=path,
                        start=self.start if start is None else start,
                        end=self.end if end is None else end)
 
@@ -55,9 +80,10 @@ class Plan:
     oid: Any
     size: int
     flows: tuple[SubFlow, ...]
-    #: every sender the plan may use, with its address (by default those its
-    #: sub-flows name): one named for no sub-flow takes over failed ones' bytes
-    sources: tuple[tuple[str, str], ...] = ()
+    #: every sender the plan may use, with its address, or its whole route
+    #: (by default those its sub-flows name): one named for no sub-flow
+    #: takes over failed ones' bytes
+    sources: tuple[tuple[str, str] | Route, ...] = ()
     #: each sub-flow comes from the sender it names, all at once (a tree's
     #: range from that tree's parent); only what a failed one left moves to
     #: another. Else the sub-flows are a queue for whichever sender is free.
@@ -86,12 +112,16 @@ class Plan:
         return cls(oid, size, (SubFlow(start, size, sender, address),))
 
     @classmethod
-    def split(cls, oid: Any, size: int, senders: Sequence[tuple[str, str]],
-              missing: Iterable[tuple[int, int]] | None = None, parts: int | None = None) -> Plan:
+    def split(cls, oid: Any, size: int, senders: Sequence[tuple[str, str] | Route],
+              missing: Iterable[tuple[int, int]] | None = None, parts: int | None = None,
+              pinned: bool = False) -> Plan:
         """The `missing` ranges (all of [0, size) by default) in `parts` equal
-        sub-flows (one per sender by default), the senders taken in turn."""
+        sub-flows (one per sender, or route, by default), the senders taken
+        in turn; `pinned`: each from its own, all at once (Ethereal's split
+        of one flow over paths)."""
         if not senders:
             raise ValueError("a plan needs at least one sender")
+        routes = [as_route(s) for s in senders]
         ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
         total = sum(b - a for a, b in ranges)
         parts = max(1, min(parts or len(senders), total or 1))
@@ -103,13 +133,12 @@ class Plan:
                 lo = max(a, a + cuts[i] - done)
                 hi = min(b, a + cuts[i + 1] - done)
                 if lo < hi:
-                    sender, address = senders[i % len(senders)]
-                    flows.append(SubFlow(lo, hi, sender, address))
+                    flows.append(_flow(lo, hi, routes[i % len(routes)]))
             done += b - a
-        return cls(oid, size, tuple(flows), tuple(senders))
+        return cls(oid, size, tuple(flows), tuple(routes), pinned=pinned)
 
     @classmethod
-    def pieces(cls, oid: Any, size: int, senders: Sequence[tuple[str, str]],
+    def pieces(cls, oid: Any, size: int, senders: Sequence[tuple[str, str] | Route],
                missing: Iterable[tuple[int, int]] | None = None, piece: int = 1) -> Plan:
         """The `missing` ranges (all of [0, size) by default) cut into pieces
         of at most `piece` bytes, in order, the senders named in turn: a plan
@@ -120,10 +149,11 @@ class Plan:
         if piece < 1:
             raise ValueError(f"a piece has at least one byte; got {piece}")
         ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
-        flows = [SubFlow(lo, min(lo + piece, b), *senders[i % len(senders)])
+        routes = [as_route(s) for s in senders]
+        flows = [_flow(lo, min(lo + piece, b), routes[i % len(routes)])
                  for i, (lo, b) in enumerate((lo, b) for a, b in ranges
                                              for lo in range(a, b, piece))]
-        return cls(oid, size, tuple(flows), tuple(senders))
+        return cls(oid, size, tuple(flows), tuple(routes))
 
     @classmethod
     def striped(cls, oid: Any, size: int, stripes: Sequence[tuple[int, int, str, str]],
@@ -140,11 +170,22 @@ class Plan:
     def senders(self) -> list[tuple[str, str]]:
         """Its senders with their addresses, each once: its `sources`, or
         those its sub-flows name, in order of first use."""
-        seen: dict[tuple[str, str], None] = dict.fromkeys(self.sources)
-        seen.update(dict.fromkeys(self.backups))
+        return list(dict.fromkeys((r[0], r[1]) for r in self.routes))
+
+    @property
+    def routes(self) -> list[Route]:
+        """Its routes, each once: its `sources` and `backups`, then those its
+        sub-flows name, in order of first use (one worker each)."""
+        seen: dict[Route, None] = dict.fromkeys(as_route(s) for s in self.sources)
+        seen.update(dict.fromkeys(as_route(s) for s in self.backups))
         for flow in self.flows:
-            seen.setdefault((flow.sender, flow.address), None)
+            seen.setdefault(flow.route, None)
         return list(seen)
+
+
+def _flow(start: int, end: int, route: Route) -> SubFlow:
+    sender, address, local, path = route
+    return SubFlow(start, end, sender, address, local=local, path=path)
 
 
 class Ledger:
@@ -226,4 +267,4 @@ class Ledger:
     def rest(self, flow: SubFlow) -> list[SubFlow]:
         """What `flow` has not written yet, as sub-flows of the same sender
         (to be `moved` to another)."""
-        return [flow.moved(flow.sender, flow.address, a, b) for a, b in self.missing(flow.start, flow.end)]
+        return [replace(flow, start=a, end=b) for a, b in self.missing(flow.start, flow.end)]

@@ -1,6 +1,8 @@
 """The pulls a node runs: one task per object being pulled here, shared by
 every get of it, each get waiting on a future of its own; the sender comes
-from the directory, the bytes through the pull engine (`engine.run_plan`)."""
+from the directory, the bytes through the pull engine (`engine.run_plan`),
+a large pull spread over the rails this node shares with its senders and
+over ECMP paths (`ways`)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from hoplite_gpu.errors import (
 )
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
+from hoplite_gpu.transports import Stream
 from hoplite_gpu.values import Layout
 
 from .engine import plan_for, run_plan
@@ -38,6 +41,7 @@ from .retry import Retry
 from .store import ChunkStore, StoredObject
 from .tasks import TaskSet
 from .transfer import PeerPool, fetch_range, map_object
+from .ways import Ways
 
 log = logging.getLogger("hoplite_gpu.node")
 
@@ -98,6 +102,8 @@ class Pulls:
         self._moving: set[ObjectID] = set()
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
+        #: how large pulls reach their senders: rails and ECMP paths
+        self.ways = Ways(config)
 
     # (read only, for the node's own checks and tests)
     @property
@@ -282,6 +288,7 @@ class Pulls:
                 result = task.result()
         # (this pull's leftovers: none may outlive it)
         self._restripes.pop(oid, None)
+        self.ways.forget(oid)
         self._pull_errors.pop(oid, None)
         self._failed_at.pop(oid, None)
         self._pull_deadlines.pop(oid, None)
@@ -452,7 +459,10 @@ class Pulls:
             if newest is not None and newest.seq > seq:
                 seq, piece, also = newest.seq, newest.piece, []
                 stripes = [(s.start, s.end, s.sender, s.address) for s in newest.stripes]
-            plan = plan_for(obj, sender, address, also, stripes, piece)
+            missing = obj.size - (obj.ready if obj.ledger is None else obj.ledger.written)
+            routes, held = ([], []) if stripes else self.ways.routes(
+                oid, missing, [(sender, address), *also], reply.rails)
+            plan = plan_for(obj, sender, address, also, stripes, piece, routes)
             self._planning[oid] = me
             try:
                 await self.pull_plan(obj, plan)
@@ -466,6 +476,7 @@ class Pulls:
             finally:
                 self._planning.pop(oid, None)
                 self._moving.discard(oid)
+                self.ways.release(held)
 
     def withdrawn(self, oid: ObjectID) -> None:
         """A locate given up. The directory may have named a sender just
@@ -486,6 +497,7 @@ class Pulls:
                        functools.partial(self._flow_failed, obj), PEER_FAILURES)
 
     def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
+        self.ways.failed(obj.oid, flow)
         log.info("pull of %s from %s failed at %d bytes: %s", obj.oid.hex(), flow.sender,
                  obj.ready, exc)
         self._failed_at.setdefault(obj.oid, time.time())
@@ -505,8 +517,18 @@ class Pulls:
                 last[0] = now
                 self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
 
+        bind = self.ways.bind(flow)
         await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
-                          start=flow.start, sink=sink, message=flow.piece)
+                          start=flow.start, sink=sink, message=flow.piece, bind=bind,
+                          opened=None if bind is None else functools.partial(
+                              self._opened, obj.oid, flow))
+
+    def _opened(self, oid: ObjectID, flow: SubFlow, stream: Stream) -> None:
+        """A sub-flow on a rail or path has its connection: the directory
+        hears where it runs (once per connection and pull), for `query`."""
+        notice = self.ways.tell(oid, flow, stream)
+        if notice is not None:
+            self._post(notice)
 
     def store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)

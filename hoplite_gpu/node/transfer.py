@@ -54,7 +54,7 @@ from hoplite_gpu.protocol import (
     send_error_frame,
     send_msg,
 )
-from hoplite_gpu.transports import Listener, SendWindow, Stream, get_backend, split_address
+from hoplite_gpu.transports import Bind, Listener, SendWindow, Stream, get_backend, split_address
 from hoplite_gpu.transports.tls import TLS
 
 from . import shm
@@ -96,8 +96,14 @@ class DataServer:
         self.config = config
         #: TLS on its transport's connections (not the same-host ones)
         self.tls = tls
-        self._listener = None
+        self._listeners: list[Listener] = []
+        #: where it listens: one address per host of `node_host` (a rail
+        #: each), the first the node's own
+        self.addresses: list[str] = []
         self.address = ""
+        #: bytes sent by pulls served over the transport, per address of this
+        #: end ("host:port": which rail carried them)
+        self.sent: collections.Counter[str] = collections.Counter()
         #: oid -> the tasks serving a pull of it now (see `release`).
         self._serving: dict[ObjectID, set[asyncio.Task]] = {}
         #: this host's listener for pulls through shared memory (`listen_local`)
@@ -108,6 +114,12 @@ class DataServer:
         #: put): set by the node
         self.making: Callable[[ObjectID], bool] = lambda oid: True
 
+    @property
+    def _listener(self) -> Listener | None:
+        """The listener of the node's own address (benchmarks/fuzz_peer.py
+        counts its connections)."""
+        return self._listeners[0] if self._listeners else None
+
     def dropped_here(self, oid: ObjectID) -> None:
         """`oid` left the store: a pull of it that comes later is refused at
         once, not kept waiting with keepalives for bytes that never come."""
@@ -117,9 +129,17 @@ class DataServer:
             self._dropped.popitem(last=False)
 
     async def start(self) -> str:
+        """Listen on each host of `node_host` (each on a port of its own);
+        the first address is the node's."""
         backend = get_backend(self.config.transport, self.tls)
-        self._listener = await backend.listen(self.config.node_host, 0, self._serve)
-        self.address = self._listener.address
+        try:
+            for host, _ in self.config.node_hosts():
+                self._listeners.append(await backend.listen(host, 0, self._serve))
+        except BaseException:
+            await self.close()
+            raise
+        self.addresses = [listener.address for listener in self._listeners]
+        self.address = self.addresses[0]
         return self.address
 
     async def listen_local(self, address: str) -> None:
@@ -140,9 +160,9 @@ class DataServer:
         if self._local is not None:
             await self._local.close()
             self._local = None
-        if self._listener is not None:
-            await self._listener.close()
-            self._listener = None
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            await listener.close()
 
     async def _serve(self, stream: Stream) -> None:
         try:
@@ -275,7 +295,10 @@ class DataServer:
         instead."""
         if size is None:
             return await announce_ready(self, stream, obj, pos, end, stall)
-        return await stream_messages(self, stream, obj, pos, end, size, stall)
+        done = await stream_messages(self, stream, obj, pos, end, size, stall)
+        if done and not stream.caps.local:
+            self.sent[stream.local] += end - pos
+        return done
 
     async def _await_object(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject:
         """Wait up to `timeout_s` for `oid` to be made here, with keepalives: the
@@ -328,8 +351,8 @@ class PeerPool:
         self.config = config
         #: TLS on transport connections (same-host ones never leave the host)
         self.tls = tls
-        #: (address, same-host?) -> idle connections
-        self._idle: dict[tuple[str, bool], list[Stream]] = {}
+        #: (address, same-host?, where it starts) -> idle connections
+        self._idle: dict[tuple[str, bool, Bind | None], list[Stream]] = {}
         #: peers whose same-host socket is not there (another host or namespace)
         self._remote: set[str] = set()
         #: pulls served through a same-host sender's mapping, and their bytes
@@ -340,22 +363,25 @@ class PeerPool:
         #: closes of idle connections whose peer left
         self._closing: set[asyncio.Task] = set()
         #: every idle connection, the longest idle first
-        self._idle_order: collections.OrderedDict[Stream, tuple[str, bool]] = \
+        self._idle_order: collections.OrderedDict[Stream, tuple[str, bool, Bind | None]] = \
             collections.OrderedDict()
 
-    async def acquire(self, address: str, local: bool = True) -> Stream:
+    async def acquire(self, address: str, local: bool = True, bind: Bind | None = None) -> Stream:
         """A connection to the peer at `address`: over the same-host
         transport where `local` allows and the peer is here (host objects:
         see `shm`), else over the address's own (device objects keep UCX's
-        own paths, e.g. CUDA IPC)."""
+        own paths, e.g. CUDA IPC), from where `bind` says (a rail of this
+        node, a source port of a path: `transports.Bind`); an idle one is
+        reused only for the same `bind`."""
         local = local and self.config.shared_memory and address not in self._remote
         # (an idle transport connection to a peer here, left by a device pull,
         # must not carry a host object: only a same-host stream's can be mapped)
-        idle = self._idle.get((address, local))
+        key = (address, local, None if local else bind)  # (a same-host stream has no route)
+        idle = self._idle.get(key)
         while idle:
             stream = idle.pop()
             if not idle:  # (drained: a departed peer's key would stay for good)
-                del self._idle[(address, local)]
+                del self._idle[key]
             stream.unwatch_idle()
             self._idle_order.pop(stream, None)
             if not stream.closed:
@@ -374,7 +400,9 @@ class PeerPool:
             elif stream is BUSY:
                 stream = None
         if stream is None:
-            stream = await get_backend(scheme, self.tls).connect(address, timeout)
+            backend = get_backend(scheme, self.tls)
+            stream = await (backend.connect(address, timeout) if bind is None
+                            else backend.connect(address, timeout, bind))
         try:
             await client_handshake(stream, self.token, timeout)
         except BaseException:
@@ -382,10 +410,10 @@ class PeerPool:
             raise
         return stream
 
-    def release(self, address: str, stream: Stream) -> None:
+    def release(self, address: str, stream: Stream, bind: Bind | None = None) -> None:
         if stream.closed:
             return
-        key = (address, stream.caps.local)
+        key = (address, stream.caps.local, None if stream.caps.local else bind)
         idle = self._idle.setdefault(key, [])
         if len(idle) >= IDLE_PER_PEER:
             # Kept, as many as were ever open to this peer at once would stay
@@ -401,7 +429,7 @@ class PeerPool:
             oldest, where = next(iter(self._idle_order.items()))
             self._ended(where, oldest)
 
-    def _ended(self, key: tuple[str, bool], stream: Stream) -> None:
+    def _ended(self, key: tuple[str, bool, Bind | None], stream: Stream) -> None:
         stream.unwatch_idle()
         self._idle_order.pop(stream, None)
         idle = self._idle.get(key)
@@ -467,12 +495,15 @@ async def map_object(pool: PeerPool, address: str, oid: ObjectID, nbytes: int,
 async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
                       config: Config, on_progress: Callable[[int], None], *,
                       start: int | None = None, sink: Sink | None = None,
-                      message: int = 0) -> None:
+                      message: int = 0, bind: Bind | None = None,
+                      opened: Callable[[Stream], None] | None = None) -> None:
     """Pull bytes [start, end) of `obj` (from its watermark `obj.ready` by
     default) from the peer at `address` into its buffer, recording each
     piece in `sink` (the object's own watermark by default; a plan's
     sub-flow passes its place in the plan's ledger), in messages of
-    `message` bytes (0: the chunk size for the object).
+    `message` bytes (0: the chunk size for the object), on a connection
+    from where `bind` says (`PeerPool.acquire`); `opened` hears which
+    connection it is.
 
     The mode (`pull_modes`) is chosen once, from the connection's
     capabilities. Every message or frame must come within the stall
@@ -480,10 +511,12 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
     closed, never reused.
     """
     host = not device.is_device_buffer(obj.buffer)
-    stream = await pool.acquire(address, local=host)
+    stream = await pool.acquire(address, local=host, bind=bind)
     log.debug("pull %s: connection to %s in hand", obj.oid.hex(), address)
     reusable = False
     try:
+        if opened is not None:
+            opened(stream)
         pos = obj.ready if start is None else start
         mode = receiving_mode(stream.caps, host=host)
         pull = mode(stream, obj, obj if sink is None else sink, pos, end, address, config,
@@ -491,14 +524,15 @@ async def fetch_range(pool: PeerPool, address: str, obj: StoredObject, end: int,
         await send_msg(stream, pull.request())
         reusable = await pull.receive()
     finally:
-        await _put_back(pool, address, stream, reusable)
+        await _put_back(pool, address, stream, reusable, bind)
 
 
-async def _put_back(pool: PeerPool, address: str, stream: Stream, reusable: bool) -> None:
+async def _put_back(pool: PeerPool, address: str, stream: Stream, reusable: bool,
+                    bind: Bind | None = None) -> None:
     """A connection a pull is done with goes back to the pool, or (after an
     error, where it may be mid-message) is closed."""
     if reusable:
-        pool.release(address, stream)
+        pool.release(address, stream, bind)
     else:
         with contextlib.suppress(Exception):
             await stream.close()

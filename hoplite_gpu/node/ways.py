@@ -1,0 +1,133 @@
+"""Ways: how this node's large pulls reach their senders, over the rails
+it shares with them (`rails`) and over ECMP paths (`paths`).
+
+`Ways.routes` turns a pull's senders into routes for its plan
+(`engine.plan_for`); `bind` says where each sub-flow's connection starts
+(`transports.Bind`); `tell` makes the notice that reports a connection to
+the directory (once per connection and pull); `failed` keeps the rail pairs
+a pull's sub-flows failed on, which its next plan leaves out. What a pull
+left here goes with it (`forget`). docs/fabric.md, "Rails and paths".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hoplite_gpu import messages as m
+from hoplite_gpu.config import Config
+from hoplite_gpu.errors import ConfigError
+from hoplite_gpu.ids import ObjectID
+from hoplite_gpu.transports import Bind, Stream
+
+from . import rails as rails_
+from .paths import MapFile, PathTable
+from .plan import Route, SubFlow, as_route
+
+log = logging.getLogger("hoplite_gpu.node")
+
+#: A path's load a plan holds until it ends: (rail, path, bytes).
+Held = tuple[str, int, float]
+
+
+class Ways:
+    """This node's rails, its path table, and per pull what failed and
+    which connections the directory heard of."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        #: this node's rails (`rails.rails_of`), set by the node once it listens
+        self.rails: tuple[rails_.Rail, ...] = ()
+        #: the ECMP paths of its sub-flows (`paths` > 1), and their port map
+        self.paths = (PathTable(config.paths, config.path_port_range())
+                      if config.paths > 1 else None)
+        self.path_map = (MapFile(config.path_map, self.paths)
+                         if self.paths is not None and config.path_map else None)
+        #: per pull, the rail pairs (sender, address, local) a sub-flow
+        #: failed on: the next plan leaves them out (a sender's NIC that is down)
+        self.failed_ways: dict[ObjectID, set[tuple[str, str, str]]] = {}
+        #: per pull, the connections told to the directory (sender, local)
+        self._told: dict[ObjectID, set[tuple[str, str]]] = {}
+
+    def routes(self, oid: ObjectID, missing: int, senders: Sequence[tuple[str, str]],
+               rails: dict[str, list[str]]) -> tuple[list[Route], list[Held]]:
+        """The routes of a pull of `missing` bytes of `oid` from `senders`,
+        and the paths' loads it holds (`release` them when its plan ends).
+        A pull of at least `multi_source_bytes` goes over every pair of (our
+        rail, their address) that share a subnet (`rails.pairs`, their
+        addresses from `rails`), but those a sub-flow of this pull failed on
+        (none left, or none shared: the sender's own address, as today);
+        with `paths` > 1, over that many ECMP paths of each pair, assigned
+        least loaded first (`PathTable.assign`). Anything else: one route
+        per sender, as today."""
+        if missing < self.config.multi_source_bytes or (
+                self.paths is None and len(self.rails) < 2 and not rails):
+            return [as_route(s) for s in senders], []
+        failed = self.failed_ways.get(oid, ())
+        bound = self.config.transport == "tcp"  # (others pick their own source address)
+        ways: list[tuple[str, str, str]] = []
+        for sender, address in senders:
+            theirs = rails.get(sender)
+            shared = (rails_.pairs(self.rails, theirs or [address])
+                      if theirs or len(self.rails) > 1 else [])
+            shared = [(here, there) for here, there in shared
+                      if (sender, there, here) not in failed]
+            ways += [(sender, there, here if bound else "")
+                     for here, there in shared or [("", address)]]
+        if self.paths is None:
+            return [(s, a, here, -1) for s, a, here in ways], []
+        self._fresh_map()
+        n = self.paths.paths
+        share = missing / (len(ways) * n)
+        routes: list[Route] = []
+        held: list[Held] = []
+        for sender, address, here in ways:
+            for path in self.paths.assign(here, n, share):
+                routes.append((sender, address, here, path))
+                held.append((here, path, share))
+        return routes, held
+
+    def release(self, held: Sequence[Held]) -> None:
+        """A plan ended: the paths' loads it held are freed."""
+        for rail, path, nbytes in held:
+            self.paths.ended(rail, path, nbytes)
+
+    def _fresh_map(self) -> None:
+        """The port map as its file says now; one that cannot be read is
+        logged and the last one kept (checked at start: `Node.start`)."""
+        if self.path_map is not None:
+            try:
+                self.path_map.refresh()
+            except ConfigError as exc:
+                log.warning("keeping the last port map: %s", exc)
+
+    def bind(self, flow: SubFlow) -> Bind | None:
+        """Where `flow`'s connection starts: from its rail's address and a
+        source port of its path; None for a sub-flow on neither (today's)."""
+        if not flow.local and flow.path < 0:
+            return None
+        return Bind(flow.local, () if flow.path < 0 else self.paths.ports(flow.path, flow.address))
+
+    def tell(self, oid: ObjectID, flow: SubFlow, stream: Stream) -> m.PathTaken | None:
+        """The notice that tells the directory where a sub-flow of the pull
+        of `oid` runs: once per connection and pull; None for one told
+        already, or a same-host stream (no rail, no path)."""
+        if stream.caps.local or not stream.local:
+            return None
+        told = self._told.setdefault(oid, set())
+        if (flow.sender, stream.local) in told:
+            return None
+        told.add((flow.sender, stream.local))
+        return m.PathTaken(oid=oid.binary, sender=flow.sender, address=flow.address,
+                           local=stream.local, path=flow.path)
+
+    def failed(self, oid: ObjectID, flow: SubFlow) -> None:
+        """A sub-flow of the pull of `oid` failed: on a rail pair, its next
+        plan goes round it."""
+        if flow.local:
+            self.failed_ways.setdefault(oid, set()).add((flow.sender, flow.address, flow.local))
+
+    def forget(self, oid: ObjectID) -> None:
+        """The pull of `oid` ended: what it left here goes."""
+        self._told.pop(oid, None)
+        self.failed_ways.pop(oid, None)

@@ -28,7 +28,6 @@ over the seeds, spraying, Ethereal), `skipped` (systems not run, why) and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import subprocess
 import time
@@ -53,13 +52,8 @@ ALLREDUCE_ENV = {"HOPLITE_ALLREDUCE_SLICING": "auto"}
 
 
 def paths_env(n: int) -> dict[str, str]:
-    """The nodes' settings for `--paths n`; refused where the runtime has none."""
-    from hoplite_gpu.config import Config
-
-    if PATHS_SETTING not in {f.name for f in dataclasses.fields(Config)}:
-        raise SystemExit(f"leafspine --paths {n}: this runtime has no path setting "
-                         f"(hoplite_gpu.config.Config.{PATHS_SETTING}, "
-                         f"HOPLITE_{PATHS_SETTING.upper()}): path pinning is not in it yet")
+    """The nodes' settings for `--paths n` (`Config.paths`: docs/fabric.md,
+    "Rails and paths")."""
     return {f"HOPLITE_{PATHS_SETTING.upper()}": str(n)}
 
 

@@ -105,6 +105,7 @@ def test_async_sgd_kill_title_says_how_many_workers_were_left(monkeypatch, capsy
     assert "killed" in title, f"the title does not say a worker was killed: {title!r}"
 
 
+@pytest.mark.slow  # the example run for its measured rate: ~11 s (`make test-slow`)
 def test_async_sgd_throughput_is_the_rate_the_loop_achieves(monkeypatch, capsys):
     """"throughput: hoplite-gpu X steps/s" is 1 / the median step time
     (async_sgd.py run: res["hoplite_steps_per_s"] = 1 / hoplite_median_s), and a

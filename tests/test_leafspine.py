@@ -232,18 +232,14 @@ def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
 
 
 # ------------------------------------------- python -m benchmarks leafspine ---
-def test_the_paths_hook_is_refused_until_the_runtime_has_the_setting(capsys):
-    from benchmarks.__main__ import main
+def test_the_paths_hook_passes_the_runtimes_path_setting_to_every_node():
+    import dataclasses
 
-    with pytest.raises(SystemExit, match=r"--paths 2: this runtime has no path setting"):
-        main(["leafspine", "--paths", "2", "--no-save"])
-
-
-def test_the_paths_hook_passes_the_setting_to_every_node(monkeypatch):
     from benchmarks import leafspinerun
+    from hoplite_gpu.config import Config
 
-    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")  # a setting there is
-    assert leafspinerun.paths_env(3) == {"HOPLITE_MAX_SOURCES": "3"}
+    assert leafspinerun.PATHS_SETTING in {f.name for f in dataclasses.fields(Config)}
+    assert leafspinerun.paths_env(3) == {"HOPLITE_PATHS": "3"}
 
 
 def test_uneven_hosts_are_a_usage_error_before_anything_runs():

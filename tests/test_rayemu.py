@@ -22,6 +22,7 @@ def _namespaces() -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.slow  # Ray started on emulated hosts: ~25 s (`make test-slow`)
 @pytest.mark.timeout(180)
 def test_ray_broadcast_crosses_shaped_link_and_cleans_up():
     size = 4 << 20

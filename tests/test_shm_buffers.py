@@ -114,7 +114,7 @@ def test_idle_same_host_connections_to_a_dead_peer_are_closed():
         got = await b.get(oid, 3.0, "numpy")
         assert b.pool.local_maps == 1
         del got
-        idle = [s for (address, local), streams in b.pool._idle.items()
+        idle = [s for (address, local, _bind), streams in b.pool._idle.items()
                 if local and address == a.server.address for s in streams]
         assert idle, "expected an idle same-host connection to A"
         sockets = {f"socket:[{os.fstat(s._sock.fileno()).st_ino}]" for s in idle}

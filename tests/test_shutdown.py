@@ -98,9 +98,9 @@ def _held_connections(node) -> asyncio.Event:
     gate = asyncio.Event()
     real = node.pool.acquire
 
-    async def held(address: str, local: bool = True):
+    async def held(address: str, local: bool = True, bind=None):
         await gate.wait()
-        return await real(address, local)
+        return await real(address, local, bind)
 
     node.pool.acquire = held
     return gate

@@ -156,6 +156,10 @@ def _hoplite_version(cluster, run: _Channel, version: int, out: bool, kill: bool
         waiting.remove(victim)
     got = [a.answer(wait + 30) for a in waiting]
     after = cluster.link_counters()
+    if kill:  # each survivor's failovers this version: (pull failed, bytes flowed again)
+        killed["failovers_s"] = [
+            [round(b - a, 4) for a, b in w.ask(wait, op="failovers")["failovers"]
+             if a >= killed["at"] - 1] for w in waiting]
     end = max(g["end"] for g in got)
     ok = all(g["version"] == version and g["crc"] == expected for g in got)
     if kill:  # the actor restarted: it fetches the version as a late joiner

@@ -117,8 +117,10 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         console.print(fab.describe())
         far = fab.hosts_on(1)[0]  # (host 0 is under leaf 0)
         link = _measure_links(fab, far)
-        console.print(f"one TCP stream: {link['within_leaf_bps'] / 1e6:.1f} Mbit/s within a "
-                      f"leaf, {link['across_leaves_bps'] / 1e6:.1f} Mbit/s across leaves")
+        within = ("-" if link["within_leaf_bps"] is None  # (one host a leaf)
+                  else f"{link['within_leaf_bps'] / 1e6:.1f}")
+        console.print(f"one TCP stream: {within} Mbit/s within a leaf, "
+                      f"{link['across_leaves_bps'] / 1e6:.1f} Mbit/s across leaves")
         for seed in range(1, args.seeds + 1):
             fab.set_hash_seed(seed)
             probe = fab.ecmp_spread(0, far, args.probe_flows)

@@ -182,7 +182,10 @@ class LeafSpine(Closing):
             # (source, destination, protocol, source port, destination port: 0x37)
             _sh("ip", "netns", "exec", name, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1",
                 "net.ipv4.fib_multipath_hash_policy=3", "net.ipv4.fib_multipath_hash_fields=0x37",
-                "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0")
+                "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0",
+                # (`trace_paths`: every expired probe answered, however many at once)
+                "net.ipv4.icmp_ratelimit=0", "net.ipv4.icmp_msgs_per_sec=100000",
+                "net.ipv4.icmp_msgs_burst=100000")
 
     def _cable(self, a: str, a_if: str, b: str, b_if: str, bps: float) -> None:
         """A veth pair made inside the two namespaces at once (nothing of it is
@@ -348,6 +351,61 @@ class LeafSpine(Closing):
         port `dst_port`, takes (see `probe_paths`)."""
         return self.probe_paths(src, dst, [(src_port, dst_port)], nbytes=nbytes)[0]
 
+    def trace_paths(self, src: int, probes: Sequence[tuple[int, int, int]], *,
+                    timeout: float = 10.0) -> list[int]:
+        """The spine that TCP packets from host `src` to host `dst`, source
+        port p, destination port q take, for each (dst, p, q) of `probes`,
+        all at once, as traceroute does: a TCP segment on that 5-tuple is
+        sent with a TTL of 2, so `src`'s leaf hashes and forwards it and the
+        spine it reaches drops it and answers "time exceeded" from its own
+        address, quoting the tuple. Nothing reaches `dst` and no port need be
+        free on either host (a node's listening data port can be probed),
+        nor the fabric quiet; unanswered probes are sent again until
+        `timeout`, then an error."""
+        where = "LeafSpine.trace_paths"
+        todo = []
+        for dst, p, q in probes:
+            self._check_pair(where, src, dst)
+            if not (0 < int(p) < 65536 and 0 < int(q) < 65536):
+                raise ValueError(f"{where}: ports must be 1 to 65535; got ({p}, {q})")
+            todo.append([self.address(dst), int(p), int(q)])
+        if not todo:
+            return []
+        spine_of = {_uplink(leaf, s, 2): s for leaf in range(self.leaves)
+                    for s in range(self.spines)}
+        tracer = self.popen(src, [PY, "-c", _TRACER, self.address(src), str(timeout)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = tracer.communicate(json.dumps(todo), timeout=timeout + 10)
+        finally:
+            if tracer.poll() is None:
+                tracer.kill()
+                tracer.communicate()
+        if tracer.returncode != 0:
+            raise RuntimeError(f"{where}: the tracer on host {src} failed: {err.strip()[-500:]}")
+        hops = json.loads(out)
+        lost = [tuple(t) for t, hop in zip(todo, hops, strict=True) if hop not in spine_of]
+        if lost:
+            raise RuntimeError(f"{where}: {len(lost)} of {len(todo)} probes from host {src} "
+                               f"got no answer from a spine within {timeout:g} s (first: "
+                               f"{lost[0]}; answers: {sorted(set(map(str, hops)))[:4]})")
+        return [spine_of[hop] for hop in hops]
+
+    def listening_ports(self, i: int, pid: int) -> list[int]:
+        """The TCP ports process `pid` listens on at host `i`'s address (a
+        node's data server: its port is the kernel's choice)."""
+        out = _sh("ip", "netns", "exec", self.ns(i), "ss", "-Hltnp").stdout
+        ports = set()
+        for line in out.splitlines():
+            cols = line.split()
+            if len(cols) < 6 or f"pid={pid}," not in line:
+                continue
+            host, _, port = cols[3].rpartition(":")
+            if host in (self.address(i), "0.0.0.0", "*"):
+                ports.add(int(port))
+        return sorted(ports)
+
     def ecmp_spread(self, src: int, dst: int, flows: int = 16, *, first_port: int = 41000,
                     dst_port: int = 5600) -> dict:
         """`flows` TCP flows from host `src` to host `dst` on source ports
@@ -464,6 +522,43 @@ while True:
         except OSError:
             pass
         c.close()
+"""
+
+# Traceroute by the 5-tuple: read [[dst, sport, dport], ...] on stdin, send
+# each a TCP SYN with a TTL of 2 from a raw socket, and read the ICMP "time
+# exceeded" answers (the spine's address; the quoted header names the tuple);
+# send the unanswered again every 0.2 s until the deadline. Prints the answer
+# of each (None: none).
+_TRACER = """
+import json, select, socket, struct, sys, time
+src, timeout = sys.argv[1], float(sys.argv[2])
+probes = [tuple(p) for p in json.load(sys.stdin)]
+def csum(b):
+    b += bytes(len(b) % 2); s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    s = (s >> 16) + (s & 0xffff); return ~(s + (s >> 16)) & 0xffff
+def syn(dst, sp, dp):
+    h = struct.pack("!HHIIBBHHH", sp, dp, 1, 0, 5 << 4, 0x02, 65535, 0, 0)
+    pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(h))
+    return h[:16] + struct.pack("!H", csum(pseudo + h)) + h[18:]
+tx = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)
+tx.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 2)
+rx = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+hop = dict.fromkeys(probes)
+deadline = time.monotonic() + timeout
+while None in hop.values() and time.monotonic() < deadline:
+    for p in [p for p, h in hop.items() if h is None]:
+        tx.sendto(syn(*p), (p[0], 0))
+    wait = min(time.monotonic() + 0.2, deadline)
+    while time.monotonic() < wait and select.select([rx], [], [], wait - time.monotonic())[0]:
+        pkt, (sender, _) = rx.recvfrom(2048)
+        inner = pkt[(pkt[0] & 15) * 4 + 8:]
+        if pkt[(pkt[0] & 15) * 4] != 11 or len(inner) < 24 or inner[9] != 6:
+            continue
+        sp, dp = struct.unpack("!HH", inner[(inner[0] & 15) * 4:][:4])
+        key = (socket.inet_ntoa(inner[16:20]), sp, dp)
+        if socket.inet_ntoa(inner[12:16]) == src and key in hop:
+            hop[key] = sender
+print(json.dumps([hop[p] for p in probes]))
 """
 
 # For each "sport dport" line: connect from that source port, send the bytes,

@@ -28,6 +28,7 @@ over the seeds, spraying, Ethereal), `skipped` (systems not run, why) and
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -35,26 +36,35 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from hoplite_gpu.config import Config, parse_port_range
+
 from .args import at_least, seconds
 from .emurun import _stop_on_signals, fmt_s, human, parse_size, summarize
 
 OPS = ("broadcast", "allreduce")
 SYSTEMS = ("hoplite-gpu", "openmpi-tuned", "gloo", "openmpi")
-#: HOOK (path pinning, not in the runtime yet): the runtime setting that splits
-#: a pull over n paths with chosen source ports. `--paths N` runs hoplite-gpu
-#: once more per seed with HOPLITE_<NAME>=N on every node, as the system
-#: "hoplite-gpu-paths<N>"; until `hoplite_gpu.config.Config` has the field it
-#: refuses before anything starts. `LeafSpine.probe_paths` gives the
-#: source port -> spine map the setting's ports can be chosen from.
+#: The runtime's setting that splits a pull over n ECMP paths with chosen
+#: source ports (`Config.paths`). `--paths N` runs hoplite-gpu once more per
+#: seed with HOPLITE_<NAME>=N on every node, as the system
+#: "hoplite-gpu-paths<N>", each node given a path map learned once its data
+#: port is known (`benchmarks.leafspinepaths`).
 PATHS_SETTING = "paths"
 #: the allreduce is a ring in rank order: sliced always, however the ranks arrive
 ALLREDUCE_ENV = {"HOPLITE_ALLREDUCE_SLICING": "auto"}
 
 
-def paths_env(n: int) -> dict[str, str]:
+def paths_env(n: int, size: int | None = None, hosts: int | None = None) -> dict[str, str]:
     """The nodes' settings for `--paths n` (`Config.paths`: docs/fabric.md,
-    "Rails and paths")."""
-    return {f"HOPLITE_{PATHS_SETTING.upper()}": str(n)}
+    "Rails and paths"), and, given the bytes per rank `size` on `hosts`
+    ranks, `HOPLITE_MULTI_SOURCE_BYTES` lowered to a ring's piece (size /
+    hosts) where that is below the default: only pulls of at least it are
+    split, and a sliced allreduce pulls pieces."""
+    env = {f"HOPLITE_{PATHS_SETTING.upper()}": str(n)}
+    if size is not None and hosts:
+        piece = max(1, size // hosts)
+        if piece < Config.multi_source_bytes:
+            env["HOPLITE_MULTI_SOURCE_BYTES"] = str(piece)
+    return env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS,
                    default=["hoplite-gpu", "openmpi-tuned", "gloo"])
     p.add_argument("--paths", type=at_least(1), default=1,
-                   help="HOOK: hoplite-gpu also with the runtime's path setting at N "
-                        "(refused until the runtime has it); 1: off")
+                   help="hoplite-gpu also with HOPLITE_PATHS=N (pulls split over N ECMP "
+                        "paths, path k on spine k mod S, from a path map learned per launch); "
+                        "1: off")
     p.add_argument("--probe-flows", type=at_least(1), default=16,
                    help="probe flows (source ports) from host 0 across leaves per seed")
     p.add_argument("--retries", type=at_least(0), default=1,
@@ -89,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, console: Console) -> dict:
     from .leafspine import LeafSpine
 
-    extra = paths_env(args.paths) if args.paths > 1 else None  # (refused before anything runs)
+    extra = paths_env(args.paths, args.size, args.hosts) if args.paths > 1 else None
     if args.hosts % args.leaves:
         raise SystemExit(f"leafspine: --hosts {args.hosts} must split evenly over --leaves "
                          f"{args.leaves}")
@@ -106,8 +117,10 @@ def run(args: argparse.Namespace, console: Console) -> dict:
         console.print(fab.describe())
         far = fab.hosts_on(1)[0]  # (host 0 is under leaf 0)
         link = _measure_links(fab, far)
-        console.print(f"one TCP stream: {link['within_leaf_bps'] / 1e6:.1f} Mbit/s within a "
-                      f"leaf, {link['across_leaves_bps'] / 1e6:.1f} Mbit/s across leaves")
+        within = ("-" if link["within_leaf_bps"] is None  # (one host a leaf)
+                  else f"{link['within_leaf_bps'] / 1e6:.1f}")
+        console.print(f"one TCP stream: {within} Mbit/s within a leaf, "
+                      f"{link['across_leaves_bps'] / 1e6:.1f} Mbit/s across leaves")
         for seed in range(1, args.seeds + 1):
             fab.set_hash_seed(seed)
             probe = fab.ecmp_spread(0, far, args.probe_flows)
@@ -188,16 +201,25 @@ def launch(fab, system: str, op: str, size: int, *, seed: int, tag: str,
            paths_env: dict | None = None) -> dict:
     """One launch of `system` on the fabric: netbench's row, plus the bytes on
     every link and the fabric's bound."""
+    from .leafspinepaths import PathMapper
     from .netbench import run_launch
 
     env = dict(ALLREDUCE_ENV) if op == "allreduce" else {}
-    base = system
+    base, on = system, fab
     if system.startswith("hoplite-gpu-paths"):
         base, env = "hoplite-gpu", {**env, **(paths_env or {})}
+        ports = parse_port_range(os.environ.get("HOPLITE_PATH_PORTS", Config.path_ports))
+        on = PathMapper(fab, int(env[f"HOPLITE_{PATHS_SETTING.upper()}"]), ports)
     t = time.monotonic()
     before = fab.link_bytes()
-    row = run_launch(fab, base, op, size, tag=tag, env=env or None)
+    try:
+        row = run_launch(on, base, op, size, tag=tag, env=env or None)
+    finally:
+        if on is not fab:
+            on.close()
     after = fab.link_bytes()
+    if on is not fab:
+        row["path_map"] = on.report
     moved = {f"{a}>{b}": n - before[a, b] for (a, b), n in after.items()}
     bound = fabric_bound(fab, op, size)
     row.update(system=system, label=system, seed=seed, host_bound_s=row["lower_bound_s"],
@@ -261,6 +283,7 @@ def _settings(fab, args: argparse.Namespace, systems: list[str], link: dict) -> 
                        "ecmp_hash": "fib_multipath_hash_policy=3, fields 0x37 (5-tuple)"},
             "size_bytes": args.size, "ops": args.op, "seeds": list(range(1, args.seeds + 1)),
             "systems": systems, "paths": args.paths, "probe_flows": args.probe_flows,
+            "paths_env": paths_env(args.paths, args.size, args.hosts) if args.paths > 1 else None,
             "measured_link_bps": link["within_leaf_bps"], "allreduce_env": ALLREDUCE_ENV,
             "openmpi": {"mca_both": TRANSPORT_MCA, "mca_tuned": TUNED_MCA},
             "gloo": "torch.distributed defaults, GLOO_SOCKET_IFNAME=eth0",

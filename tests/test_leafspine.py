@@ -154,6 +154,33 @@ def _hold(fabric: LeafSpine, host: int, port: int) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(60)
+def test_a_trace_finds_the_spine_a_probe_does_even_from_a_port_in_use():
+    """The path map is traced from a node's data port, which its server
+    holds: a connection's probe cannot use it, the TTL-limited trace can,
+    and it names the spine the data takes (checked against probes of
+    connections that carried bytes)."""
+    fabric = _tiny(hash_seed=3)
+    try:
+        with fabric:
+            ports = [(61000 + k, 5600) for k in range(12)]
+            probed = fabric.probe_paths(0, 1, ports, nbytes=64 << 10)
+            traced = fabric.trace_paths(0, [(1, p, q) for p, q in ports])
+            hold = _hold(fabric, 0, 5601)
+            try:
+                held = fabric.trace_paths(0, [(1, 5601, 61000 + k) for k in range(64)])
+                listening = fabric.listening_ports(0, hold.pid)
+            finally:
+                hold.kill()
+                hold.communicate()
+    except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert traced == probed and set(probed) == {0, 1}
+    assert set(held) == {0, 1} and listening == [5601]
+    with pytest.raises(ValueError, match="both on leaf"):
+        LeafSpine(4, 2, 2).trace_paths(0, [(1, 5601, 61000)])
+
+
+@pytest.mark.timeout(60)
 def test_probe_refuses_hosts_on_one_leaf_and_ports_in_use():
     fabric = LeafSpine(4, 2, 2, host_bps=200e6)
     held = []
@@ -232,7 +259,7 @@ def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
 
 
 # ------------------------------------------- python -m benchmarks leafspine ---
-def test_the_paths_hook_passes_the_runtimes_path_setting_to_every_node():
+def test_the_paths_system_passes_the_runtimes_path_setting_to_every_node():
     import dataclasses
 
     from benchmarks import leafspinerun
@@ -240,6 +267,133 @@ def test_the_paths_hook_passes_the_runtimes_path_setting_to_every_node():
 
     assert leafspinerun.PATHS_SETTING in {f.name for f in dataclasses.fields(Config)}
     assert leafspinerun.paths_env(3) == {"HOPLITE_PATHS": "3"}
+    # a sliced ring pulls pieces of size / hosts: split only if the threshold is that low
+    assert leafspinerun.paths_env(2, 64 << 20, 8) == {"HOPLITE_PATHS": "2",
+                                                      "HOPLITE_MULTI_SOURCE_BYTES": str(8 << 20)}
+    assert leafspinerun.paths_env(2, 256 << 20, 8) == {"HOPLITE_PATHS": "2"}
+
+
+# ------------------------------------------------------------- path maps ---
+def _addr(i: int) -> str:
+    return f"10.88.{i // 2}.{i % 2 + 1}"
+
+
+def test_path_maps_put_each_path_on_its_spine_lowest_ports_first():
+    from benchmarks.leafspinepaths import path_maps
+
+    # sender 0 (data port 5000) -> puller 2: ports 61000.. on spines 1, 0, 1, 1, 0
+    probed = {(0, 5000, 2, 61000 + k): s for k, s in enumerate([1, 0, 1, 1, 0])}
+    probed[2, 7000, 0, 61000] = 0
+    probed[2, 7000, 0, 61001] = 1
+    maps = path_maps(probed, 2, 2, _addr)
+    assert maps == {2: {"10.88.0.1:5000": {"61000": 1, "61001": 0, "61002": 1, "61003": 1,
+                                           "61004": 0}},
+                    0: {"10.88.1.1:7000": {"61000": 0, "61001": 1}}}
+    assert path_maps(dict(reversed(list(probed.items()))), 2, 2, _addr) == maps
+    json.dumps(maps)  # (what the node reads: keys are strings)
+
+
+def test_path_maps_share_a_spine_evenly_among_its_paths():
+    from benchmarks.leafspinepaths import path_maps, ports_wanted
+
+    # 4 paths on 2 spines: paths 0 and 2 on spine 0, 1 and 3 on spine 1
+    probed = {(0, 5000, 2, 61000 + k): k % 2 for k in range(8)}
+    table = path_maps(probed, 4, 2, _addr)[2]["10.88.0.1:5000"]
+    assert table == {"61000": 0, "61001": 1, "61002": 2, "61003": 3,
+                     "61004": 0, "61005": 1, "61006": 2, "61007": 3}
+    assert ports_wanted(4, 2, per_path=3) == [6, 6]
+    assert ports_wanted(1, 2, per_path=3) == [3, 0]
+    # fewer paths than spines: the other spines' ports are left out
+    assert path_maps(probed, 1, 2, _addr)[2]["10.88.0.1:5000"] == {
+        "61000": 0, "61002": 0, "61004": 0, "61006": 0}
+
+
+def test_path_maps_refuse_a_path_without_a_port_and_an_unknown_spine():
+    from benchmarks.leafspinepaths import path_maps
+
+    with pytest.raises(ValueError, match=r"10.88.0.1:5000 to host 2 took spine 1 \(path 1\)"):
+        path_maps({(0, 5000, 2, 61000): 0, (0, 5000, 2, 61001): 0}, 2, 2, _addr)
+    with pytest.raises(ValueError, match="took spine 3; spines are 0 to 1"):
+        path_maps({(0, 5000, 2, 61000): 3}, 2, 2, _addr)
+
+
+class _HashFabric:
+    """Stands for a LeafSpine in `learn`: 4 hosts on 2 leaves, the spine a
+    hash of the tuple; counts the probes."""
+
+    hosts, spines = 4, 2
+
+    def __init__(self, spine=lambda s, d, r, p: (s * 7 + d + r * 3 + p) % 2) -> None:
+        self.spine, self.probes = spine, 0
+
+    def leaf_of(self, i: int) -> int:
+        return i // 2
+
+    def trace_paths(self, src, probes):
+        self.probes += len(probes)
+        return [self.spine(src, q, dst, p) for dst, q, p in probes]
+
+
+def test_learning_traces_only_pairs_across_leaves_until_each_spine_has_enough():
+    from benchmarks.leafspinepaths import learn, path_maps
+
+    fab = _HashFabric()
+    probed = learn(fab, {0: [5000], 1: [5001], 2: [5002], 3: [5003]}, 2, range(61000, 62000),
+                   per_path=4)
+    # each sender to the 2 hosts of the other leaf, one round of 2 x (4 + 4) ports
+    assert fab.probes == len(probed) == 4 * 2 * 16
+    assert {(s // 2, r // 2) for s, _, r, _ in probed} == {(0, 1), (1, 0)}
+    maps = path_maps(probed, 2, 2, _addr)
+    assert all(sorted(table.values()).count(k) >= 4 for m in maps.values()
+               for table in m.values() for k in (0, 1))
+
+
+def test_learning_stops_when_the_range_has_too_few_ports_for_a_spine():
+    from benchmarks.leafspinepaths import learn
+
+    lopsided = _HashFabric(spine=lambda s, d, r, p: 0 if p % 8 else 1)
+    with pytest.raises(RuntimeError, match="did not give every spine 4 ports from 0:5000 to 2"):
+        learn(lopsided, {0: [5000]}, 2, range(61000, 61020), per_path=4)
+
+
+def test_the_start_time_waits_for_the_maps_and_the_nodes_read_their_own(tmp_path):
+    """Every node reads a map file of its own, which exists (empty) from the
+    start, and the start time sent to the nodes is the one after the maps
+    were written, the same for all."""
+    import io
+    import os
+
+    from benchmarks import leafspinepaths
+
+    class Proc:
+        def __init__(self, env):
+            self.env, self.pid, self.stdin = env, 4242, io.StringIO()
+
+    fab = _HashFabric()
+    fab.address = _addr
+    fab.popen = lambda i, argv, **kw: Proc(kw.get("env"))
+    fab.listening_ports = lambda i, pid: [5000 + i]
+    mapper = leafspinepaths.PathMapper(fab, 2, range(61000, 62000), per_path=2)
+    try:
+        procs = [mapper.popen(i, ["python", "-m", "benchmarks.netnode"], env={"A": "1"})
+                 for i in range(4)]
+        def read(p):
+            with open(p.env["HOPLITE_PATH_MAP"], encoding="utf-8") as f:
+                return json.load(f)
+
+        assert [read(p) for p in procs] == [{}] * 4
+        assert mapper.popen(0, ["python", "-m", "hoplite_gpu", "directory"], env={}).env == {}
+        t0 = 1000.0
+        for p in procs:
+            p.stdin.write(json.dumps({"t0": t0}) + "\n")
+        sent = [json.loads(p.stdin.getvalue())["t0"] for p in procs]
+        assert len(set(sent)) == 1 and sent[0] >= t0
+        maps = [read(p) for p in procs]
+        assert set(maps[0]) == {"10.88.1.1:5002", "10.88.1.2:5003"}
+        assert mapper.report["ports_per_path_min"] >= 2
+    finally:
+        mapper.close()
+    assert not os.path.exists(mapper.dir)
 
 
 def test_uneven_hosts_are_a_usage_error_before_anything_runs():
@@ -300,9 +454,9 @@ def test_the_per_link_plot_draws_every_op(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
-    """hoplite-gpu, Gloo (where torch is here) and the paths hook (pointed at
-    an existing setting) run the allreduce on 4 hosts under 2 leaves: about
-    20 s, most of it processes starting (Gloo's torch)."""
+    """hoplite-gpu, Gloo (where torch is here) and hoplite-gpu with paths (a
+    map learned per launch) run the allreduce on 4 hosts under 2 leaves:
+    about 20 s, most of it processes starting (Gloo's torch)."""
     import argparse
     import signal
 
@@ -310,7 +464,6 @@ def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
 
     from benchmarks import leafspinerun
 
-    monkeypatch.setattr(leafspinerun, "PATHS_SETTING", "max_sources")
     p = argparse.ArgumentParser()
     leafspinerun.add_arguments(p)
     systems = ["hoplite-gpu"]
@@ -349,4 +502,6 @@ def test_a_tiny_run_of_every_system_on_the_fabric(monkeypatch):
         assert 0 < r["cpu"]["busy"] <= 1
     paths = [e for e in result["summary"] if e["system"] == "hoplite-gpu-paths2"]
     assert len(paths) == 1 and "hoplite-gpu" in paths[0]["ratio_to"]
+    mapped = [r["path_map"] for r in result["rows"] if r["system"] == "hoplite-gpu-paths2"]
+    assert mapped[0]["ports_per_path_min"] >= 1 and len(mapped[0]["data_ports"]) == 4
     assert set(result["simulated"]["allreduce"]["completion_s"]) == {"spray", "ethereal", "ecmp"}

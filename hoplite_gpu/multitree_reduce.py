@@ -454,20 +454,25 @@ class _TreeReduce:
         # asks for it late still reads why (not only that it is gone here).
         now = [p for p in self.parts.values() if p not in failed]
         stall = self.node.config.stall_timeout_s
+        # (a parent still pulling one of them reads `why`, which names the
+        # rank the failure started at, not a bare "dropped")
+        told = why if error is not None else None
         if failed:
-            self.node.in_background(self._drop(failed, stall))
-        await self._drop(now, 0.0)
+            self.node.in_background(self._drop(failed, stall, told))
+        await self._drop(now, 0.0, told)
         if error is not None and self.everyone:  # (a copy not complete leaves)
             self.node.unreceived(self.ids.result)
 
-    async def _drop(self, parts: list[StoredObject], after: float) -> None:
-        """Free `parts` after `after` seconds; a send of one stuck on a peer
-        that does not read is cut, as on a drop, and none reads it afterwards."""
+    async def _drop(self, parts: list[StoredObject], after: float,
+                    why: BaseException | None = None) -> None:
+        """Free `parts` after `after` seconds (a send of one under way ends
+        with `why`, if given); a send of one stuck on a peer that does not
+        read is cut, as on a drop, and none reads it afterwards."""
         if after:
             await asyncio.sleep(after)
         store, server = self.node.store, self.node.server
         for part in parts:
-            store.remove(part.oid)
+            store.remove(part.oid, why)
             server.dropped_here(part.oid)
         stuck = min(1.0, self.node.config.stall_timeout_s)
         await asyncio.gather(*[server.release(p.oid, stuck) for p in parts])
@@ -480,16 +485,21 @@ def _kind(card: m.TreeMember) -> str:
 
 async def _arrived(copy: StoredObject, end: int, pulls: list[asyncio.Future],
                    left: float) -> None:
-    """Wait for `copy` to hold bytes [0, end), failing at once if a pull fails."""
+    """Wait for `copy` to hold bytes [0, end), failing at once if a pull fails
+    (any of them, also after another has ended well: a child's part that came
+    in full must not stop the watch on its siblings')."""
     if copy.ready >= end:
         return
     waiter = asyncio.ensure_future(copy.wait_ready(end, left))
     try:
-        done, _ = await asyncio.wait([waiter, *pulls], return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task is not waiter and task.exception() is not None:
-                raise task.exception()
-        await waiter
+        while True:
+            for task in pulls:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            if waiter.done():
+                return waiter.result()  # (its Timeout, past the deadline)
+            going = [task for task in pulls if not task.done()]
+            await asyncio.wait([waiter, *going], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not waiter.done():
             waiter.cancel()

@@ -296,3 +296,38 @@ def test_a_group_of_one_rank_on_a_topology_takes_the_dynamic_path():
         np.testing.assert_array_equal(g.broadcast(value), value)
         np.testing.assert_array_equal(g.allreduce(value), value)
         np.testing.assert_array_equal(g.reduce(value), value)
+
+
+def test_a_child_pulled_in_full_does_not_hide_its_siblings_failure():
+    """A parent whose first child's partial result had come in full (a leaf's,
+    at once) stopped watching its other child's pull: when that pull failed,
+    the parent waited for bytes that never came until its deadline. On the
+    DGX-1V allreduce of 7 ranks the root (children 3 and leaf 4 in tree 0,
+    1 and 2 in tree 1) never said the call failed, and rank 4, which is no
+    ancestor of rank 6 in either tree, waited to its deadline on its copy of
+    the result (the chaos test's allreduce with a rank killed, seed
+    485091414). Here rank 6's server answers nothing for half a second, long
+    after every leaf's part is in, then cuts each stream: every rank fails
+    soon, naming it."""
+    topology = fixture("dgx1v")
+    size, victim = 7, 6
+    inputs = _inputs(size, 600_000, "int32")
+
+    async def body(directory, *nodes):
+        async def dies_late(stream, obj, pos, end, stall, nbytes):
+            await asyncio.sleep(0.5)
+            await stream.close()
+            return False
+
+        nodes[victim].server._stream_range = dies_late
+        began = time.monotonic()
+        got = await asyncio.gather(*_calls(nodes, topology, inputs, "late", everyone=True,
+                                           timeout=15.0), return_exceptions=True)
+        took = time.monotonic() - began
+        for r, out in enumerate(got):
+            assert isinstance(out, ReduceFailed) and f"rank {victim} was lost" in str(out), \
+                (r, out)
+        assert took < 6.0, took
+
+    run_nodes([CONFIG] * size, body, bound=60)
+

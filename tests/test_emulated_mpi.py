@@ -29,6 +29,7 @@ def test_payload_checks_are_exact():
     assert check("gather", 3, None, 1 << 20, 2) == (True, None)  # not the root: holds nothing
 
 
+@pytest.mark.slow  # OpenMPI and hoplite-gpu launched on emulated hosts: ~20 s (`make test-slow`)
 @pytest.mark.timeout(300)
 def test_openmpi_and_hoplite_cross_the_shaped_links():
     if not have_mpi():

@@ -185,26 +185,11 @@ def test_a_stalled_rank_is_named_after_the_stall_timeout():
     """A rank whose node stops sending (alive, no keepalive) on the DGX-1V
     allreduce: its parents' stall timeouts name it, every rank fails with
     it, within a few stall timeouts."""
-    topology = fixture("dgx1v")
-    inputs = _inputs(8, 600_000, "int32")
-    config = CONFIG.replace(stall_timeout_s=1.0)
-    victim = 6
+    async def silent(stream, obj, pos, end, stall, size):
+        await asyncio.sleep(30)
 
-    async def body(directory, *nodes):
-        async def silent(stream, obj, pos, end, stall, size):
-            await asyncio.sleep(30)
-
-        nodes[victim].server._stream_range = silent
-        began = time.monotonic()
-        got = await asyncio.gather(*_calls(nodes, topology, inputs, "stall", everyone=True,
-                                           timeout=15.0), return_exceptions=True)
-        took = time.monotonic() - began
-        for r, out in enumerate(got):
-            assert isinstance(out, ReduceFailed) and f"rank {victim} was lost" in str(out), \
-                (r, out)
-        assert took < 6.0, took
-
-    run_nodes([config] * 8, body, bound=60)
+    _every_rank_fails_naming(6, silent, "stall", size=8,
+                             config=CONFIG.replace(stall_timeout_s=1.0))
 
 
 def test_arrays_that_differ_are_refused_naming_the_rank():
@@ -309,19 +294,25 @@ def test_a_child_pulled_in_full_does_not_hide_its_siblings_failure():
     485091414). Here rank 6's server answers nothing for half a second, long
     after every leaf's part is in, then cuts each stream: every rank fails
     soon, naming it."""
+    async def dies_late(stream, obj, pos, end, stall, nbytes):
+        await asyncio.sleep(0.5)
+        await stream.close()
+        return False
+
+    _every_rank_fails_naming(6, dies_late, "late", size=7, config=CONFIG)
+
+
+def _every_rank_fails_naming(victim: int, serve, name: str, size: int, config) -> None:
+    """A DGX-1V allreduce of `size` ranks whose rank `victim` serves its
+    ranges with `serve`: every rank raises ReduceFailed naming the victim,
+    within 6 s."""
     topology = fixture("dgx1v")
-    size, victim = 7, 6
     inputs = _inputs(size, 600_000, "int32")
 
     async def body(directory, *nodes):
-        async def dies_late(stream, obj, pos, end, stall, nbytes):
-            await asyncio.sleep(0.5)
-            await stream.close()
-            return False
-
-        nodes[victim].server._stream_range = dies_late
+        nodes[victim].server._stream_range = serve
         began = time.monotonic()
-        got = await asyncio.gather(*_calls(nodes, topology, inputs, "late", everyone=True,
+        got = await asyncio.gather(*_calls(nodes, topology, inputs, name, everyone=True,
                                            timeout=15.0), return_exceptions=True)
         took = time.monotonic() - began
         for r, out in enumerate(got):
@@ -329,5 +320,5 @@ def test_a_child_pulled_in_full_does_not_hide_its_siblings_failure():
                 (r, out)
         assert took < 6.0, took
 
-    run_nodes([CONFIG] * size, body, bound=60)
+    run_nodes([config] * size, body, bound=60)
 

@@ -50,6 +50,19 @@ def _senders(info: dict, node) -> set[str]:
     return {s for r, s in info["edges"] if r == node.node_id}
 
 
+async def _whole_from_several(receivers, gets, counts, value, oid) -> dict:
+    """Every get ends with `value`, each byte written once, and each
+    receiver pulled from at least two senders; the object's info."""
+    got = await asyncio.gather(*gets)
+    for n, obj in zip(receivers, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(obj.buffer), value)
+        assert (counts[n.node_id] == 1).all(), "a byte was written twice, or never"
+    info = await receivers[0].query(oid)
+    for n in receivers:
+        assert len(_senders(info, n)) >= 2, (n.node_id, info["edges"])
+    return info
+
+
 def test_every_receiver_pulls_its_stripes_from_several_senders_byte_identical():
     size = 8 * MiB
     value = (np.arange(size) % 251).astype(np.uint8)
@@ -74,13 +87,7 @@ def test_every_receiver_pulls_its_stripes_from_several_senders_byte_identical():
         held.make(size // 2)
         await asyncio.sleep(0.05)
         held.make(size)
-        got = await asyncio.gather(*gets)
-        for n, obj in zip(receivers, got, strict=True):
-            np.testing.assert_array_equal(np.asarray(obj.buffer), value)
-            assert (counts[n.node_id] == 1).all(), "a byte was written twice, or never"
-        info = await receivers[0].query(oid)
-        for n in receivers:
-            assert len(_senders(info, n)) >= 2, (n.node_id, info["edges"])
+        info = await _whole_from_several(receivers, gets, counts, value, oid)
         ids = {n.node_id for n in receivers}
         assert {s for _, s in info["edges"]} & ids, "no receiver relayed a stripe"
 
@@ -163,13 +170,7 @@ def test_pulls_of_the_whole_object_are_moved_into_stripes_once_enough_receivers_
         assert entry.stripes is not None and set(entry.stripes.up) == {
             n.node_id for n in receivers}
         held.make(size)
-        got = await asyncio.gather(*gets)
-        for n, obj in zip(receivers, got, strict=True):
-            np.testing.assert_array_equal(np.asarray(obj.buffer), value)
-            assert (counts[n.node_id] == 1).all(), "a byte was written twice, or never"
-        info = await receivers[0].query(oid)
-        for n in receivers:
-            assert len(_senders(info, n)) >= 2, (n.node_id, info["edges"])
+        await _whole_from_several(receivers, gets, counts, value, oid)
 
     run_nodes([CONFIG] * 9, body, bound=60, stripes=0, multi_source_bytes=MiB,
               relay_bytes=256 << 10)

@@ -250,3 +250,27 @@ def count_writes(node: Any, counts: Any) -> None:
         return await real(obj, flow, Counting())
 
     node.pulls._fetch_from = fetch
+
+
+def cut_halfway(server: Any, which: Callable[[Any, int], bool] | None = None) -> list:
+    """Make `server` (a node's DataServer) send only the first half of each
+    range it is asked for and then close the connection (a sender dying
+    mid-pull), where `which(stream, asked_before)` says so (default: every
+    range); others are served whole. Returns the (start, end) of each range
+    cut, as it comes."""
+    real = server._stream_range
+    cut: list = []
+    asked = 0
+
+    async def serve(stream, obj, pos, end, stall, size):
+        nonlocal asked
+        asked += 1
+        if which is not None and not which(stream, asked - 1):
+            return await real(stream, obj, pos, end, stall, size)
+        cut.append((pos, end))
+        await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
+        await stream.close()
+        return False
+
+    server._stream_range = serve
+    return cut

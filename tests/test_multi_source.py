@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from in_process import count_writes, eventually, run_nodes
+from in_process import count_writes, cut_halfway, eventually, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -179,14 +179,7 @@ def test_a_holder_dying_midway_leaves_its_bytes_to_the_others():
         await a.put(value, oid)
         await b.fetch(oid, 10)
         await c.fetch(oid, 10)
-        real = b.server._stream_range
-
-        async def dies_halfway(stream, obj, pos, end, stall, size):
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
-            await stream.close()
-            return False
-
-        b.server._stream_range = dies_halfway
+        cut_halfway(b.server)
         counts = np.zeros(size, np.int64)
         count_writes(reader, counts)
         failed = []

@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from in_process import run_nodes
+from in_process import cut_halfway, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -97,15 +97,7 @@ def test_a_parent_dying_midway_leaves_its_range_to_the_others_or_the_directory()
     config = hg.Config(shared_memory=False, chunk_size=MiB, timeout_s=20, stall_timeout_s=2.0)
 
     async def body(directory, *nodes):
-        relay = nodes[1]
-        real = relay.server._stream_range
-
-        async def dies_halfway(stream, obj, pos, end, stall, size):
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
-            await stream.close()
-            return False
-
-        relay.server._stream_range = dies_halfway
+        cut_halfway(nodes[1].server)
         results = await asyncio.gather(*_run(nodes, value, plan, "mt-dies"))
         for got in results[1:]:
             np.testing.assert_array_equal(got, value)

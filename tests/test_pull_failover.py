@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from in_process import eventually, run_nodes
+from in_process import cut_halfway, eventually, run_nodes
 
 import hoplite_gpu as hg
 
@@ -24,20 +24,8 @@ def config(**settings) -> hg.Config:
 def cut_first_serve_halfway(server) -> list:
     """Make `server` (a DataServer) send only the first half of the range of
     its first pull, then close the connection (a sender dying mid-pull);
-    later pulls are served whole. Returns the list of serves so far."""
-    real = server._stream_range
-    served: list = []
-
-    async def cut(stream, obj, pos, end, stall, size):
-        served.append((pos, end))
-        if len(served) > 1:
-            return await real(stream, obj, pos, end, stall, size)
-        await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
-        await stream.close()
-        return False
-
-    server._stream_range = cut
-    return served
+    later pulls are served whole. Returns the ranges cut."""
+    return cut_halfway(server, lambda _stream, asked: asked == 0)
 
 
 def test_a_get_given_up_while_its_pull_backs_off_leaves_no_partial_copy():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from in_process import count_writes, run_nodes
+from in_process import count_writes, cut_halfway, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu.errors import PeerLost, Timeout
@@ -373,16 +373,7 @@ def test_a_sub_flow_whose_sender_dies_midway_is_finished_by_the_other(how, monke
         oid = hg.ObjectID.from_name("plan-sender-dies")
         await a.put(value, oid)
         await b.fetch(oid, 10)
-        real = a.server._stream_range
-        served = []
-
-        async def dies_halfway(stream, obj, pos, end, stall, size):
-            served.append((pos, end))
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
-            await stream.close()
-            return False
-
-        a.server._stream_range = dies_halfway
+        served = cut_halfway(a.server)
         obj = reader.store.create(oid, _raw(size))
         counts = np.zeros(size, np.int64)
         count_writes(reader, counts)

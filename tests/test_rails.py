@@ -19,7 +19,7 @@ import socket
 
 import numpy as np
 import pytest
-from in_process import count_writes, run_nodes
+from in_process import count_writes, cut_halfway, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -462,18 +462,7 @@ def test_a_rail_that_fails_midway_leaves_its_bytes_to_the_other_rail():
 
     async def body(directory, a, b):
         rail2 = a.data_addresses[1].split("//")[1]
-        real = a.server._stream_range
-        cut = []
-
-        async def dies_on_rail2(stream, obj, pos, end, stall, size):
-            if stream.local != rail2:
-                return await real(stream, obj, pos, end, stall, size)
-            cut.append((pos, end))
-            await real(stream, obj, pos, pos + (end - pos) // 2, stall, size)
-            await stream.close()
-            return False
-
-        a.server._stream_range = dies_on_rail2
+        cut = cut_halfway(a.server, lambda stream, _asked: stream.local == rail2)
         counts = np.zeros(size, np.int64)
         count_writes(b, counts)
         failed = []

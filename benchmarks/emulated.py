@@ -171,16 +171,17 @@ class EmulatedCluster(Closing):
                 proc.communicate()
 
 
-def sweep_stale() -> list[str]:
+def sweep_stale(ours: re.Pattern = _OURS) -> list[str]:
     """Delete the namespaces of earlier runs whose process is gone: a run
     killed outright (SIGKILL, an out-of-memory kill) cannot clean up after
     itself, and its hosts would otherwise stay until reboot. A namespace whose
-    tag matches a live process id is kept (it may be another run's)."""
+    tag matches a live process id is kept (it may be another run's). `ours`:
+    a harness's names, the tag (a process id modulo 100000) its first group."""
     out = _sh("ip", "netns", "list", check=False).stdout
     stale = []
     for line in out.splitlines():
         name = line.split()[0] if line.strip() else ""
-        m = _OURS.fullmatch(name)
+        m = ours.fullmatch(name)
         if m and int(m.group(1)) != os.getpid() % 100000 and not _alive(int(m.group(1))):
             _sh("ip", "netns", "del", name, check=False)
             stale.append(name)

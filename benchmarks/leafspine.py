@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from hoplite_gpu.lifecycle import Closing
 
 from . import emulated
-from .emulated import PY, EmulatedCluster, EmulationUnavailable
+from .emulated import PY, EmulatedCluster, EmulationUnavailable, _sh
 
 #: A namespace this harness makes: "ls<tag>x<n>" then "h<i>", "l<i>", "s<i>" or
 #: "probe"; the tag is the making process's id modulo 100000, n counts the
@@ -53,10 +53,6 @@ PLACEMENTS = ("block", "interleaved")
 _HASH_SYSCTLS = ("net.ipv4.fib_multipath_hash_fields", "net.ipv4.fib_multipath_hash_seed")
 #: bytes each path probe sends (far above the few packets of a handshake)
 PROBE_BYTES = 256 << 10
-
-
-def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
 
 
 class LeafSpine(Closing):
@@ -451,15 +447,7 @@ def sweep_stale() -> list[str]:
     """Delete the namespaces of earlier fabrics whose process is gone (killed
     outright, it could not clean up); those whose tag matches a live process
     are kept (they may be another run's)."""
-    out = _sh("ip", "netns", "list", check=False).stdout
-    stale = []
-    for line in out.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        m = _OURS.fullmatch(name)
-        if m and int(m.group(1)) != os.getpid() % 100000 and not emulated._alive(int(m.group(1))):
-            _sh("ip", "netns", "del", name, check=False)
-            stale.append(name)
-    return stale
+    return emulated.sweep_stale(_OURS)
 
 
 class _Lines:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -274,3 +275,22 @@ def cut_halfway(server: Any, which: Callable[[Any, int], bool] | None = None) ->
 
     server._stream_range = serve
     return cut
+
+
+@contextlib.contextmanager
+def lines_run(folder: str):
+    """Count the lines run in `folder`'s modules meanwhile (in `[0]` of the value)."""
+    count = [0]
+
+    def trace(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(folder):
+            return None
+        if event == "line":
+            count[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        yield count
+    finally:
+        sys.settrace(None)

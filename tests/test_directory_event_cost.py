@@ -16,12 +16,11 @@ Each failed on the code it was written against, by 10 to 37 times.
 
 from __future__ import annotations
 
-import contextlib
 import random
-import sys
 import time
 
 import pytest
+from in_process import lines_run
 
 from benchmarks import directory_scale
 from hoplite_gpu.directory import state as s
@@ -249,21 +248,3 @@ def test_an_arriving_input_of_a_relayed_slice_costs_the_same_however_many_ranks(
     assert many < 1.5 * few, (f"an input of a relayed slice runs {many:.0f} lines of the "
                               f"directory at 4,000 ranks and {few:.0f} at 200")
 
-
-@contextlib.contextmanager
-def lines_run(folder: str):
-    """Count the lines run in `folder`'s modules meanwhile (in `[0]` of the value)."""
-    count = [0]
-
-    def trace(frame, event, arg):
-        if not frame.f_code.co_filename.startswith(folder):
-            return None
-        if event == "line":
-            count[0] += 1
-        return trace
-
-    sys.settrace(trace)
-    try:
-        yield count
-    finally:
-        sys.settrace(None)

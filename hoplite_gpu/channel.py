@@ -453,12 +453,12 @@ class WeightChannel:
     def _prepare(self, node: Any) -> None:
         """In the background, have a buffer of the last version's host part,
         its pages touched, free in this node's pool for the next version
-        (`Node.prepare_buffer`; nothing once the versions' buffers cycle
+        (`ChunkStore.prepare`; nothing once the versions' buffers cycle
         through the pool): fresh memory's page faults are then paid while
         the reader waits or the learner trains, not while the version
         arrives."""
         if self._host_bytes:
-            node.in_background(node.prepare_buffer(self._host_bytes))
+            node.in_background(node.store.prepare(self._host_bytes))
 
     async def _fetch_version(self, node: Any, version: int, deadline: float,
                              found: dict[str, packing.Target] | None = None

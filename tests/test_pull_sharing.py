@@ -125,7 +125,7 @@ def test_a_given_up_pull_leaves_no_error_behind():
             await asyncio.gather(get, return_exceptions=True)
         await asyncio.sleep(0.1)
         assert not reader._pulls
-        assert not reader._pull_errors, f"{len(reader._pull_errors)} records of ended pulls kept"
+        assert not reader.pulls.errors, f"{len(reader.pulls.errors)} records of ended pulls kept"
 
     with_nodes(2, body)
 

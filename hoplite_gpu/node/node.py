@@ -37,10 +37,8 @@ from .holdings import complete_msg
 from .link import DirectoryLink
 from .memory import Memory
 from .plan import Plan
-from .pool import touched_buffer
 from .pulls import Pulls
 from .puts import Puts
-from .rails import rails_of
 from .retry import Retry as _Retry
 from .steps import Steps
 from .store import ChunkStore, StoredObject
@@ -78,8 +76,6 @@ class Node:
         if config.shared_memory and not shm.usable():  # (not Linux): every byte over the transport
             config = self.config = config.replace(shared_memory=False)
         self.store = ChunkStore(config.pool_bytes, shared=config.shared_memory)
-        #: sizes of the buffers `prepare_buffer` is making
-        self._preparing: set[int] = set()
         #: Nodes with the same (non-empty) value run on one host, in one
         #: network namespace: bytes between them cross no network link.
         self.host_key = shm.domain()
@@ -188,10 +184,6 @@ class Node:
         return self.pulls.waiters
 
     @property
-    def _pull_errors(self) -> Mapping[ObjectID, BaseException]:
-        return self.pulls.errors
-
-    @property
     def _failed_at(self) -> Mapping[ObjectID, float]:
         return self.pulls.failed_at
 
@@ -216,17 +208,14 @@ class Node:
         return self.memory.evicted
 
     async def start(self) -> None:
-        if self.pulls.ways.path_map is not None:
-            # (ConfigError naming the file, before anything starts)
-            self.pulls.ways.path_map.refresh()
+        self.pulls.ways.check()
         await self.server.start()
         #: every address this node's data server listens on (a rail each; the first its own)
         self.data_addresses = [advertised(one, self.directory_address)
                                for one in self.server.addresses]
         # (kept for reconnects: the same-host socket is named after it)
         self._data_address = address = self.data_addresses[0]
-        self.pulls.ways.rails = rails_of(self.data_addresses,
-                                         [bits for _, bits in self.config.node_hosts()])
+        self.pulls.ways.listening(self.data_addresses)
         if self.config.shared_memory:
             await self.server.listen_local(address)  # pullers on this host find it by that address
         await self.link.connect(address, self.data_addresses)
@@ -471,24 +460,6 @@ class Node:
         self.server.dropped_here(oid)
         if self.server.serving(oid) and self._closed is None:
             self.in_background(self.server.release(oid, min(1.0, self.config.stall_timeout_s)))
-
-    async def prepare_buffer(self, nbytes: int) -> bool:
-        """Keep a buffer of `nbytes`, its pages already touched, free in the
-        pool for the next object of that size (a weight channel's next
-        version), unless one is free already or the pool's budget is full:
-        the page faults of fresh memory are paid now, in a thread, instead of
-        while the object arrives. Whether one was made."""
-        pool = self.store.pool
-        if nbytes in self._preparing or not pool.wants(nbytes):
-            return False
-        self._preparing.add(nbytes)
-        try:
-            # (in a list the futures hold: the pool keeps only a buffer nothing else refers to)
-            box = await asyncio.to_thread(lambda: [touched_buffer(nbytes, pool.shared)])
-            buffer = box.pop()
-            return self._closed is None and pool.wants(nbytes) and pool.release(buffer)
-        finally:
-            self._preparing.discard(nbytes)
 
     def in_background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run `coro` (which must end by itself: every wait in it has a

@@ -26,7 +26,7 @@ from hoplite_gpu.timers import Expired, until
 from hoplite_gpu.values import Layout
 
 from .plan import Ledger
-from .pool import BufferPool
+from .pool import BufferPool, touched_buffer
 
 
 @dataclass(eq=False)
@@ -180,6 +180,26 @@ class ChunkStore:
         #: `shared`: large host buffers are memfd mappings that pulls from
         #: this host can map (`shm`)
         self.pool = BufferPool(pool_bytes, shared)
+        #: sizes of the buffers `prepare` is making; set once closed
+        self._preparing: set[int] = set()
+        self._closed = False
+
+    async def prepare(self, nbytes: int) -> bool:
+        """Keep a buffer of `nbytes`, its pages already touched, free in the
+        pool for the next object of that size (a weight channel's next
+        version), unless one is free already or the pool's budget is full:
+        the page faults of fresh memory are paid now, in a thread, instead of
+        while the object arrives. Whether one was made."""
+        if nbytes in self._preparing or not self.pool.wants(nbytes):
+            return False
+        self._preparing.add(nbytes)
+        try:
+            # (in a list the futures hold: the pool keeps only a buffer nothing else refers to)
+            box = await asyncio.to_thread(lambda: [touched_buffer(nbytes, self.pool.shared)])
+            buffer = box.pop()
+            return not self._closed and self.pool.wants(nbytes) and self.pool.release(buffer)
+        finally:
+            self._preparing.discard(nbytes)
 
     def recycle(self, obj: StoredObject) -> None:
         """Give `obj`'s buffer back to the pool (kept only if nobody else holds it).
@@ -293,6 +313,7 @@ class ChunkStore:
         return obj
 
     def close(self, reason: BaseException) -> None:
+        self._closed = True
         for oid in list(self._objects):
             self.remove(oid, reason)
         for futs in self._appear.values():

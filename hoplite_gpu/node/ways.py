@@ -49,6 +49,16 @@ class Ways:
         #: per pull, the connections told to the directory (sender, local)
         self._told: dict[ObjectID, set[tuple[str, str]]] = {}
 
+    def check(self) -> None:
+        """Read the path map now: a ConfigError naming the file, before the
+        node starts anything."""
+        if self.path_map is not None:
+            self.path_map.refresh()
+
+    def listening(self, addresses: Sequence[str]) -> None:
+        """The node's data server listens on `addresses` (a rail each)."""
+        self.rails = rails_.rails_of(addresses, [bits for _, bits in self.config.node_hosts()])
+
     def routes(self, oid: ObjectID, missing: int, senders: Sequence[tuple[str, str]],
                rails: dict[str, list[str]]) -> tuple[list[Route], list[Held]]:
         """The routes of a pull of `missing` bytes of `oid` from `senders`,

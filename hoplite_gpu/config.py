@@ -183,6 +183,11 @@ class Config:
                 object.__setattr__(self, name, None)
         for f in fields(self):
             _check_type(f, getattr(self, f.name))
+        self._check_tls()
+        self._check_values()
+        self._check_paths()
+
+    def _check_tls(self) -> None:
         given = [name for name in TLS_SETTINGS if getattr(self, name) is not None]
         if given and len(given) < len(TLS_SETTINGS):
             missing = [n for n in TLS_SETTINGS if n not in given]
@@ -190,6 +195,25 @@ class Config:
                 "TLS needs all three of HOPLITE_TLS_CERT, HOPLITE_TLS_KEY and HOPLITE_TLS_CA "
                 f"(tls_cert, tls_key, tls_ca), or none; {', '.join(given)} given, "
                 f"{', '.join(missing)} not")
+
+    def _check_paths(self) -> None:
+        """Rails and ECMP paths (docs/fabric.md, "Rails and paths")."""
+        self.node_hosts()  # (ConfigError naming the bad entry)
+        if not 1 <= self.paths <= 64:
+            raise ConfigError(f"paths (HOPLITE_PATHS) must be between 1 and 64; got {self.paths}")
+        ports = self.path_port_range()
+        if self.paths > 1 and self.transport != "tcp":
+            raise ConfigError(f"paths (HOPLITE_PATHS={self.paths}) pins each sub-flow's source "
+                              f"port, which only the tcp transport can; transport is "
+                              f"{self.transport!r}")
+        if self.path_map is not None and self.paths < 2:
+            raise ConfigError(f"path_map (HOPLITE_PATH_MAP={self.path_map!r}) maps ports to "
+                              "paths, but paths (HOPLITE_PATHS) is 1: set it to their number")
+        if len(ports) < self.paths:
+            raise ConfigError(f"path_ports (HOPLITE_PATH_PORTS={self.path_ports!r}) holds "
+                              f"{len(ports)} ports, fewer than paths ({self.paths})")
+
+    def _check_values(self) -> None:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ConfigError(f"log_level must be one of {', '.join(_LEVELS)}; "
                               f"got {self.log_level!r}")
@@ -220,20 +244,6 @@ class Config:
         if not 0 <= self.shutdown_grace_s <= MAX_TIMEOUT_S:
             raise ConfigError(f"shutdown_grace_s must be >= 0 and at most {MAX_TIMEOUT_S:g}; "
                               f"got {self.shutdown_grace_s}")
-        self.node_hosts()  # (ConfigError naming the bad entry)
-        if not 1 <= self.paths <= 64:
-            raise ConfigError(f"paths (HOPLITE_PATHS) must be between 1 and 64; got {self.paths}")
-        ports = self.path_port_range()
-        if self.paths > 1 and self.transport != "tcp":
-            raise ConfigError(f"paths (HOPLITE_PATHS={self.paths}) pins each sub-flow's source "
-                              f"port, which only the tcp transport can; transport is "
-                              f"{self.transport!r}")
-        if self.path_map is not None and self.paths < 2:
-            raise ConfigError(f"path_map (HOPLITE_PATH_MAP={self.path_map!r}) maps ports to "
-                              "paths, but paths (HOPLITE_PATHS) is 1: set it to their number")
-        if len(ports) < self.paths:
-            raise ConfigError(f"path_ports (HOPLITE_PATH_PORTS={self.path_ports!r}) holds "
-                              f"{len(ports)} ports, fewer than paths ({self.paths})")
         if self.multi_source_bytes < 0:
             raise ConfigError(f"multi_source_bytes must be >= 0; got {self.multi_source_bytes}")
         for name in ("timeout_s", "connect_timeout_s", "stall_timeout_s",

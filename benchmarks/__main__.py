@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     _module_command(sub, "leafspine", "leafspinerun", "broadcast and ring allreduce on an "
                     "emulated leaf-spine with ECMP (network namespaces + tc; root) against the "
                     "fabric's bound, per ECMP hash seed: hoplite-gpu, OpenMPI, Gloo")
+    _module_command(sub, "rails", "railsrun", "broadcast and ring allreduce on emulated hosts "
+                    "with k rails, a switch per rail (network namespaces + tc; root), against "
+                    "the k rails' bound: hoplite-gpu on k rails and on one, OpenMPI, Gloo")
+    _module_command(sub, "dgxmesh", "dgxmeshrun", "Blink's packed trees on an emulated DGX-1V "
+                    "NVLink mesh (network namespaces + tc; root) against S/R*: broadcast to "
+                    "member sets, allreduce; hoplite-gpu single-tree and OpenMPI beside it")
     _module_command(sub, "fabric-sim", "fabric_sim", "ECMP, spraying and Ethereal on a "
                     "simulated 1,024-host fat-tree: ring allreduce, all-to-all, broadcast")
     _module_command(sub, "dirfailover", "dirfailover", "the directory in use SIGKILLed during "
@@ -256,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             out = RESULTS / f"{stem}-{dt.date.today().isoformat()}-{n}.json"
         out.write_text(json.dumps(result, indent=2))
         console.print(f"saved {out.relative_to(RESULTS.parent.parent)}")
+        if getattr(args, "plot", False):  # its plots beside it (`plot` redraws them all)
+            from .plots import plot_file
+
+            for made in plot_file(out, console):
+                console.print(f"wrote {made.relative_to(RESULTS.parent.parent)}")
     return 0 if result.get("byte_identical", True) and result.get("ok", True) and all(
         r.get("byte_identical", True) for r in result["rows"]) else 1
 

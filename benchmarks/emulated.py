@@ -35,7 +35,61 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
 
 
-class EmulatedCluster(Closing):
+class Namespaces(Closing):
+    """What every emulated network here shares: namespaces named after
+    `prefix`, made by `_build` and listed on `_made` (before each exists),
+    deleted in reverse by `close`, so on exit, on error and on Ctrl-C
+    (`Closing`); `_open` first refuses where namespaces cannot be made
+    (`_check`) and sweeps those of runs killed outright (`OURS`: the
+    harness's names, the making process's tag the first group)."""
+
+    OURS: re.Pattern = _OURS
+    WHAT = "the emulated cluster"
+
+    def _names(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._made: list[str] = []
+        #: namespaces left by earlier runs that died without cleaning up, removed by `_open`
+        self.swept: list[str] = []
+
+    def _open(self) -> None:
+        self._check()  # refuses before anything is made (close() removes a probe it left)
+        self.swept = sweep_stale(self.OURS)
+        self._build()
+
+    def _check(self) -> None:
+        require_namespaces(f"{self.prefix}probe", self._made, self.WHAT)
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _add_ns(self, name: str) -> str:
+        """Make namespace `name` (on `_made` first: an interrupted add is swept too)."""
+        self._made.append(name)
+        _sh("ip", "netns", "add", name)
+        return name
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            _sh("ip", "netns", "del", ns, check=False)
+        self._made.clear()
+
+    def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
+        """Start a process in host (or rank) `i`'s namespace, `ns(i)`."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
+
+    def ns(self, i: int) -> str:
+        raise NotImplementedError
+
+
+def run_prefix(kind: str, runs) -> str:
+    """A harness's name prefix: `kind`, this process's id modulo 100000 (the
+    tag `sweep_stale` reads), "x", and the next of `runs` (a count of the
+    networks this process made of that kind, so two never share a name)."""
+    return f"{kind}{os.getpid() % 100000}x{next(runs)}"
+
+
+class EmulatedCluster(Namespaces):
     def __init__(self, hosts: int, bandwidth_bps: float = 1e9, *, subnet: int = 77,
                  rates_bps: Sequence[float] | None = None) -> None:
         """`hosts` hosts, each link shaped to `bandwidth_bps` both ways, or host
@@ -53,47 +107,19 @@ class EmulatedCluster(Closing):
         #: host i's link rate in bit/s, both directions
         self.rates_bps = rates
         tag = os.getpid() % 100000
-        self.prefix = f"hg{tag}"
+        self._names(f"hg{tag}")
         self.switch = f"{self.prefix}sw"
         self.subnet = f"10.{subnet}.{tag % 250}"
         self.netem = False
-        self._made: list[str] = []
-        #: namespaces left by earlier runs that died without cleaning up, removed by `_open`
-        self.swept: list[str] = []
 
     # ------------------------------------------------------------ set-up ---
-    def _open(self) -> None:
-        self._check()  # refuses before anything is made (close() removes a probe it left)
-        self.swept = sweep_stale()
-        self._build()
-
-    def _check(self) -> None:
-        if os.geteuid() != 0:
-            raise EmulationUnavailable("the emulated cluster needs root (network namespaces, tc)")
-        missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-        if missing:
-            raise EmulationUnavailable(
-                f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)")
-        probe = f"{self.prefix}probe"
-        _sh("ip", "netns", "del", probe, check=False)  # (one an interrupted check left)
-        self._made.append(probe)  # (close() removes it if this is interrupted)
-        made = _sh("ip", "netns", "add", probe, check=False)
-        if made.returncode != 0:
-            raise EmulationUnavailable("this machine does not allow creating network "
-                                       f"namespaces: {made.stderr.strip()}")
-        _sh("ip", "netns", "del", probe, check=False)
-        self._made.remove(probe)
-
     def _build(self) -> None:
-        _sh("ip", "netns", "add", self.switch)
-        self._made.append(self.switch)
+        self._add_ns(self.switch)
         sw = ("ip", "netns", "exec", self.switch)
         _sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
         _sh(*sw, "ip", "link", "set", "br0", "up")
         for i in range(self.hosts):
-            ns, sw_if = self.ns(i), f"{self.prefix}s{i}"
-            _sh("ip", "netns", "add", ns)
-            self._made.append(ns)
+            ns, sw_if = self._add_ns(self.ns(i)), f"{self.prefix}s{i}"
             # Made inside the namespaces at once: nothing of it is ever in
             # ours, so deleting the namespaces removes all of it, however a
             # run ends.
@@ -110,21 +136,12 @@ class EmulatedCluster(Closing):
                 _sh(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                     "burst", "256kb", "latency", "100ms")
 
-    def close(self) -> None:
-        for ns in reversed(self._made):
-            _sh("ip", "netns", "del", ns, check=False)
-        self._made.clear()
-
     # ------------------------------------------------------------- use ---
     def ns(self, i: int) -> str:
         return f"{self.prefix}n{i}"
 
     def address(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
-
-    def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
-        """Start a process on host `i`."""
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
 
     def link_bytes(self) -> list[tuple[int, int]]:
         """(downlink, uplink) bytes so far for every host, counted on the bridge's
@@ -169,6 +186,27 @@ class EmulatedCluster(Closing):
                 if proc.poll() is None:
                     proc.kill()
                 proc.communicate()
+
+
+def require_namespaces(probe: str, made: list[str], what: str = "the emulated cluster") -> None:
+    """Refuse (EmulationUnavailable) where `what` cannot be built: not root, no
+    iproute2, or network namespaces not allowed. Tries by making the
+    namespace `probe`, on `made` while it exists, so the harness's close()
+    removes one an interrupt left."""
+    if os.geteuid() != 0:
+        raise EmulationUnavailable(f"{what} needs root (network namespaces, tc)")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise EmulationUnavailable(
+            f"missing {', '.join(missing)}: install iproute2 (apt-get install iproute2)")
+    _sh("ip", "netns", "del", probe, check=False)  # (one an interrupted check left)
+    made.append(probe)
+    done = _sh("ip", "netns", "add", probe, check=False)
+    if done.returncode != 0:
+        raise EmulationUnavailable("this machine does not allow creating network "
+                                   f"namespaces: {done.stderr.strip()}")
+    _sh("ip", "netns", "del", probe, check=False)
+    made.remove(probe)
 
 
 def sweep_stale(ours: re.Pattern = _OURS) -> list[str]:

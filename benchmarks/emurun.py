@@ -32,11 +32,13 @@ The result file's keys:
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -87,6 +89,31 @@ def footprint(op: str, size: int, hosts: int) -> int:
     return int(per * 1.1) + hosts * (200 << 20)
 
 
+#: what a failed launch raises: it is said, kept in the row, and retried
+LAUNCH_ERRORS = (RuntimeError, AssertionError, subprocess.SubprocessError, ValueError,
+                 OSError, TimeoutError)
+
+
+def launch_with_retries(retries: int, tag: str, launch: Callable[..., dict],
+                        say: Callable[[str], object] | None = None,
+                        ) -> tuple[dict | None, list[str]]:
+    """`launch(tag=...)`'s row, tried `1 + retries` times (tag `{tag}-{attempt}`);
+    each failed attempt's error kept in order (as the row's `failed_attempts`,
+    or returned with None once every attempt failed) and told to `say`."""
+    errors: list[str] = []
+    for attempt in range(1 + retries):
+        try:
+            row = launch(tag=f"{tag}-{attempt}")
+        except LAUNCH_ERRORS as exc:
+            errors.append(f"{type(exc).__name__}: {str(exc)[-600:]}")
+            if say is not None:
+                say(f"[red]{tag}: attempt {attempt + 1} failed: {errors[-1][:300]}[/]")
+            continue
+        row["failed_attempts"] = errors
+        return row, errors
+    return None, errors
+
+
 def _stop_on_signals() -> None:
     """SIGTERM, and SIGINT even where a background shell ignores it, raise
     KeyboardInterrupt, so the namespaces and every started process are cleaned up."""
@@ -133,22 +160,14 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                 for r in range(launches):
                     for system in names:  # systems interleaved, so drift hits all alike
                         t = time.monotonic()
-                        errors = []
-                        for attempt in range(1 + args.retries):
-                            tag = f"{op}-{size}-{r}-{system}-{attempt}"
-                            try:
-                                row = _measure(cluster, system, op, size, tag, args)
-                                break
-                            except (RuntimeError, AssertionError, subprocess.SubprocessError,
-                                    ValueError, OSError) as exc:  # a launch that failed: said, kept, retried
-                                errors.append(f"{type(exc).__name__}: {str(exc)[-600:]}")
-                                console.print(f"[red]{system} {op} {human(size)} launch {r} "
-                                              f"attempt {attempt + 1} failed: {errors[-1][:300]}[/]")
-                        else:
+                        row, errors = launch_with_retries(
+                            args.retries, f"{op}-{size}-{r}-{system}",
+                            functools.partial(_measure, cluster, system, op, size, args=args),
+                            console.print)
+                        if row is None:
                             failed.append({"system": system, "op": op, "size_bytes": size,
                                            "launch": r, "errors": errors})
                             continue
-                        row["failed_attempts"] = errors
                         row.update(measured_link_bps=link, launch=r,
                                    launch_wall_s=time.monotonic() - t)
                         row.pop("start_max", None)

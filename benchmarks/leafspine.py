@@ -30,19 +30,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import queue
 import re
-import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
 
-from hoplite_gpu.lifecycle import Closing
-
 from . import emulated
-from .emulated import PY, EmulatedCluster, EmulationUnavailable, _sh
+from .emulated import PY, EmulatedCluster, EmulationUnavailable, Namespaces, _sh, run_prefix
 
 #: A namespace this harness makes: "ls<tag>x<n>" then "h<i>", "l<i>", "s<i>" or
 #: "probe"; the tag is the making process's id modulo 100000, n counts the
@@ -55,16 +51,29 @@ _HASH_SYSCTLS = ("net.ipv4.fib_multipath_hash_fields", "net.ipv4.fib_multipath_h
 PROBE_BYTES = 256 << 10
 
 
-class LeafSpine(Closing):
+def _congestion(which: str) -> str:
+    """This machine's `which` ("allowed", "available") TCP congestion controls."""
+    try:
+        with open(f"/proc/sys/net/ipv4/tcp_{which}_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+class LeafSpine(Namespaces):
     """`hosts` hosts on `leaves` leaves under `spines` spines. `placement`:
     "block" puts hosts 0..h-1 on leaf 0, the next h on leaf 1, ...;
     "interleaved" puts host i on leaf i % leaves, so ranks in host order
     (a ring, a chain) cross leaves at every step. `hash_seed` (0: the
     kernel's own random seed) seeds every router's ECMP hash."""
 
+    OURS = _OURS
+    WHAT = "the emulated leaf-spine"
+
     def __init__(self, hosts: int = 8, leaves: int = 2, spines: int = 2, *,
                  host_bps: float = 100e6, oversubscription: float = 1.0,
-                 placement: str = "block", hash_seed: int = 0) -> None:
+                 placement: str = "block", hash_seed: int = 0,
+                 congestion: str | None = None) -> None:
         where = "LeafSpine"
         for name, value, least, most in (("hosts", hosts, 2, 250 * 250),
                                          ("leaves", leaves, 2, 250), ("spines", spines, 1, 62)):
@@ -92,12 +101,15 @@ class LeafSpine(Closing):
             if not rate >= 1000:  # (tc reads a negative rate as a huge one: no shaping)
                 raise ValueError(f"{where}: {what} must be at least 1000 bit/s; got {rate!r}")
         self.placement = placement
+        if congestion is not None and not re.fullmatch(r"[a-z0-9_]+", str(congestion)):
+            raise ValueError(f"{where}: congestion must name a TCP congestion control "
+                             f"(cubic, bbr, reno...); got {congestion!r}")
+        #: the hosts' TCP congestion control; None: what a new namespace gets
+        #: (this machine's default, `machine_congestion`)
+        self.congestion = congestion
         _seed(where, hash_seed)
         self.hash_seed = hash_seed
-        self.prefix = f"ls{os.getpid() % 100000}x{next(_RUNS)}"
-        self._made: list[str] = []
-        #: namespaces left by earlier runs that died without cleaning up, removed by `_open`
-        self.swept: list[str] = []
+        self._names(run_prefix("ls", _RUNS))
 
     # ------------------------------------------------------------ layout ---
     def ns(self, i: int) -> str:
@@ -138,41 +150,40 @@ class LeafSpine(Closing):
         return (f"{self.hosts} hosts on {self.leaves} leaves ({self.placement}), "
                 f"{self.spines} spines; host links {self.host_bps / 1e6:g} Mbit/s, "
                 f"leaf-spine links {self.uplink_bps / 1e6:g} Mbit/s "
-                f"(oversubscription {self.oversubscription:g})")
+                f"(oversubscription {self.oversubscription:g}); TCP congestion control "
+                f"{self.congestion or self.machine_congestion()}")
 
     # ------------------------------------------------------------ set-up ---
-    def _open(self) -> None:
-        self._check()
-        self.swept = sweep_stale()
-        self._build()
-
     def _check(self) -> None:
         """Refuses before anything is made where namespaces or ECMP are not to be
         had; the probe namespace is on `_made`, so close() removes one an
         interrupt left."""
-        probe = f"{self.prefix}probe"
-        if os.geteuid() != 0:
-            raise EmulationUnavailable("the emulated leaf-spine needs root (network namespaces, tc)")
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                raise EmulationUnavailable(f"missing {tool}: install iproute2 "
-                                           "(apt-get install iproute2)")
-        self._made.append(probe)
-        made = _sh("ip", "netns", "add", probe, check=False)
-        if made.returncode != 0:
-            raise EmulationUnavailable("this machine does not allow creating network "
-                                       f"namespaces: {made.stderr.strip()}")
+        super()._check()
+        probe = self._add_ns(f"{self.prefix}probe")
         got = _sh("ip", "netns", "exec", probe, "sysctl", "-n", *_HASH_SYSCTLS, check=False)
         if got.returncode != 0:
             raise EmulationUnavailable(
                 "this kernel cannot hash ECMP routes on the 5-tuple with a seed (needs "
                 f"{', '.join(_HASH_SYSCTLS)}: Linux 6.11 or later): {got.stderr.strip()}")
+        if self.congestion is not None:
+            got = _sh("ip", "netns", "exec", probe, "sysctl", "-q", "-w",
+                      f"net.ipv4.tcp_congestion_control={self.congestion}", check=False)
+            if got.returncode != 0:
+                raise EmulationUnavailable(
+                    f"a namespace here cannot use the TCP congestion control "
+                    f"{self.congestion!r} (allowed: {_congestion('allowed')}; loaded: "
+                    f"{_congestion('available')}): {got.stderr.strip()}")
         _sh("ip", "netns", "del", probe, check=False)
         self._made.remove(probe)
 
-    def _add_ns(self, name: str, *, router: bool) -> None:
-        self._made.append(name)
-        _sh("ip", "netns", "add", name)
+    @staticmethod
+    def machine_congestion() -> str:
+        """The TCP congestion control a new namespace starts with here."""
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+
+    def _add_ns(self, name: str, *, router: bool = False) -> str:
+        super()._add_ns(name)
         _sh("ip", "-n", name, "link", "set", "lo", "up")
         if router:
             # (source, destination, protocol, source port, destination port: 0x37)
@@ -182,6 +193,7 @@ class LeafSpine(Closing):
                 # (`trace_paths`: every expired probe answered, however many at once)
                 "net.ipv4.icmp_ratelimit=0", "net.ipv4.icmp_msgs_per_sec=100000",
                 "net.ipv4.icmp_msgs_burst=100000")
+        return name
 
     def _cable(self, a: str, a_if: str, b: str, b_if: str, bps: float) -> None:
         """A veth pair made inside the two namespaces at once (nothing of it is
@@ -207,6 +219,9 @@ class LeafSpine(Closing):
         for i in range(self.hosts):
             ns, leaf = self.ns(i), self.leaf_ns(self.leaf_of(i))
             self._add_ns(ns, router=False)
+            if self.congestion is not None:
+                _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                    f"net.ipv4.tcp_congestion_control={self.congestion}")
             self._cable(ns, "eth0", leaf, f"h{i}", self.host_bps)
             _sh("ip", "-n", leaf, "link", "set", f"h{i}", "master", "br0")
             _sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
@@ -228,16 +243,6 @@ class LeafSpine(Closing):
                 if other != leaf:
                     _sh("ip", "-n", self.leaf_ns(leaf), "route", "add", f"10.88.{other}.0/24",
                         *hops)
-
-    def close(self) -> None:
-        for ns in reversed(self._made):
-            _sh("ip", "netns", "del", ns, check=False)
-        self._made.clear()
-
-    # ------------------------------------------------------------- use ---
-    def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
-        """Start a process on host `i`."""
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], **kw)
 
     def set_hash_seed(self, seed: int) -> None:
         """Seed every router's ECMP hash (`net.ipv4.fib_multipath_hash_seed`;

@@ -8,17 +8,21 @@ flows from host 0 to a host under another leaf spread over the spines, then
 runs each op once per system: hoplite-gpu (single flow per pull; the
 allreduce always sliced, a ring in rank order), OpenMPI with the tuned
 algorithms, Gloo, and with `--paths N` hoplite-gpu with the runtime's path
-setting (the hook below). Rank r runs on host r (`--placement interleaved`:
+setting (the hook below); with `--racks` every hoplite-gpu system once more
+as "<system>-racks", each node told its leaf as its rack (`HOPLITE_RACK`,
+docs/fabric.md, "Racks"). Rank r runs on host r (`--placement interleaved`:
 consecutive ranks under different leaves).
 
 The result file's keys: `benchmark` (`leafspine`), `settings` (the fabric,
-rates, seeds, systems), `link` (one TCP stream measured within a leaf and
+its hosts' TCP congestion control, rates, seeds, systems), `link` (one TCP stream measured within a leaf and
 across leaves), `ecmp_probe` (per seed: the spine of each probe flow),
 `rows` (one per launch, netbench's row plus `seed`, `host_bound_s` (S/B
 bounds of the host links), `lower_bound_s` / `ratio_to_bound` (the fabric's
 bound, `hoplite_gpu.fabric.run.op_bound`), `link_bytes_fabric` (bytes on
-every directed link, "a>b"), `spine_link_bytes` (the leaf-spine ones) and
-`cpu` (the machine's cores over the timed call)), `summary` (per op and
+every directed link, "a>b"), `spine_link_bytes` (the leaf-spine ones),
+hoplite-gpu's `bytes_sent` (object bytes its data servers sent, TCP's own
+resends not counted) and `failovers` (pulls resumed at another sender or
+on a new connection), and `cpu` (the machine's cores over the timed call)), `summary` (per op and
 system over the seeds: median, spread, bound, ratios to the other systems,
 CPU), `simulated` (the flow-level simulator on the same fabric: ECMP median
 over the seeds, spraying, Ethereal), `skipped` (systems not run, why) and
@@ -28,9 +32,9 @@ over the seeds, spraying, Ethereal), `skipped` (systems not run, why) and
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
-import subprocess
 import time
 
 from rich.console import Console
@@ -39,7 +43,7 @@ from rich.table import Table
 from hoplite_gpu.config import Config, parse_port_range
 
 from .args import at_least, seconds
-from .emurun import _stop_on_signals, fmt_s, human, parse_size, summarize
+from .emurun import _stop_on_signals, fmt_s, human, launch_with_retries, parse_size, summarize
 
 OPS = ("broadcast", "allreduce")
 SYSTEMS = ("hoplite-gpu", "openmpi-tuned", "gloo", "openmpi")
@@ -49,6 +53,9 @@ SYSTEMS = ("hoplite-gpu", "openmpi-tuned", "gloo", "openmpi")
 #: "hoplite-gpu-paths<N>", each node given a path map learned once its data
 #: port is known (`benchmarks.leafspinepaths`).
 PATHS_SETTING = "paths"
+#: `--racks` runs each hoplite-gpu system again as "<system><RACKS>", every
+#: node given its leaf as its rack (`Config.rack`)
+RACKS = "-racks"
 #: the allreduce is a ring in rank order: sliced always, however the ranks arrive
 ALLREDUCE_ENV = {"HOPLITE_ALLREDUCE_SLICING": "auto"}
 
@@ -68,6 +75,7 @@ def paths_env(n: int, size: int | None = None, hosts: int | None = None) -> dict
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(plot=True)  # (drawn beside the saved result)
     p.add_argument("--hosts", type=at_least(2), default=8)
     p.add_argument("--leaves", type=at_least(2), default=2)
     p.add_argument("--spines", type=at_least(1), default=2)
@@ -82,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=parse_size, default=parse_size("64M"),
                    help="bytes per rank, binary units (default 64M)")
     p.add_argument("--op", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--congestion", default=None, metavar="NAME",
+                   help="the hosts' TCP congestion control (cubic, bbr, reno...; default: "
+                        "this machine's, which the result records)")
     p.add_argument("--seeds", type=at_least(1), default=5,
                    help="ECMP hash seeds 1..N, every system on each (default 5)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS,
@@ -90,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hoplite-gpu also with HOPLITE_PATHS=N (pulls split over N ECMP "
                         "paths, path k on spine k mod S, from a path map learned per launch); "
                         "1: off")
+    p.add_argument("--racks", action="store_true",
+                   help="each hoplite-gpu system also as <system>-racks: every node told its "
+                        "leaf as its rack (HOPLITE_RACK), so a broadcast's chain crosses "
+                        "between leaves once per leaf")
     p.add_argument("--probe-flows", type=at_least(1), default=16,
                    help="probe flows (source ports) from host 0 across leaves per seed")
     p.add_argument("--retries", type=at_least(0), default=1,
@@ -108,10 +123,12 @@ def run(args: argparse.Namespace, console: Console) -> dict:
     systems, skipped = _usable_systems(args.systems, console)
     if extra:
         systems.append(f"hoplite-gpu-paths{args.paths}")
+    if args.racks:
+        systems += [s + RACKS for s in systems if s.startswith("hoplite-gpu")]
     rows, failed, probes = [], [], []
     with LeafSpine(args.hosts, args.leaves, args.spines, host_bps=args.mbit * 1e6,
                    oversubscription=args.oversubscription, placement=args.placement,
-                   hash_seed=1) as fab:
+                   hash_seed=1, congestion=args.congestion) as fab:
         if fab.swept:
             console.print(f"removed {len(fab.swept)} namespaces of a run that was killed")
         console.print(fab.describe())
@@ -129,7 +146,10 @@ def run(args: argparse.Namespace, console: Console) -> dict:
                           f"{probe['flows_per_spine']}")
             for op in args.op:
                 for system in systems:  # interleaved, so drift hits every system alike
-                    row, errors = _launch_with_retries(fab, system, op, args, seed, extra)
+                    row, errors = launch_with_retries(
+                        args.retries, f"{op}-{seed}-{system}",
+                        functools.partial(launch, fab, system, op, args.size, seed=seed,
+                                          paths_env=extra))
                     if row is None:
                         failed.append({"system": system, "op": op, "seed": seed,
                                        "errors": errors})
@@ -182,21 +202,6 @@ def _measure_links(fab, far: int) -> dict:
             "across_leaves_bps": fab.measure_link(nbytes, src=0, dst=far), "far_host": far}
 
 
-def _launch_with_retries(fab, system: str, op: str, args, seed: int,
-                         extra: dict | None) -> tuple[dict | None, list[str]]:
-    errors = []
-    for attempt in range(1 + args.retries):
-        try:
-            row = launch(fab, system, op, args.size, seed=seed, paths_env=extra,
-                         tag=f"{op}-{seed}-{system}-{attempt}")
-            row["failed_attempts"] = errors
-            return row, errors
-        except (RuntimeError, AssertionError, subprocess.SubprocessError, ValueError,
-                OSError) as exc:  # a launch that failed: said, kept, retried
-            errors.append(f"{type(exc).__name__}: {str(exc)[-600:]}")
-    return None, errors
-
-
 def launch(fab, system: str, op: str, size: int, *, seed: int, tag: str,
            paths_env: dict | None = None) -> dict:
     """One launch of `system` on the fabric: netbench's row, plus the bytes on
@@ -205,11 +210,13 @@ def launch(fab, system: str, op: str, size: int, *, seed: int, tag: str,
     from .netbench import run_launch
 
     env = dict(ALLREDUCE_ENV) if op == "allreduce" else {}
-    base, on = system, fab
-    if system.startswith("hoplite-gpu-paths"):
+    base, on = system.removesuffix(RACKS), fab
+    if system.endswith(RACKS):
+        on = LeafRacks(fab)
+    if base.startswith("hoplite-gpu-paths"):
         base, env = "hoplite-gpu", {**env, **(paths_env or {})}
         ports = parse_port_range(os.environ.get("HOPLITE_PATH_PORTS", Config.path_ports))
-        on = PathMapper(fab, int(env[f"HOPLITE_{PATHS_SETTING.upper()}"]), ports)
+        on = PathMapper(on, int(env[f"HOPLITE_{PATHS_SETTING.upper()}"]), ports)
     t = time.monotonic()
     before = fab.link_bytes()
     try:
@@ -218,7 +225,7 @@ def launch(fab, system: str, op: str, size: int, *, seed: int, tag: str,
         if on is not fab:
             on.close()
     after = fab.link_bytes()
-    if on is not fab:
+    if isinstance(on, PathMapper):
         row["path_map"] = on.report
     moved = {f"{a}>{b}": n - before[a, b] for (a, b), n in after.items()}
     bound = fabric_bound(fab, op, size)
@@ -229,6 +236,27 @@ def launch(fab, system: str, op: str, size: int, *, seed: int, tag: str,
     for key in ("start_max", "end_max", "start_min"):
         row.pop(key, None)
     return row
+
+
+class LeafRacks:
+    """The fabric for one launch of a "-racks" system: every node is
+    started with its leaf as its rack (`HOPLITE_RACK=leaf<k>`); everything
+    else is the fabric's."""
+
+    def __init__(self, fab) -> None:
+        self.fab = fab
+
+    def __getattr__(self, name: str):
+        return getattr(self.fab, name)
+
+    def popen(self, i: int, argv, **kw):
+        if "benchmarks.netnode" in argv:
+            kw["env"] = {**(kw.get("env") or os.environ),
+                         "HOPLITE_RACK": f"leaf{self.fab.leaf_of(i)}"}
+        return self.fab.popen(i, argv, **kw)
+
+    def close(self) -> None:
+        """Nothing of its own to remove."""
 
 
 def _ops(fab, op: str, size: int):
@@ -280,9 +308,12 @@ def _settings(fab, args: argparse.Namespace, systems: list[str], link: dict) -> 
                        "hosts_per_leaf": fab.hosts_per_leaf, "host_bps": fab.host_bps,
                        "uplink_bps": fab.uplink_bps, "oversubscription": fab.oversubscription,
                        "placement": fab.placement,
-                       "ecmp_hash": "fib_multipath_hash_policy=3, fields 0x37 (5-tuple)"},
+                       "ecmp_hash": "fib_multipath_hash_policy=3, fields 0x37 (5-tuple)",
+                       # the hosts' TCP congestion control (every system's flows)
+                       "tcp_congestion": fab.congestion or fab.machine_congestion()},
             "size_bytes": args.size, "ops": args.op, "seeds": list(range(1, args.seeds + 1)),
-            "systems": systems, "paths": args.paths, "probe_flows": args.probe_flows,
+            "systems": systems, "paths": args.paths, "racks": args.racks,
+            "probe_flows": args.probe_flows,
             "paths_env": paths_env(args.paths, args.size, args.hosts) if args.paths > 1 else None,
             "measured_link_bps": link["within_leaf_bps"], "allreduce_env": ALLREDUCE_ENV,
             "openmpi": {"mca_both": TRANSPORT_MCA, "mca_tuned": TUNED_MCA},
@@ -296,7 +327,10 @@ def _say(console: Console, row: dict) -> None:
     cpu = row.get("cpu") or {}
     console.print(f"seed {row['seed']} {row['system']}: {row['op']} {human(row['size_bytes'])} "
                   f"{fmt_s(row['seconds'])} = {row['ratio_to_bound']:.2f} x the fabric's bound; "
-                  f"CPU {cpu.get('busy', float('nan')):.0%}; MiB up to the spines: {spines}")
+                  f"CPU {cpu.get('busy', float('nan')):.0%}; MiB up to the spines: {spines}"
+                  + (f"; MiB the ranks sent {row['bytes_sent'] / 2**20:.1f} "
+                     f"(failovers {row['failovers']})" if row.get("bytes_sent") is not None
+                     else ""))
 
 
 def _cpu_summary(summary: list[dict], rows: list[dict]) -> None:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 
 from .emulated import PY, EmulatedCluster
 
@@ -97,25 +98,47 @@ def mpi_version() -> str:
 
 _WRAPPER = """#!/bin/sh
 # Enter the network namespace of this rank's host, then run the rank.
-exec ip netns exec "{prefix}$OMPI_COMM_WORLD_RANK" "$@"
+case "$OMPI_COMM_WORLD_RANK" in
+{cases}
+*) echo "no namespace for rank $OMPI_COMM_WORLD_RANK" >&2; exit 2;;
+esac
 """
+
+
+def _wrapper(namespaces: Sequence[str]) -> str:
+    """The script that runs rank r inside `namespaces[r]`."""
+    cases = "\n".join(f'{r}) exec ip netns exec "{ns}" "$@";;' for r, ns in enumerate(namespaces))
+    return _WRAPPER.format(cases=cases)
 
 
 def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int = 1,
             warmup: int = 0, period: float = 0.0, ready: list[float] | None = None,
-            timeout: float = 900, sync: bool = False) -> dict:
+            timeout: float = 900, sync: bool = False, namespaces: Sequence[str] | None = None,
+            interfaces: str = "eth0") -> dict:
     """One mpirun across the emulated hosts doing `warmup + iters` iterations of
-    `op`; returns rank 0's JSON report (every rank's start and end per iteration)."""
+    `op`; returns rank 0's JSON report (every rank's start and end per iteration).
+
+    Rank r runs in `namespaces[r]` (default: host r's, `c.ns(r)`), and mpirun in
+    rank 0's. `interfaces` is what the TCP BTL, the out-of-band channel and
+    PMIx may use: interface names or subnets, comma-separated (OpenMPI's
+    `*_if_include` syntax), such as "eth0,eth1" for two rails or "10.90.0.0/16"
+    for routed host addresses."""
     if shutil.which("mpirun") is None:
         raise MPIUnavailable("mpirun not found: run ensure_mpi() first")
-    mca = {**TRANSPORT_MCA, **(TUNED_MCA if tuned else {})}
+    namespaces = [c.ns(i) for i in range(c.hosts)] if namespaces is None else list(namespaces)
+    if len(namespaces) < 2:
+        raise ValueError(f"mpi_run: needs at least 2 ranks' namespaces; got {namespaces!r}")
+    if not isinstance(interfaces, str) or not interfaces:
+        raise ValueError(f"mpi_run: interfaces must be a non-empty str; got {interfaces!r}")
+    link = {"btl_tcp_if_include": interfaces, "oob_tcp_if_include": interfaces}
+    mca = {**TRANSPORT_MCA, **link, **(TUNED_MCA if tuned else {})}
     with tempfile.TemporaryDirectory(prefix="hg-mpi-") as tmp:
         wrapper = os.path.join(tmp, "inns.sh")
         with open(wrapper, "w") as f:
-            f.write(_WRAPPER.format(prefix=c.ns(0)[:-1]))
+            f.write(_wrapper(namespaces))
         os.chmod(wrapper, stat.S_IRWXU)
-        argv = ["ip", "netns", "exec", c.ns(0), "mpirun", "--allow-run-as-root", "--oversubscribe",
-                "-np", str(c.hosts), "--bind-to", "none"]
+        argv = ["ip", "netns", "exec", namespaces[0], "mpirun", "--allow-run-as-root",
+                "--oversubscribe", "-np", str(len(namespaces)), "--bind-to", "none"]
         for k, v in mca.items():
             argv += ["--mca", k, v]
         run_id = uuid.uuid4().hex
@@ -127,7 +150,7 @@ def mpi_run(c: EmulatedCluster, op: str, size: int, *, tuned: bool, iters: int =
         if ready:
             argv += ["--ready-after", ",".join(f"{x:g}" for x in ready)]
         env = {**os.environ, "PYTHONPATH": ROOT,
-               "PMIX_MCA_ptl_tcp_remote_connections": "1", "PMIX_MCA_ptl_tcp_if_include": "eth0",
+               "PMIX_MCA_ptl_tcp_remote_connections": "1", "PMIX_MCA_ptl_tcp_if_include": interfaces,
                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                "OMPI_MCA_rmaps_base_oversubscribe": "1", "TMPDIR": tmp}
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -15,6 +15,10 @@ the root's for reduce and gather). All namespaces share one kernel clock, so
 starts and ends from different hosts compare directly. Results are checked
 exactly (`benchmarks.payload`), and the bytes that crossed the shaped links are
 counted and must reach the floor that the op needs (`payload.link_volume`).
+
+A cluster whose hosts have several links (`benchmarks.rails`) says what a
+hoplite-gpu node advertises (`node_host(i)`; else `address(i)`) and which
+interfaces OpenMPI may use (`interfaces`; else eth0).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: in
     env = {**os.environ, "PYTHONPATH": ROOT, "HOPLITE_TOKEN": token,
            "HOPLITE_MAX_RECEIVERS_PER_SENDER": str(fanout), **VARIANT_ENV.get(variant, {}),
            **(env or {})}
+    node_host = getattr(c, "node_host", c.address)  # (a host with several rails lists them)
     directory = c.popen(0, [PY, "-m", "hoplite_gpu", "directory", "--host", c.address(0),
                             "--port", "7777"], stdout=subprocess.PIPE, text=True, env=env)
     procs: list[subprocess.Popen] = []
@@ -108,7 +113,7 @@ def hoplite_run(c: EmulatedCluster, op: str, size: int, name: str, *, fanout: in
             procs.append(c.popen(i, [
                 PY, "-m", "benchmarks.netnode", "--address", f"{c.address(0)}:7777",
                 f"--token={token}", "--name", name, "--size", str(size), "--op", op,
-                "--rank", str(i), "--world", str(c.hosts), "--node-host", c.address(i),
+                "--rank", str(i), "--world", str(c.hosts), "--node-host", node_host(i),
                 "--iters", str(iters), "--warmup", str(warmup), "--period", str(period),
                 "--ready-after", str(ready[i] if ready else 0.0),
                 *(["--chunk-size", str(chunk)] if chunk else []), *(["--sync"] if sync else []),
@@ -285,7 +290,8 @@ def _launch(c: EmulatedCluster, system: str, op: str, size: int, *, tag: str, it
         from .mpi import mpi_run
 
         report = mpi_run(c, op, size, tuned=system == "openmpi-tuned", iters=iters, warmup=warmup,
-                         period=period, ready=ready, sync=sync)
+                         period=period, ready=ready, sync=sync,
+                         interfaces=getattr(c, "interfaces", "eth0"))
         ranks = report["ranks"]
         extra = {"mca": report["mca"], "library": report["library"]}
     else:
@@ -315,6 +321,10 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
     return {"system": system, "label": system, "op": op, "hosts": c.hosts, "size_bytes": size,
             "init_retries": sum(r.get("init_retries", 0) for r in ranks),
             "pool_hits": [r.get("pool_hits") for r in ranks],
+            # (hoplite-gpu only) object bytes the ranks' data servers sent, and
+            # their pulls that resumed at another sender
+            "bytes_sent": _total(r.get("bytes_sent") for r in ranks),
+            "failovers": _total(r.get("failovers") for r in ranks),
             "cpu_s_ranks": [r.get("cpu_s") for r in ranks],
             "cpu_s_per_call": (sum(r["cpu_s"] for r in ranks) / (iters + warmup)
                                if all(r.get("cpu_s") is not None for r in ranks) else None),
@@ -329,16 +339,10 @@ def _row(c: EmulatedCluster, system: str, op: str, size: int, ranks: list[dict],
             "end_max": [max(r["ends"][k] for r in ending) for k in range(iters)]}
 
 
-def hoplite_broadcast(c: EmulatedCluster, size: int, name: str, chunk: int | None = None,
-                      fanout: int = 1) -> dict:
-    """One broadcast from host 0 with hoplite-gpu (`fanout` receivers per sender:
-    1 is the pipelined chain, hosts - 1 the naive star)."""
-    system = "hoplite-gpu" if fanout == 1 else "star"
-    before = c.link_bytes()
-    ranks = hoplite_run(c, "broadcast", size, name, fanout=fanout, chunk=chunk)
-    row = _row(c, system, "broadcast", size, ranks, iters=1, warmup=0, period=0.0)
-    row["link_bytes_down"] = sum(a[0] - b[0] for a, b in zip(c.link_bytes(), before, strict=True))
-    return row
+def _total(values) -> int | None:
+    """The sum of the ranks' counts, None where a rank (a baseline's) has none."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
 
 
 def dynamic_allreduce(c: EmulatedCluster, size: int, gap: float, system: str, tag: str,

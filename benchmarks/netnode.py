@@ -19,20 +19,21 @@ import time
 import hoplite_gpu as hg
 from hoplite_gpu import collectives
 
-from .payload import OPS, check, cpu_seconds, eth0_address, join, make_input, page_faults
+from .payload import (
+    OPS,
+    check,
+    cpu_seconds,
+    eth0_address,
+    join,
+    make_input,
+    page_faults,
+    rank_arguments,
+)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--address", required=True)
-    p.add_argument("--token", required=True)
-    p.add_argument("--node-host", required=True)
-    p.add_argument("--op", choices=OPS, required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--name", required=True)
-    p.add_argument("--size", type=int, required=True, help="bytes per rank")
-    p.add_argument("--iters", type=int, default=1)
+    rank_arguments(p, OPS)
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--period", type=float, default=0.0, help="seconds between call slots")
     p.add_argument("--ready-after", type=float, default=0.0,
@@ -79,11 +80,22 @@ def main() -> int:
         print(json.dumps({"rank": args.rank, "t0": t0, "starts": starts, "ends": ends, "faults": faults,
                           "ok": ok, "crc": crc, "host": eth0_address(), "cpu_s": cpu_s,
                           "init_retries": init_retries,
-                          "pool_hits": hg.api.runtime().node.store.pool.hits}), flush=True)
+                          "pool_hits": hg.api.runtime().node.store.pool.hits,
+                          **_sent()}), flush=True)
         sys.stdin.read()  # keep serving our objects until the harness closes stdin
         return 0
     finally:
         hg.shutdown()
+
+
+def _sent() -> dict:
+    """What this node's data server sent over the transport (bytes of
+    objects, not counting TCP's own resends) and its pulls that resumed at
+    another sender: beside a link's byte counters, they tell the runtime's
+    re-sent bytes from TCP's."""
+    stats = hg.node_stats()
+    return {"bytes_sent": sum(stats["bytes_sent_by_address"].values()),
+            "failovers": stats["failovers"]}
 
 
 def _group_call(group, op: str):

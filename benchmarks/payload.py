@@ -12,6 +12,7 @@ allgather (every input everywhere).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import zlib
 from collections.abc import Sequence
@@ -211,3 +212,17 @@ def serve_commands(commands: object, ops: Sequence[str]) -> int:
         return 0
     finally:
         hg.shutdown()
+
+
+def rank_arguments(parser: argparse.ArgumentParser, ops: Sequence[str]) -> None:
+    """The arguments every hoplite-gpu rank script of an emulated cluster takes
+    from its harness: the directory, this rank's host and place, the call."""
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--node-host", required=True)
+    parser.add_argument("--op", choices=ops, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--size", type=int, required=True, help="bytes per rank")
+    parser.add_argument("--iters", type=int, default=1)

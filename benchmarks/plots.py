@@ -15,25 +15,44 @@ def plot_all(results: Path) -> list[Path]:
     matplotlib.use("Agg")
     made = []
     for path in sorted(results.glob("*.json")):
-        data = json.loads(path.read_text())
-        kind = data.get("benchmark", "")
-        if isinstance(data.get("summary"), list):  # the schema of benchmarks/README.md
-            made.extend(_summary_plots(data, path))
-        elif kind in ("broadcast-emulated", "collectives-emulated"):
-            ops = sorted({r.get("op", "broadcast") for r in data["rows"]})
-            for op in ops:
-                rows = [r for r in data["rows"] if r.get("op", "broadcast") == op]
-                out = path.with_name(f"{path.stem}-{op}.png") if len(ops) > 1 else path.with_suffix(".png")
-                made.append(_emulated({"rows": rows, "op": op}, out))
-        elif kind == "broadcast-loopback":
-            made.append(_loopback(data, path.with_suffix(".png")))
-        elif kind == "allreduce-dynamic-emulated":
-            made.append(_dynamic(data, path.with_suffix(".png")))
-        if kind == "leafspine":
-            made.extend(_spine_links(data, path))
+        made.extend(plot_file(path))
     sweep = _gap_sweep(results)
     if sweep is not None:
         made.append(sweep)
+    return made
+
+
+def plot_file(path: Path, console=None) -> list[Path]:
+    """The plots of one saved result, beside it; none where matplotlib is
+    missing (said on `console`, if given)."""
+    try:
+        import matplotlib
+    except ImportError:
+        if console is not None:
+            console.print("no plot: matplotlib is missing (pip install matplotlib)")
+        return []
+    matplotlib.use("Agg")
+    data = json.loads(path.read_text())
+    kind = data.get("benchmark", "")
+    made = []
+    if kind == "rails":
+        made.append(_rails(data, path.with_suffix(".png")))
+    elif isinstance(data.get("summary"), list):  # the schema of benchmarks/README.md
+        made.extend(_summary_plots(data, path))
+    elif kind in ("broadcast-emulated", "collectives-emulated"):
+        ops = sorted({r.get("op", "broadcast") for r in data["rows"]})
+        for op in ops:
+            rows = [r for r in data["rows"] if r.get("op", "broadcast") == op]
+            out = path.with_name(f"{path.stem}-{op}.png") if len(ops) > 1 else path.with_suffix(".png")
+            made.append(_emulated({"rows": rows, "op": op}, out))
+    elif kind == "broadcast-loopback":
+        made.append(_loopback(data, path.with_suffix(".png")))
+    elif kind == "allreduce-dynamic-emulated":
+        made.append(_dynamic(data, path.with_suffix(".png")))
+    if kind == "leafspine":
+        made.extend(_spine_links(data, path))
+    if kind == "dgxmesh":
+        made.append(dgxmesh_ratios(data, path.with_suffix(".png")))
     return made
 
 
@@ -217,6 +236,88 @@ def _spine_links(data: dict, path: Path) -> list[Path]:
         axes[0, 0].legend(fontsize=7, ncol=len(seeds))
         made.append(_save(fig, path.with_name(f"{path.stem}-{op}-links.png")))
     return made
+
+
+def _rails(data: dict, out: Path) -> Path:
+    """An emulated k-rail run, one row of panels per op: each system's time
+    over the k rails' bound (median; bars: min to max; dotted: one rail's
+    bound), and the MiB each rail delivered in a launch (mean), stacked."""
+    import matplotlib.pyplot as plt
+
+    summary, settings = data["summary"], data["settings"]
+    k = settings["cluster"]["rails"]
+    ops = list(dict.fromkeys(e["op"] for e in summary))
+    fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.4 * len(ops)), squeeze=False)
+    for (left, right), op in zip(axes, ops, strict=True):
+        mine = [e for e in summary if e["op"] == op]
+        names = [e["system"] for e in mine]
+        xs = range(len(mine))
+        ratio = [e["ratio_to_bound"] for e in mine]
+        spread = [[r - e["min_s"] / e["lower_bound_s"] for r, e in zip(ratio, mine, strict=True)],
+                  [e["max_s"] / e["lower_bound_s"] - r for r, e in zip(ratio, mine, strict=True)]]
+        left.bar(xs, ratio, yerr=spread, capsize=3, color=[f"C{j}" for j in xs])
+        left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        left.axhline(float(k), color="gray", linewidth=0.8, linestyle=":")
+        left.set_xticks(list(xs), names, fontsize=8)
+        left.set_ylabel(f"time / bound of {k} rails")
+        left.set_title(f"{op} {_size(mine[0]['size_bytes'])}: dashed {k} rails' bound, dotted "
+                       "one rail's", fontsize=9)
+        bottom = [0.0] * len(mine)
+        for r in range(k):
+            mib = []
+            for e in mine:
+                rows = [w for w in data["rows"] if (w["op"], w["system"]) == (op, e["system"])]
+                mib.append(statistics.fmean(w["rail_bytes_down"][r] for w in rows) / 2**20)
+            right.bar(xs, mib, bottom=bottom, label=f"rail {r}")
+            bottom = [b + m for b, m in zip(bottom, mib, strict=True)]
+        right.set_xticks(list(xs), names, fontsize=8)
+        right.set_ylabel("MiB delivered to the hosts")
+        right.set_title(f"{op}: bytes per rail, per launch", fontsize=9)
+        right.legend(fontsize=7)
+    c = settings["cluster"]
+    fig.suptitle(f"{c['hosts']} emulated hosts, {k} rails of {c['rail_bps'] / 1e6:g} Mbit/s, "
+                 "a switch per rail", fontsize=10)
+    return _save(fig, out)
+
+
+def dgxmesh_ratios(data: dict, out: Path) -> Path:
+    """An emulated-mesh run (`python -m benchmarks dgxmesh`): per op a panel,
+    per member set a group of bars, one per system: time over the bound
+    (S / R* for a broadcast, S over the plan's rate for an allreduce; dashed:
+    the bound, dotted: 1.15 x it); error bars: p25-p75 of the calls."""
+    import matplotlib.pyplot as plt
+
+    entries = data["sets"]
+    ops = list(dict.fromkeys(e["op"] for e in entries))
+    groups = {op: list(dict.fromkeys(e["set"] for e in entries if e["op"] == op)) for op in ops}
+    widths = [max(1.5, len(groups[op])) for op in ops]
+    fig, axes = plt.subplots(1, len(ops), figsize=(1.5 * sum(widths) + 2.5 * len(ops), 4),
+                             squeeze=False, gridspec_kw={"width_ratios": widths})
+    for ax, op in zip(axes[0], ops, strict=True):
+        mine = [e for e in entries if e["op"] == op]
+        systems = list(dict.fromkeys(e["system"] for e in mine))
+        width = 0.8 / len(systems)
+        for k, system in enumerate(systems):
+            xs, ys, lo, hi = [], [], [], []
+            for j, g in enumerate(groups[op]):
+                e = next((e for e in mine if (e["set"], e["system"]) == (g, system)), None)
+                if e is not None:
+                    xs.append(j + k * width)
+                    ys.append(e["ratio_to_bound"])
+                    lo.append(max(0.0, e["ratio_to_bound"] - e["p25_s"] / e["bound_s"]))
+                    hi.append(max(0.0, e["p75_s"] / e["bound_s"] - e["ratio_to_bound"]))
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=system, color=f"C{k}")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.axhline(1.15, color="black", linewidth=0.8, linestyle=":")
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(groups[op]))],
+                      ["all" if g == "full" else g.replace(",", " ") for g in groups[op]])
+        ax.set_xlabel("members (the first is the root)")
+        bound = "S / R*" if op == "broadcast" else "S / the plan's rate"
+        ax.set_ylabel(f"time / ({bound})  (lower is better)")
+        ax.set_title(f"{op} of {_size(mine[0]['size_bytes'])}, emulated "
+                     f"{data['settings']['topology']} mesh", fontsize=10)
+        ax.legend(fontsize=8)
+    return _save(fig, out)
 
 
 def _timeline(rows: list[dict], out: Path) -> Path:

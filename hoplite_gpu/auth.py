@@ -15,7 +15,7 @@ from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 15  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 16  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
@@ -35,6 +35,8 @@ PROTOCOL_VERSION = 15  # 2: reduce_confirm, reduce_tag in locate replies, tag in
 #                      14: a register's answer's "nodes" (the others registered there)
 #                      15: rails and paths: a register's "addresses", a locate's (and a
 #                          located push's) "rails", the notice "path", a query's "paths"
+#                      16: a reduce_step child's "node" and "rails", a restripe's "rails", a register's
+#                          "rack", a restripe of a pull not striped, its later locates' "seq"
 _NONCE = 32
 
 

@@ -1,4 +1,4 @@
-"""The hoplite-gpu command line: directory, demo, calibrate, simulate, info, topology."""
+"""The hoplite-gpu command line: directory, demo, calibrate, simulate, info, topology, bench."""
 
 from __future__ import annotations
 

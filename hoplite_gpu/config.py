@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import numbers
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
@@ -27,6 +28,34 @@ RELAY_STEP = 256 * KiB
 #: The longest deadline a call or setting may have (a year): "forever" is
 #: not a deadline, and longer ones overflow the waits they bound.
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
+#: The longest rack label (`Config.rack`), and what it may be made of.
+RACK_MAX = 64
+_RACK = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
+#: `Config.rack` naming no label but the bits of the node's address that
+#: make its rack (`rack_label`)
+_SUBNET_RACK = re.compile(r"subnet/(\d{1,3})")
+
+
+def rack_label(rack: str | None, host: str) -> str | None:
+    """The rack a node registers: the label `rack` (HOPLITE_RACK), or with
+    ``subnet/N`` the network of its data address `host`, N bits long
+    (``10.88.1.0/24``): nodes whose addresses share those bits share a rack,
+    as hosts on a leaf's own subnet do. ConfigError if `host` is no IP
+    address or N is longer than its address."""
+    got = None if rack is None else _SUBNET_RACK.fullmatch(rack)
+    if got is None:
+        return rack
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ConfigError(f"rack (HOPLITE_RACK={rack!r}) takes this node's rack from its "
+                          f"address, but {host!r} is not an IP address: set HOPLITE_NODE_HOST "
+                          "to one, or name the rack") from None
+    bits = int(got.group(1))
+    if not 1 <= bits <= ip.max_prefixlen:
+        raise ConfigError(f"rack (HOPLITE_RACK={rack!r}): an IPv{ip.version} address has "
+                          f"1 to {ip.max_prefixlen} bits to take, not {bits}")
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
 def check_timeout(timeout: object, *, zero: bool = False) -> float:
@@ -110,6 +139,12 @@ class Config:
     #: {port: path}}, a destination being a data address's "host:port", its
     #: "host", or "*"; re-read when it changes. None: ports by their class.
     path_map: str | None = None
+    #: Where this node sits in the fabric: a label shared by the nodes under
+    #: one switch (a rack, a leaf), registered with the directory, which then
+    #: prefers a sender in the receiver's rack, so a broadcast's chain
+    #: crosses the switches' uplinks once per rack (docs/fabric.md, "Racks").
+    #: None: no rack (every sender alike, as before).
+    rack: str | None = None
     #: Stripes of a broadcast object of at least `multi_source_bytes`: its
     #: bytes in contiguous ranges, each sent down a tree of its own in which
     #: a receiver relays at most one (docs/design.md, "Striped broadcast").
@@ -173,8 +208,9 @@ class Config:
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
-        if self.path_map == "":  # (HOPLITE_PATH_MAP= : not set)
-            object.__setattr__(self, "path_map", None)
+        for name in ("path_map", "rack"):
+            if getattr(self, name) == "":  # (HOPLITE_PATH_MAP= : not set)
+                object.__setattr__(self, name, None)
         for name in TLS_SETTINGS:
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
@@ -212,6 +248,13 @@ class Config:
         if len(ports) < self.paths:
             raise ConfigError(f"path_ports (HOPLITE_PATH_PORTS={self.path_ports!r}) holds "
                               f"{len(ports)} ports, fewer than paths ({self.paths})")
+        if self.rack is not None and not _RACK.fullmatch(self.rack):
+            raise ConfigError(f"rack (HOPLITE_RACK={self.rack!r}) must be 1 to {RACK_MAX} "
+                              "letters, digits or . _ : / -, or subnet/N")
+        subnet = None if self.rack is None else _SUBNET_RACK.fullmatch(self.rack)
+        if subnet is not None and not 1 <= int(subnet.group(1)) <= 128:
+            raise ConfigError(f"rack (HOPLITE_RACK={self.rack!r}): subnet/N takes N bits of "
+                              "this node's address, 1 to 32 (IPv4) or 128 (IPv6)")
 
     def _check_values(self) -> None:
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):

@@ -58,7 +58,7 @@ from .ids import ObjectID
 from .multitree import _broadcast as multitree_over
 from .multitree import members_of
 from .multitree_reduce import plan_for, tree_reduce
-from .roster import Descriptor, Roster, array_kind, stale_tokens
+from .roster import Descriptor, Roster, array_kind, ranks_text, stale_tokens
 from .runtime import GIVE_UP_S, time_left
 
 log = logging.getLogger("hoplite_gpu")
@@ -119,15 +119,20 @@ class Group:
     Group per concurrent stream of calls. `close()` (or leaving a ``with``
     block) frees what the last call left, on every node.
 
-    With a `topology` (`hoplite_gpu.topology`; rank r on its node
-    `members[r]`, by default its r-th) and two ranks or more, a broadcast
+    With a `topology` (`hoplite_gpu.topology`) and two ranks or more, a broadcast
     goes over the spanning trees packed for it (`hoplite_gpu.multitree`),
     the object split across them by their rates, and so do a reduce and an
     allreduce of an array larger than `inline_threshold`, up the trees turned
-    around (`hoplite_gpu.multitree_reduce`); other calls are unchanged."""
+    around (`hoplite_gpu.multitree_reduce`); other calls are unchanged. Each
+    rank says where it sits: `node`, its own node of the topology (its GPU's
+    index, its host: whatever the topology names), which the first call
+    tells every rank; or `members`, every rank's node in rank order, the same
+    list on every rank; or neither: rank r on the topology's r-th node. The
+    first call checks that the ranks agree (each on a distinct node, all with
+    a topology or none) and fails on every rank, saying which differ, if not."""
 
     def __init__(self, name: str, *, rank: int, size: int, timeout: float | None = None,
-                 topology: Any = None, members: Any = None) -> None:
+                 topology: Any = None, members: Any = None, node: Any = None) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"Group: name must be a non-empty str; got {name!r}")
         if not (collectives._int(size) and size >= 1):
@@ -138,8 +143,28 @@ class Group:
         self.name, self.rank, self.size = name, int(rank), int(size)
         self.timeout = None if timeout is None else check_timeout(timeout)
         self.topology = topology
-        #: the topology node of each rank (with a topology)
-        self.members = None if topology is None else members_of(topology, self.size, members)
+        #: the topology node of each rank (with a topology; with `node`, once
+        #: the first call has told every rank's)
+        self.members: tuple[Any, ...] | None = None
+        #: this rank's topology node
+        self.place: Any = None
+        if topology is None:
+            if members is not None or node is not None:
+                raise InvalidArgument(f"Group {name!r}: members= and node= place ranks on a "
+                                      "topology; give topology= too")
+        elif node is not None:
+            if members is not None:
+                raise InvalidArgument(f"Group {name!r}: give node= (this rank's node) or "
+                                      "members= (every rank's), not both")
+            if isinstance(node, bool) or not isinstance(node, int | str) \
+                    or node not in topology.nodes:
+                raise InvalidArgument(f"Group {name!r} rank {rank}: node {node!r} is not a "
+                                      f"node of topology {topology.name!r} "
+                                      f"({list(topology.nodes)})")
+            self.place = node
+        else:
+            self.members = members_of(topology, self.size, members, f"Group {name!r}")
+            self.place = self.members[self.rank]
         token = self._token = os.urandom(8).hex()
         # A Group dropped without `close` leaves its claim: stale to this process.
         weakref.finalize(self, stale_tokens.add, token)
@@ -365,11 +390,12 @@ class Group:
         deadline = time.monotonic() + limit
         k = self.calls
         roster = self._roster
-        mine = roster.descriptor(node.node_id, k, kind, value, op, root)
+        mine = roster.descriptor(node.node_id, k, kind, value, op, root, self.place)
         if kind == "close":
             return await self._close(node, mine, deadline, limit)
         if k == 0:
             await roster.join(node, mine, deadline, limit)
+            self._placed(roster.places)
         else:
             await roster.agree(node, mine, deadline, limit)
         spent = self._ids.spent(k - 1, *self._last) if k and self.rank == 0 else []
@@ -378,6 +404,38 @@ class Group:
             await roster.seal(node, deadline, limit)
         self.calls, self._last = k + 1, (kind, op, self._how(kind, value, root))
         return result
+
+    def _placed(self, places: list[Any]) -> None:
+        """Take the ranks' topology nodes as the first call found them, or
+        fail the call (on every rank alike: all read the same) if they do not
+        agree with each other or with this rank's `members`."""
+        where = f"Group {self.name!r} call 0: the ranks' places on the topology differ"
+        if self.topology is None and all(p is None for p in places):
+            return
+        none = [r for r, p in enumerate(places) if p is None]
+        if none:
+            said = [r for r in range(self.size) if r not in none]
+            raise GroupMismatch(f"{where}: {ranks_text(none)} made the group without a "
+                                f"topology, {ranks_text(said)} with one")
+        by_node: dict[Any, list[int]] = {}
+        for r, p in enumerate(places):
+            by_node.setdefault(p, []).append(r)
+        shared = [f"{ranks_text(rs)} on node {p!r}" for p, rs in by_node.items() if len(rs) > 1]
+        if shared:
+            raise GroupMismatch(f"{where}: each rank needs a node of its own; "
+                                + "; ".join(shared))
+        unknown = [r for r, p in enumerate(places) if p not in self.topology.nodes]
+        if unknown:
+            raise GroupMismatch(f"{where}: {ranks_text(unknown)} sit on nodes that this "
+                                f"rank's topology {self.topology.name!r} lacks "
+                                f"({[places[r] for r in unknown]}): the ranks' topologies "
+                                "differ")
+        if self.members is not None and tuple(places) != self.members:
+            wrong = [r for r in range(self.size) if places[r] != self.members[r]]
+            raise GroupMismatch(f"{where}: {ranks_text(wrong)} said "
+                                f"{[places[r] for r in wrong]} where rank {self.rank}'s "
+                                f"members put {[self.members[r] for r in wrong]}")
+        self.members = tuple(places)
 
     async def _work(self, node: Any, kind: str, value: Any, op: str | None, root: int | None,
                     k: int, deadline: float, limit: float, spent: list[ObjectID]) -> Any:

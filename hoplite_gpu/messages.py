@@ -77,11 +77,13 @@ class Verdict(Struct, omit_defaults=True, kw_only=True):
 class Register(Message, tag="register"):
     """A node joins: its data server's `address`, and with several rails
     (`node_host` lists several hosts) every address it listens on, the
-    first being `address`."""
+    first being `address`; `rack`: where it sits in the fabric (`rack`),
+    none from a node that has none."""
 
     node: str
     address: str
     addresses: list[str] = []
+    rack: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Attach(Message, tag="attach"):
@@ -123,12 +125,16 @@ class Drop(Message, tag="drop"):
     kind: str | None = None
 
 
-class StepChild(Struct, kw_only=True):
+class StepChild(Struct, omit_defaults=True, kw_only=True):
     """One child of a reduce step: its stream `oid`, read locally if the node
-    holds it, else pulled from `address`."""
+    holds it, else pulled from `address`, the data address of the child's
+    node `node`; `rails`: every data address of that node, where it listens
+    on several (a large pull of it is spread over them, as a get's is)."""
 
     oid: bytes
     address: str
+    node: str = ""
+    rails: list[str] = []
 
 
 class ReduceStep(Message, tag="reduce_step"):
@@ -189,12 +195,14 @@ class Restripe(Message, tag="restripe"):
     tree, or the sender failed or left). `stripes` is the whole assignment,
     `seq` its number: the node keeps the newest it has heard, reply or push,
     and pulls what it still lacks from these senders, in messages of
-    `piece` bytes (0: its own chunk size)."""
+    `piece` bytes (0: its own chunk size); `rails`: every data address of
+    each sender named that listens on several, as in `Location`."""
 
     oid: bytes
     stripes: list[Stripe]
     seq: int
     piece: int = 0
+    rails: dict[str, list[str]] = {}
 
 
 class DirectoryLost(Message, tag="directory_lost"):

@@ -34,9 +34,9 @@ from . import api
 from . import messages as m
 from .errors import InvalidArgument, Timeout
 from .ids import ObjectID
+from .node.flows import PEER_FAILURES
 from .node.holdings import complete_msg
 from .node.plan import Plan, SubFlow
-from .node.pulls import PEER_FAILURES
 from .values import Layout, from_buffer, to_buffer
 
 

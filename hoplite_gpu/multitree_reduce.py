@@ -37,8 +37,9 @@ past `stall_timeout_s`) fails the call on every rank that is left, with a
 `ReduceFailed` naming it: its parent's pull of its partial result fails,
 that parent fails its own partial results with the error, its parent's pull
 fails in turn with the error's text, and so on up to the root, which tells
-the others. There is no dynamic path to move to: a reduce of every rank
-needs the lost rank's input, which no other rank holds (docs/topology.md,
+the others. A root lost before it says so is found by the others' probe of
+it (its card pulled again every stall timeout). There is no dynamic path to
+move to: a reduce of every rank needs the lost rank's input, which no other rank holds (docs/topology.md,
 "Reducing over the trees").
 """
 
@@ -57,14 +58,14 @@ import numpy as np
 from . import api, device, kernels
 from . import messages as m
 from .device import element_view, is_device_buffer
-from .directory.reduce_plan import FOLD_STEP, fold_unit
+from .directory.reduce_plan import FOLD_PIECES, FOLD_STEP, fold_unit
 from .errors import HopliteError, InvalidArgument, ObjectNotFound, ReduceFailed, Timeout
 from .ids import ObjectID
 from .multitree import _fill, flows_for, members_of
 from .node.engine import FlowSink
+from .node.flows import PEER_FAILURES
 from .node.holdings import complete_msg
 from .node.plan import Ledger
-from .node.pulls import PEER_FAILURES
 from .node.store import StoredObject
 from .node.transfer import fetch_range
 from .runtime import time_left
@@ -75,6 +76,9 @@ log = logging.getLogger("hoplite_gpu")
 #: How an error names the rank it started at; it travels up the trees in
 #: the text of each parent's error (a data server's error frame carries it).
 _NAMED = re.compile(r"rank (\d+) (?:was lost|failed)")
+#: A tree folds its range in at least this many pieces per level of its
+#: height (and `FOLD_PIECES` at least), down to `MIN_FOLD_STEP`.
+FOLD_PIECES_PER_LEVEL = 4
 _OK = b"ok"
 _FAILED = b"failed\n"
 
@@ -210,6 +214,8 @@ class _TreeReduce:
                 up = [self.rank_of[p] for p, c in tree.edges if c == self.me]
                 self.trees.append((t, a, b, kids, up[0] if up else None))
         self.split = split
+        #: per tree, its height: the most links from its root to a leaf
+        self.heights = [_height(tree.edges, plan.root) for tree in plan.trees]
         self.cards: dict[int, m.TreeMember] = {}
         #: this rank's partial results, by tree (not at the root), and the
         #: trees where it is a leaf (its part is a view of the caller's array)
@@ -319,8 +325,11 @@ class _TreeReduce:
                  for k, copy in zip(kids, copies, strict=True)]
         count = self.size if self.rank == self.root else 0
         try:
+            # Every level of the tree adds a piece's time, up (and an
+            # allreduce's broadcast, down): a deep tree folds smaller pieces.
             chunk = self.node.config.chunk_bytes(True) if is_device_buffer(out) \
-                else fold_unit(b - a, min(self.node.config.chunk_size, FOLD_STEP))
+                else fold_unit(b - a, min(self.node.config.chunk_size, FOLD_STEP),
+                               max(FOLD_PIECES, FOLD_PIECES_PER_LEVEL * self.heights[t]))
             chunk = max(dtype.itemsize, chunk - chunk % dtype.itemsize)
             for pos in range(0, b - a, chunk):
                 end = min(pos + chunk, b - a)
@@ -411,10 +420,34 @@ class _TreeReduce:
             log.warning("%s: the outcome could not be put: %s", self.what, exc)
 
     async def _outcome(self) -> None:
-        """Return once the root says the reduce is done; raise what it says if it failed."""
-        said = bytes(await self.node.get(self.ids.outcome, self._left(), "numpy"))
+        """Return once the root says the reduce is done; raise what it says if
+        it failed, or that the root was lost if it stops answering first."""
+        said = await _all([self.node.get(self.ids.outcome, self._left(), "numpy")],
+                          watch=self._root_alive())
+        said = bytes(said[0])
         if said != _OK:
             raise ReduceFailed(said.removeprefix(_FAILED).decode(errors="replace"))
+
+    async def _root_alive(self) -> None:
+        """Fail once the root's data server stops serving: every stall
+        timeout, pull its card (a few dozen bytes, on a pooled connection)
+        from it again. Without this a rank waiting for the root's word, whose
+        root died, would wait out the call's deadline: nothing else tells
+        it (its own parts were pulled in full, or the root was its parent)."""
+        root = self.cards[self.root]
+        mine = self.node.store.get(self.ids.card(self.root))
+        every = self.node.config.stall_timeout_s
+        while True:
+            await asyncio.sleep(min(every, max(0.0, self._left())))
+            if mine is None or self._left() <= 0:
+                return  # (no card in hand to size the probe by; past the deadline)
+            probe = StoredObject(mine.oid, mine.layout, np.empty(mine.size, np.uint8))
+            try:
+                await fetch_range(self.node.pool, root.address, probe, probe.size,
+                                  self.node.config, lambda _pos: None)
+            except PEER_FAILURES as exc:
+                raise ReduceFailed(f"{self.what}: rank {self.root} was lost: the root stopped "
+                                   f"serving ({type(exc).__name__}: {exc})") from None
 
     # ------------------------------------------------------------ helpers ---
     def _kids(self) -> set[int]:
@@ -476,6 +509,19 @@ class _TreeReduce:
             server.dropped_here(part.oid)
         stuck = min(1.0, self.node.config.stall_timeout_s)
         await asyncio.gather(*[server.release(p.oid, stuck) for p in parts])
+
+
+def _height(edges: Sequence[tuple[Any, Any]], root: Any) -> int:
+    """The most links from `root` to a leaf of the tree of `edges` (parent, child)."""
+    kids: dict[Any, list[Any]] = {}
+    for parent, child in edges:
+        kids.setdefault(parent, []).append(child)
+    height, level = 0, [root]
+    while True:
+        level = [c for p in level for c in kids.get(p, ())]
+        if not level:
+            return height
+        height += 1
 
 
 def _kind(card: m.TreeMember) -> str:

@@ -150,9 +150,14 @@ class _Framer:
         self._start, self._end = 0, have
 
 
-#: The most an outbox holds for a peer that does not take its messages; past
-#: it the peer is cut off, so one stuck peer cannot grow its sender for ever.
+#: The most an outbox holds for a peer that does not take its messages: past
+#: it, a peer that then takes nothing for a second is cut off, so one stuck
+#: peer cannot grow its sender for ever (a burst is queued whole first, and
+#: the second is timed once the burst is over).
 MAX_QUEUED = 4 * MAX_MESSAGE
+#: A pile-up check that runs this much later than due found the loop busy
+#: (the writer may not have had its turn): it looks again instead of cutting.
+LATE_CHECK_S = 0.1
 #: A queued message is written in pieces of at most this many bytes, each
 #: within the stall deadline: a slow but steady reader of a large reply (a
 #: 16 MiB inline object) makes progress and is not cut off, a stuck one is.
@@ -166,9 +171,11 @@ class Outbox:
     of a failed write, once.
 
     A peer that takes no bytes for `stall_s` seconds while messages wait, or
-    lets more than `limit` bytes pile up while it takes nothing for a second
-    (a burst to a peer that reads is not cut), is cut off: the outbox fails
-    and closes the stream, which ends its reader too."""
+    lets more than `limit` bytes pile up and then takes nothing for a second
+    (`min(stall_s, 1)`), is cut off: the outbox fails and closes the stream,
+    which ends its reader too. That second is timed from the end of the
+    poster's burst, when the writer can run: a burst to a peer that reads is
+    not cut, however long the poster takes to post it."""
 
     def __init__(self, stream: Stream, on_lost: Callable[[HopliteError], None], *,
                  stall_s: float | None = None, limit: int = MAX_QUEUED) -> None:
@@ -178,7 +185,8 @@ class Outbox:
         self._limit = limit
         self._queue: collections.deque[bytes | memoryview | None] = collections.deque()
         self._queued = 0  # bytes in _queue
-        self._progress_at = 0.0  # (loop time) the queue was last empty, or a write ended
+        self._progress = 0  # writes (or pieces of one) that ended: the peer took bytes
+        self._watch: asyncio.Handle | None = None  # the pile-up check, while one is armed
         self._wake = asyncio.Event()
         self._writing = False
         self._finished = False
@@ -201,16 +209,43 @@ class Outbox:
             if n == len(data):
                 return
             data = memoryview(data)[n:]
-            self._progress_at = asyncio.get_running_loop().time()
+            if n:
+                self._progress += 1
         self._queued += len(data)
-        if (self._queued > self._limit and self._stall_s is not None
-                and asyncio.get_running_loop().time() - self._progress_at > min(self._stall_s, 1.0)):
-            self._cut(TransportError(
-                f"{self._stream.peer} took no message while {self._queued} bytes of them "
-                f"piled up (more than {self._limit}); cut off"))
-            return
         self._queue.append(data)
         self._wake.set()
+        if self._queued > self._limit and self._stall_s is not None and self._watch is None:
+            # (armed once the poster's burst is over: time it spends posting
+            # is no time the writer had to send)
+            self._watch = asyncio.get_running_loop().call_soon(self._arm_watch)
+
+    def _arm_watch(self, since: float | None = None) -> None:
+        """Check in a second whether the peer took anything of a pile-up
+        (`since`: when the peer was last seen taking nothing, if it was)."""
+        loop = asyncio.get_running_loop()
+        wait = self._pile_wait()
+        self._watch = loop.call_later(wait, self._judge_pile, self._progress, loop.time() + wait,
+                                      loop.time() if since is None else since)
+
+    def _pile_wait(self) -> float:
+        return min(self._stall_s, 1.0) if self._stall_s else 1.0
+
+    def _judge_pile(self, progress: int, due: float, since: float) -> None:
+        """Cut the peer off if, over the limit, it took nothing since `progress`.
+        A check the loop ran late (a busy loop: the writer may not have had
+        its turn) looks again, up to `stall_s` since `since`."""
+        self._watch = None
+        if self.failed is not None or self._queued <= self._limit:
+            return
+        now = asyncio.get_running_loop().time()
+        if self._progress != progress:
+            self._arm_watch()
+        elif now - due > LATE_CHECK_S and now - since < max(self._stall_s or 0.0, 1.0):
+            self._arm_watch(since)
+        else:
+            self._cut(TransportError(
+                f"{self._stream.peer} took no message for {self._pile_wait():g}s "
+                f"while {self._queued} bytes of them piled up (more than {self._limit}); cut off"))
 
     def finish(self) -> None:
         """Stop the writer once everything posted so far is sent; later posts are dropped."""
@@ -225,6 +260,10 @@ class Outbox:
                 await asyncio.shield(self._task)
 
     async def close(self) -> None:
+        self._finished = True  # (later posts are dropped)
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         if self._closer is not None:
@@ -245,7 +284,7 @@ class Outbox:
                         await self._stream.send(data)
                     else:
                         await self._send_steadily(data, self._stall_s)
-                    self._progress_at = asyncio.get_running_loop().time()
+                    self._progress += 1
                 except TimeoutError:
                     self._cut(Timeout(f"{self._stream.peer} took no bytes for "
                                       f"{self._stall_s:g}s; cut off"))
@@ -262,9 +301,12 @@ class Outbox:
         for start in range(0, max(len(view), 1), STALL_PIECE):
             async with asyncio.timeout(stall_s):
                 await self._stream.send(view[start:start + STALL_PIECE])
-            self._progress_at = asyncio.get_running_loop().time()
+            self._progress += 1
 
     def _fail(self, exc: HopliteError) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self.failed is None:
             self.failed = exc
             self._queue.clear()

@@ -58,6 +58,8 @@ class Descriptor:
     root: int | None = None
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    #: the rank's node of the group's topology (said in the first call only)
+    place: int | str | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -212,6 +214,8 @@ class Roster:
         self.members: list[str] = []
         #: whether this rank's claim was put (and is held until `close`)
         self.claimed = False
+        #: each rank's node of the group's topology, as the first call found them
+        self.places: list[int | str | None] = []
         #: when the first call had read every claim (time.monotonic())
         self.joined = 0.0
 
@@ -219,13 +223,14 @@ class Roster:
         return f"Group {self.name!r} call {k} ({kind})"
 
     def descriptor(self, node_id: str, k: int, kind: str, value: Any, op: str | None,
-                   root: int | None) -> Descriptor:
-        """This rank's descriptor of call `k`: only what `kind` must agree on."""
+                   root: int | None, place: int | str | None = None) -> Descriptor:
+        """This rank's descriptor of call `k`: only what `kind` must agree on
+        (and, in the first call, where on the topology it sits)."""
         agreed = _AGREED[kind]
         dtype, shape = array_kind(value) if "dtype" in agreed else (None, None)
         return Descriptor(self.token, node_id, self.rank, self.size, k, kind,
                           op if "op" in agreed else None, root if "root" in agreed else None,
-                          dtype, shape)
+                          dtype, shape, place if k == 0 else None)
 
     async def descriptors(self, node: Any, ids: list[ObjectID], k: int, kind: str,
                           deadline: float,
@@ -306,6 +311,8 @@ class Roster:
             await asyncio.sleep(min(0.05, time_left(deadline)))
         self.check(got, 0, mine.kind, limit, stale, hint)
         self.members = [got[r].token for r in range(self.size)]
+        #: each rank's node of the topology, as it said in the first call
+        self.places = [got[r].place for r in range(self.size)]
         self.ids.incarnation = got[0].token
         self.joined = time.monotonic()
 

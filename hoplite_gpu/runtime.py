@@ -360,23 +360,28 @@ class Runtime:
         if self.closed and not self._thread.is_alive():
             return
         interrupted = None
-        if self._loop.is_running():
-            interrupted = self._drain()
-            fut = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
-            try:
-                fut.result(15)
-            except Exception as exc:  # shutting down: report, never raise
-                log.warning("shutdown was not clean: %r", exc)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(15)
-        if not self._loop.is_running():
-            self._loop.close()
-        # A call submitted while the loop was shutting down would otherwise
-        # wait out its whole deadline: its task never ran, or never finished.
-        with self._waiting_lock:
-            left, self._waiting = list(self._waiting), set()
-        for fut in left:
-            fut.cancel()
+        try:  # (a Ctrl-C anywhere in here still stops the loop: `finally`)
+            if self._loop.is_running():
+                interrupted = self._drain()
+                fut = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
+                try:
+                    fut.result(15)
+                except KeyboardInterrupt as exc:  # a second Ctrl-C: stop waiting for a clean close
+                    interrupted = exc
+                except Exception as exc:  # shutting down: report, never raise
+                    log.warning("shutdown was not clean: %r", exc)
+        finally:
+            if self._loop.is_running():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(15)
+            if not self._loop.is_running():
+                self._loop.close()
+            # A call submitted while the loop was shutting down would otherwise
+            # wait out its whole deadline: its task never ran, or never finished.
+            with self._waiting_lock:
+                left, self._waiting = list(self._waiting), set()
+            for fut in left:
+                fut.cancel()
         if interrupted is not None:
             raise interrupted  # (once closed: Ctrl-C only cut the wait for pulls short)
 
@@ -387,14 +392,17 @@ class Runtime:
         grace = self.config.shutdown_grace_s
         if self.node is None or grace <= 0 or self.on_loop_thread():
             return None
-        fut = asyncio.run_coroutine_threadsafe(self.node.drain(grace), self._loop)
-        try:
+        fut = None
+        try:  # (Ctrl-C may come as soon as the drain starts, before `fut` is known)
+            fut = asyncio.run_coroutine_threadsafe(self.node.drain(grace), self._loop)
             fut.result(grace + _GRACE_S)
         except KeyboardInterrupt as exc:
-            fut.cancel()
+            if fut is not None:
+                fut.cancel()  # (else `_close` ends the drain)
             return exc
         except Exception as exc:  # (shutting down: report, never raise)
-            fut.cancel()
+            if fut is not None:
+                fut.cancel()
             log.warning("shutdown did not wait for peers' pulls: %r", exc)
         return None
 

@@ -12,6 +12,7 @@ n0 .. n(k-1) and its result is asked for on n(k). Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import messages as m
@@ -24,10 +25,13 @@ TARGET = b"\x02" * 20
 @dataclass(frozen=True)
 class Pull:
     """`receiver` pulls the object from `sender`; sender None: nothing to
-    move (the answer held the bytes, or the node has them)."""
+    move (the answer held the bytes, or the node has them). `moved`: a
+    receiver pulling already goes on from `sender` (a push; only where
+    nodes have racks: directory/racks.py)."""
 
     receiver: str
     sender: str | None
+    moved: bool = False
 
 
 def node_number(name: str) -> int:
@@ -35,18 +39,22 @@ def node_number(name: str) -> int:
 
 
 class BroadcastDirector:
-    """One object of `size` bytes put on n0, wanted by n1 .. n(receivers)."""
+    """One object of `size` bytes put on n0, wanted by n1 .. n(receivers);
+    `racks`: node i's rack (`Config.rack`), if any is told."""
 
     def __init__(self, receivers: int, size: int, *, max_receivers_per_sender: int = 1,
-                 latency: float = 1e-4, bandwidth: float = 1.25e9, chunk: int = 4 << 20) -> None:
+                 latency: float = 1e-4, bandwidth: float = 1.25e9, chunk: int = 4 << 20,
+                 racks: Sequence[str | None] | None = None) -> None:
         self.receivers, self.size = receivers, size
+        self.racks = racks
         self.directory = s.Directory(max_receivers_per_sender=max_receivers_per_sender,
                                      latency_s=latency, bytes_per_s=bandwidth, chunk_size=chunk)
 
     def start(self) -> None:
         """Every node joins; n0 puts the object and holds it all."""
         for i in range(self.receivers + 1):
-            self.directory.handle(s.NodeJoined(f"n{i}", f"sim://{i}"))
+            rack = None if self.racks is None else self.racks[i]
+            self.directory.handle(s.NodeJoined(f"n{i}", f"sim://{i}", rack=rack))
         self.directory.handle(s.Put("n0", 0, OBJECT, self.size, {"kind": "bytes"}))
         self.directory.handle(s.Completed("n0", OBJECT))
 
@@ -69,6 +77,8 @@ class BroadcastDirector:
                     out.append(Pull(cmd.node, body.sender))
                 elif body.local or body.inline is not None:
                     out.append(Pull(cmd.node, None))
+            elif isinstance(cmd, s.PushRestripe) and len(cmd.body.stripes) == 1:
+                out.append(Pull(cmd.node, cmd.body.stripes[0].sender, moved=True))
         return out
 
 

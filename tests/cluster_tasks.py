@@ -177,7 +177,7 @@ def allreduce_steps(name: str, rank: int, size: int, n: int, steps: int,
             # later, and a send still under way holds its buffer that long:
             # wait, bounded, until a buffer of the step's size is back in this
             # node's pool; a sliced allreduce's pieces are of other sizes)
-            _wait_pooled(n * 4, 5.0)
+            _wait_pooled(n * 4, 15.0)
         value = np.full(n, rank + k, dtype=np.float32)
         out = collectives.allreduce(value, name=f"{name}/{k}", rank=rank, size=size, timeout=60)
         sums.append(float(out[-1]))
@@ -529,3 +529,36 @@ def tree_cards_posted(name: str, size: int, timeout: float) -> int:
     for oid in cards:
         hg.get(oid, timeout=timeout)
     return len(cards)
+
+
+def group_placed(name: str, rank: int, size: int, node: object, nbytes: int,
+                 clash: object) -> dict:
+    """A Group on the 4-member mesh of tests/test_multitree.py whose ranks
+    each say only their own node (`node`): one broadcast from rank 1, whether
+    it was right and went over the trees, and the members every rank learned.
+    Then a second group where this rank says `clash` instead: the error its
+    first call raised (type and text), or None."""
+    import numpy as np
+
+    import hoplite_gpu as hg
+    from hoplite_gpu.topology import from_json
+
+    mesh = from_json({"nodes": [0, 1, 2, 3], "links": [
+        {"a": 0, "b": 1, "capacity": 1}, {"a": 0, "b": 2, "capacity": 1},
+        {"a": 0, "b": 3, "capacity": 1}, {"a": 1, "b": 2, "capacity": 2},
+        {"a": 2, "b": 3, "capacity": 2}, {"a": 1, "b": 3, "capacity": 2}]}, source="mesh")
+    value = (np.arange(nbytes) % 253).astype(np.uint8)
+    with hg.Group(name, rank=rank, size=size, topology=mesh, node=node, timeout=60) as group:
+        got = group.broadcast(value if rank == 1 else None, root=1)
+        out = {"right": bool(np.array_equal(got, value)), "how": group._last[2],
+               "members": list(group.members)}
+    error = None
+    group = hg.Group(f"{name}-clash", rank=rank, size=size, topology=mesh, node=clash,
+                     timeout=20)
+    try:
+        group.barrier()
+    except hg.HopliteError as exc:
+        error = (type(exc).__name__, str(exc))
+    finally:
+        group.close()
+    return {**out, "error": error}

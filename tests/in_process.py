@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -85,6 +87,28 @@ def holders_after_direct_calls(rt: Any, oid: Any) -> list:
     return rt.call(holders(), 5)
 
 
+def free_ports(count: int) -> str:
+    """A range of `count` ports no socket here holds now ("low-high"), at a
+    random place above the kernel's ephemeral range: concurrent runs of
+    these tests do not share one."""
+    rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
+    for _ in range(50):
+        low = rng.randrange(61000, 65000 - count)
+        socks = []
+        try:
+            for port in range(low, low + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return f"{low}-{low + count - 1}"
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise AssertionError("no free block of ports found")
+
+
 def run_nodes(configs: list[Config], body: Callable[..., Awaitable[Any]],
               bound: float = 60.0, **directory_settings: Any) -> None:
     """Run `body(directory, *nodes)`, one node per config, within `bound`
@@ -140,10 +164,11 @@ async def miss_the_lease(server: Any, node: Any) -> None:
     assert node.link.heartbeat is not None
     first = node.client
     node.link.heartbeat.cancel()
-    assert await eventually(lambda: node.client is not first, 4.0)
+    # (deadlines for a slow machine: each ends as soon as its step is seen)
+    assert await eventually(lambda: node.client is not first, 8.0)
     node.link.start_heartbeat()
     assert await eventually(lambda: node._connected.is_set()
-                            and node.node_id in server.state.nodes, 4.0)
+                            and node.node_id in server.state.nodes, 8.0)
     await node._request(m.Nodes(), 2.0)
 
 
@@ -220,17 +245,17 @@ def hold_child_pulls(monkeypatch: Any, only_from: Any = None) -> dict[str, async
     "event" (set it before the reduce starts): all pulls, or only those from
     the data addresses in `only_from` (a slow network: the steps are under
     way, their outputs not yet made)."""
-    import hoplite_gpu.node.reducer as reducer
+    from hoplite_gpu.node.flows import Flows
 
-    real = reducer.fetch_range
+    real = Flows.pull_child
     gate: dict[str, asyncio.Event] = {}
 
-    async def held(pool, address, obj, end, config, progress, **kw):
+    async def held(self, obj, sender, address, rails, about):
         if only_from is None or address in only_from:
             await gate["event"].wait()
-        return await real(pool, address, obj, end, config, progress, **kw)
+        return await real(self, obj, sender, address, rails, about)
 
-    monkeypatch.setattr(reducer, "fetch_range", held)
+    monkeypatch.setattr(Flows, "pull_child", held)
     return gate
 
 
@@ -238,9 +263,9 @@ def count_writes(node: Any, counts: Any) -> None:
     """Count in `counts` (one int per byte), for every sub-flow `node` pulls,
     how often its sink recorded each byte: a byte written twice, or never,
     shows."""
-    real = node.pulls._fetch_from
+    real = node.pulls.flows.fetch
 
-    async def fetch(obj: Any, flow: Any, sink: Any) -> None:
+    async def fetch(obj: Any, flow: Any, sink: Any, progress: Any, about: Any = None) -> None:
         class Counting:
             def advance(self, ready: int, _pos: list = [flow.start]) -> None:  # noqa: B006
                 if ready > _pos[0]:
@@ -248,9 +273,9 @@ def count_writes(node: Any, counts: Any) -> None:
                     _pos[0] = ready
                 sink.advance(ready)
 
-        return await real(obj, flow, Counting())
+        return await real(obj, flow, Counting(), progress, about)
 
-    node.pulls._fetch_from = fetch
+    node.pulls.flows.fetch = fetch
 
 
 def cut_halfway(server: Any, which: Callable[[Any, int], bool] | None = None) -> list:

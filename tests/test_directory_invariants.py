@@ -254,9 +254,11 @@ TI = oid(98)  # an inline reduce's target
 class ReduceMachine(RuleBasedStateMachine):
     @initialize(fan=st.integers(1, 2), relay=st.booleans(), k=st.integers(1, 4),
                 root=st.booleans(), latency=st.sampled_from([1e-4, 1.0]),
-                sources=st.integers(1, 3))
+                sources=st.integers(1, 3), racked=st.booleans())
     def setup(self, fan: int, relay: bool, k: int, root: bool, latency: float,
-              sources: int = 1) -> None:
+              sources: int = 1, racked: bool = False) -> None:
+        # (racked: the nodes in two racks, so receivers are moved: racks.py)
+        self.racks = {n: f"r{i % 2}" for i, n in enumerate(NODES)} if racked else {}
         # (objects here are 400 bytes: pulls of them may have several senders)
         self.d = Directory(max_receivers_per_sender=fan, latency_s=latency,
                            max_sources=sources, multi_source_bytes=300)
@@ -265,7 +267,7 @@ class ReduceMachine(RuleBasedStateMachine):
         self.open: dict[tuple[str, int], str] = {}
         self.stale: set[tuple[str, int]] = set()
         for n in NODES:
-            self.apply(NodeJoined(n, "a" + n))
+            self.apply(NodeJoined(n, "a" + n, rack=self.racks.get(n)))
         self.send(ReduceRequested(NODES[0], self.r(), T, tuple(INPUTS), "sum", k,
                                   INPUTS[0] if root else None, relay))
         self.send(ReduceRequested(NODES[0], self.r(), TI, tuple(SMALL_INPUTS), "sum", 2))
@@ -309,7 +311,7 @@ class ReduceMachine(RuleBasedStateMachine):
     @rule(n=st.sampled_from(NODES))
     def join(self, n: str) -> None:
         if n not in self.alive:
-            self.apply(NodeJoined(n, "a" + n))
+            self.apply(NodeJoined(n, "a" + n, rack=self.racks.get(n)))
 
     @precondition(lambda self: len(self.alive) > 2)
     @rule(i=st.integers(0, 5))

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import leafspine
+from benchmarks import emulated, leafspine
 from benchmarks.emulated import EmulationUnavailable, _alive
 from benchmarks.leafspine import LeafSpine, spine_that_carried, sweep_stale
 
@@ -71,6 +71,7 @@ def test_fabric_matches_the_simulators_leaf_spine():
     ({"host_bps": 1e3, "oversubscription": 4}, "leaf-spine rate"),
     ({"placement": "random"}, "placement"),
     ({"hash_seed": -1}, "hash seed"),
+    ({"congestion": "bbr; reboot"}, "congestion"),
 ])
 def test_bad_settings_are_refused_before_anything_is_made(kw, message):
     args = {"hosts": 8, "leaves": 2, "spines": 2, **kw}
@@ -116,6 +117,42 @@ def test_builds_routes_over_every_spine_and_tears_down():
             down, up = fabric.link_counters()[1][:2]
             assert down >= leafspine.PROBE_BYTES and up < down
     except EmulationUnavailable as exc:
+        pytest.skip(str(exc))
+    assert not _ours(fabric)
+
+
+def _congestion(which: str) -> list[str]:
+    with open(f"/proc/sys/net/ipv4/tcp_{which}_congestion_control") as f:
+        return f.read().split()
+
+
+@pytest.mark.timeout(60)
+def test_the_hosts_get_the_congestion_control_asked_for_and_one_not_allowed_is_refused():
+    """The hosts' TCP congestion control was this machine's default, unset
+    and unrecorded, and a run with another one was not to be had: it is set
+    in every host namespace, and one a namespace may not use is refused
+    before anything is built."""
+    allowed = _congestion("allowed")
+    if not allowed:
+        pytest.skip("no congestion control is allowed in a namespace here")
+    fabric = _tiny(congestion=allowed[-1])
+    try:
+        with fabric:
+            for i in range(fabric.hosts):
+                got = subprocess.run(["ip", "netns", "exec", fabric.ns(i), "sysctl", "-n",
+                                      "net.ipv4.tcp_congestion_control"],
+                                     capture_output=True, text=True).stdout.strip()
+                assert got == allowed[-1]
+        barred = next((c for c in ("cubic", "reno", "bbr", "vegas") if c not in allowed),
+                      "no-such-control")
+        refused = _tiny(congestion=barred)
+        with pytest.raises(EmulationUnavailable, match=f"'{barred}'.*allowed: "):
+            with refused:
+                pass
+        assert not _ours(refused)
+    except EmulationUnavailable as exc:
+        if "congestion control" in str(exc):  # (the allowed one refused)
+            raise
         pytest.skip(str(exc))
     assert not _ours(fabric)
 
@@ -217,6 +254,7 @@ def test_a_failed_build_leaves_nothing(monkeypatch, error):
         return real(*argv, check=check)
 
     monkeypatch.setattr(leafspine, "_sh", sh)
+    monkeypatch.setattr(emulated, "_sh", sh)  # (namespaces are made by the shared base)
     fabric = _tiny()
     try:
         with pytest.raises(error), fabric:
@@ -271,6 +309,32 @@ def test_the_paths_system_passes_the_runtimes_path_setting_to_every_node():
     assert leafspinerun.paths_env(2, 64 << 20, 8) == {"HOPLITE_PATHS": "2",
                                                       "HOPLITE_MULTI_SOURCE_BYTES": str(8 << 20)}
     assert leafspinerun.paths_env(2, 256 << 20, 8) == {"HOPLITE_PATHS": "2"}
+
+
+def test_the_racks_systems_start_every_node_with_its_leaf_as_its_rack():
+    """`--racks`: each hoplite-gpu system runs again as "<system>-racks",
+    whose nodes (and only they) get HOPLITE_RACK=leaf<k> of their host."""
+    import argparse
+
+    from benchmarks import leafspinerun
+
+    class Fabric:
+        leaves = 2
+
+        def leaf_of(self, i: int) -> int:
+            return i % 2
+
+        def popen(self, i, argv, **kw):
+            return i, kw.get("env")
+
+    on = leafspinerun.LeafRacks(Fabric())
+    assert on.leaves == 2  # (the fabric's, otherwise)
+    host, env = on.popen(3, ["python", "-m", "benchmarks.netnode"], env={"A": "1"})
+    assert host == 3 and env == {"A": "1", "HOPLITE_RACK": "leaf1"}
+    assert on.popen(0, ["python", "-m", "hoplite_gpu.cli", "directory"]) == (0, None)
+    p = argparse.ArgumentParser()
+    leafspinerun.add_arguments(p)
+    assert p.parse_args(["--racks"]).racks and not p.parse_args([]).racks
 
 
 # ------------------------------------------------------------- path maps ---

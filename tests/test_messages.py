@@ -216,7 +216,8 @@ def test_the_directorys_pushes_travel_as_the_maps_they_always_were():
     [child] = step.children
     assert _sent(step) == _was(
         {"op": "reduce_step", "target": target, "output": step.output, "input": step.input,
-         "children": [{"oid": child.oid, "address": child.address}], "reduce_op": "sum",
+         "children": [{"oid": child.oid, "address": child.address, "node": child.node}],
+         "reduce_op": "sum",
          "count": 2, "size": 16, "layout": layout, "tag": step.tag})
     early = m.ReduceStep(target=target, output=b"o" * 20, input=b"i" * 20, children=[],
                          reduce_op="sum", count=0, size=16, layout=layout, tag=b"g", early=True)

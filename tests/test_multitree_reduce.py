@@ -156,6 +156,36 @@ def test_a_rank_lost_midway_fails_every_rank_naming_it(everyone):
     run_nodes([CONFIG] * 4, body, bound=60)
 
 
+def test_a_root_lost_before_it_says_how_the_reduce_ended_is_named_soon(monkeypatch):
+    """Regression: the root of a reduce died after its folds, before putting
+    its word on how the reduce ended, and every other rank, its parts pulled
+    in full, waited for that word until its deadline (15 s here) and then
+    raised a Timeout. Now they find the root gone (it stops serving) within
+    about a stall timeout (2 s) and raise ReduceFailed naming rank 0."""
+    inputs = _inputs(4, 400_000, "float32")
+    real = mr._TreeReduce._say
+
+    async def dies(self, outcome):
+        if self.rank != self.root:
+            return await real(self, outcome)
+        _cut_streams(self.node, 0.0)  # its process gone: nothing it served comes any more
+        raise RuntimeError("the root's process died")
+
+    monkeypatch.setattr(mr._TreeReduce, "_say", dies)
+
+    async def body(directory, *nodes):
+        began = time.monotonic()
+        got = await asyncio.gather(*_calls(nodes, MESH, inputs, "root-lost", everyone=False,
+                                           timeout=15.0), return_exceptions=True)
+        took = time.monotonic() - began
+        assert isinstance(got[0], RuntimeError), got[0]
+        for r, out in enumerate(got[1:], 1):
+            assert isinstance(out, ReduceFailed) and "rank 0 was lost" in str(out), (r, out)
+        assert took < 8.0, took
+
+    run_nodes([CONFIG] * 4, body, bound=60)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("everyone", [False, True], ids=["reduce", "allreduce"])
 def test_device_arrays_fold_on_the_device(everyone):
@@ -322,3 +352,19 @@ def _every_rank_fails_naming(victim: int, serve, name: str, size: int, config) -
 
     run_nodes([config] * size, body, bound=60)
 
+
+
+def test_a_deep_tree_folds_in_smaller_pieces():
+    """Every level of a tree adds one piece's time to a reduce (and to an
+    allreduce's way down), so a rank folds a tree's range in at least
+    FOLD_PIECES_PER_LEVEL pieces per level of that tree's height."""
+    from hoplite_gpu.directory.reduce_plan import MIN_FOLD_STEP, fold_unit
+
+    chain = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    star = [(0, r) for r in range(1, 7)]
+    assert mr._height(chain, 0) == 6 and mr._height(star, 0) == 1 and mr._height([], 0) == 0
+    assert mr._height([(2, 0), (0, 1), (2, 3)], 2) == 2  # rooted elsewhere than node 0
+    size = 16 << 20
+    assert fold_unit(size, 1 << 20) == 1 << 20  # 8 pieces would be 2 MiB: the step caps it
+    assert fold_unit(size, 1 << 20, 6 * mr.FOLD_PIECES_PER_LEVEL) == -(-size // 24)
+    assert fold_unit(1 << 20, 1 << 20, 100) == MIN_FOLD_STEP  # never below the floor

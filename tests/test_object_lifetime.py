@@ -9,7 +9,7 @@ import pytest
 from in_process import run_nodes
 
 import hoplite_gpu as hg
-import hoplite_gpu.node.reducer as reducer
+import hoplite_gpu.node.flows as flows
 from hoplite_gpu.errors import PeerLost
 
 MiB = 1 << 20
@@ -20,7 +20,7 @@ def test_a_root_waiting_on_its_result_survives_a_reduce_restart(monkeypatch):
     stream fails: the restart's drop cancels that pull, and the pull, given up,
     must not tell the directory that the root dropped the result the new
     tree's step is making there, or the reduce never finishes."""
-    real = reducer.fetch_range
+    real = flows.fetch_range
     failed = []
 
     async def fails_once(pool, address, obj, end, config, progress, **kw):
@@ -29,7 +29,8 @@ def test_a_root_waiting_on_its_result_survives_a_reduce_restart(monkeypatch):
             raise PeerLost("a child stream failed (test)")
         return await real(pool, address, obj, end, config, progress, **kw)
 
-    monkeypatch.setattr(reducer, "fetch_range", fails_once)
+    # (a reduce step pulls its children through the node's flows, as gets do)
+    monkeypatch.setattr(flows, "fetch_range", fails_once)
     config = hg.Config(shared_memory=False, chunk_size=MiB)
 
     async def body(directory, root, a, b):
@@ -41,6 +42,7 @@ def test_a_root_waiting_on_its_result_survives_a_reduce_restart(monkeypatch):
         await root.reduce(ids, "sum", 3, target, root_input=ids[0])
         got = await root.get(target, 8, "numpy")
         assert failed, "the child stream did not fail: nothing was tested"
+        assert failed[0] not in (*ids, target), "a get failed, not a child stream"
         assert got.min() == got.max() == 6
 
     run_nodes([config] * 3, body, bound=30)

@@ -5,6 +5,7 @@ whose receive and send sizes the test chooses, and over every real transport."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -269,13 +270,72 @@ def test_an_outbox_cuts_off_a_peer_that_lets_too_much_pile_up():
         for i in range(30):  # a burst over the limit: not cut (the peer may be reading)
             out.post({"i": i, "blob": b"x" * 100})
         assert not lost
-        await asyncio.sleep(1.1)  # nothing taken for a second: over the limit, cut at the next post
-        out.post({"i": 30})
+        await asyncio.sleep(0.5)
+        assert not lost
+        await asyncio.sleep(1.0)  # nothing taken for a second after the burst: cut
+        assert lost
+        out.post({"i": 30})  # dropped
         await out.close()
         return stream, lost, out
     stream, lost, out = asyncio.run(go())
     assert len(lost) == 1 and isinstance(lost[0], TransportError)
     assert "cut off" in str(lost[0]) and stream.closed
+
+
+def _burst_reaches_a_reader(stream: Scripted, post) -> None:
+    """`post(out, msgs)` posts 30 messages over an outbox's 1,000-byte limit to
+    `stream`, a peer that reads: none may be cut off, all must arrive in order."""
+    async def go():
+        lost = []
+        out = Outbox(stream, lost.append, limit=1000, stall_s=5.0)
+        msgs = [{"i": i, "blob": b"x" * 100} for i in range(30)]
+        await post(out, msgs)
+        out.finish()
+        await out.drain(5)
+        await out.close()
+        return lost, msgs
+    lost, msgs = asyncio.run(go())
+    assert not lost, lost
+    assert bytes(stream.sent) == b"".join(pack(m) for m in msgs)
+
+
+def test_a_burst_that_takes_its_poster_over_a_second_does_not_cut_a_reading_peer():
+    """The pile-up cut-off timed a second from the last write that ended, and
+    judged it in `post`: a poster that took over a second to post a burst
+    past the limit (a node announcing 20 inline 16 MiB objects after a
+    directory restart, on a slow machine) gave the writer no turn to send,
+    and cut its own healthy connection to the directory. Now the second is
+    timed from the end of the burst."""
+    async def post(out, msgs):
+        for i, m in enumerate(msgs):
+            out.post(m)
+            if i == 15:
+                time.sleep(1.2)  # the poster busy mid-burst, over the limit, the writer unrun
+    _burst_reaches_a_reader(Scripted(takes=10), post)  # (the first bytes go at once)
+
+
+class Paced(Scripted):
+    """A peer that reads steadily: each write takes a moment."""
+
+    async def send(self, *buffers) -> None:
+        await asyncio.sleep(0.001)
+        for b in buffers:
+            self.sent += bytes(b)
+
+
+def test_a_pile_up_check_the_busy_loop_ran_late_does_not_cut_a_reading_peer():
+    """A poster that yielded once mid-burst (arming the pile-up check) and
+    then held the loop for over a second: the check, run late in the same
+    turn as the socket's readiness, found no progress yet (the writer
+    resumes a turn or more later) and cut a peer that reads."""
+    async def post(out, msgs):
+        for m in msgs[:20]:
+            out.post(m)
+        await asyncio.sleep(0)  # the poster yields once: the check is armed
+        for m in msgs[20:]:
+            out.post(m)
+        time.sleep(1.2)  # ... then its next step holds the loop
+    _burst_reaches_a_reader(Paced(takes=10), post)
 
 
 @pytest.mark.parametrize("scheme", tc.scheme_params())

@@ -286,3 +286,65 @@ def test_an_empty_range_is_answered_with_nothing(scheme):
         await server.close()
 
     asyncio.run(main())
+
+
+def test_a_message_slower_than_the_stall_timeout_is_not_a_stall():
+    """A pull's stall timeout ran per message: a 4 MiB message that took
+    longer than `stall_timeout_s` to arrive on a busy link failed the pull as
+    a stalled sender though its bytes kept coming (on the emulated leaf-spine,
+    ring allreduces whose flows shared an uplink failed over 4 to 18 times a
+    run). The timeout now counts from the last step of a message heard: a
+    1 MiB message sent in 64 KiB parts every 0.05 s (1.2 s in all, no
+    keepalive) against a stall timeout of 0.5 s arrives whole; a sender that
+    then goes quiet still trips it."""
+    from hoplite_gpu.node.pull_modes import Messages
+    from hoplite_gpu.protocol import FRAME, FRAME_DATA
+
+    config = Config(transport="tcp", chunk_size=MiB, stall_timeout_s=0.5, timeout_s=10.0,
+                    shared_memory=False)
+    part = 64 << 10
+
+    class Landed:
+        def __init__(self):
+            self.at = 0
+
+        def advance(self, pos: int) -> None:
+            self.at = max(self.at, pos)
+
+    async def main():
+        store = ChunkStore()
+        value = np.random.default_rng(7).integers(0, 256, 2 * MiB, dtype=np.uint8)
+        obj, _ = _object(store, 2 * MiB, 0)
+        async with tc.connected_pair("tcp") as (client, server):
+            assert client.caps.message_parts
+
+            async def trickle(upto: int, end: bool) -> None:
+                for at in range(0, upto, part):
+                    await asyncio.sleep(0.05)
+                    await client.send_message_part(memoryview(value[at:at + part]),
+                                                   last=end and at + part >= upto)
+                if end:
+                    await client.send(FRAME.pack(FRAME_DATA, upto))
+
+            sink = Landed()
+            pull = Messages(server, obj, sink, 0, MiB, "tcp://test", config, lambda _: None)
+            sender = asyncio.create_task(trickle(MiB, end=True))
+            async with asyncio.timeout(10):
+                assert await pull.receive()
+            await sender
+            assert sink.at == MiB
+            np.testing.assert_array_equal(np.asarray(obj.buffer[:MiB]), value[:MiB])
+
+            # the second MiB: half of it, then silence: a stall, after about 0.5 s
+            quiet = Messages(server, obj, Landed(), MiB, 2 * MiB, "tcp://test", config,
+                             lambda _: None)
+            half = asyncio.create_task(trickle(MiB // 2, end=False))  # (the message unended)
+            await half
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(Exception, match="sent nothing for 0.5s"):
+                async with asyncio.timeout(10):
+                    await quiet.receive()
+            assert loop.time() - began < 2.0
+
+    asyncio.run(main())

@@ -13,13 +13,12 @@ import asyncio
 import errno
 import json
 import os
-import random
 import re
 import socket
 
 import numpy as np
 import pytest
-from in_process import count_writes, cut_halfway, run_nodes
+from in_process import count_writes, cut_halfway, free_ports, run_nodes
 
 import hoplite_gpu as hg
 from hoplite_gpu import messages as m
@@ -36,28 +35,6 @@ from hoplite_gpu.values import Layout
 
 MiB = 1 << 20
 OID = b"r" * 20
-
-
-def _free_ports(count: int) -> str:
-    """A range of `count` ports no socket here holds now ("low-high"), at a
-    random place above the kernel's ephemeral range: concurrent runs of
-    these tests do not share one."""
-    rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
-    for _ in range(50):
-        low = rng.randrange(61000, 65000 - count)
-        socks = []
-        try:
-            for port in range(low, low + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return f"{low}-{low + count - 1}"
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError("no free block of ports found")
 
 
 # -- settings -----------------------------------------------------------------
@@ -202,28 +179,35 @@ def _stored(size: int):
     return store.create(hg.ObjectID(OID), Layout("bytes", "uint8", (size,), size))
 
 
-def test_one_senders_routes_split_the_pull_equally_one_sub_flow_each():
-    obj = _stored(100)
+def test_one_senders_routes_share_the_pull_equally_pieces_dealt_in_turn():
+    """Ethereal's split: pieces dealt to the routes in turn (each pulls its
+    own one after another), an equal share each; a small pull is one piece
+    per route."""
+    obj = _stored(8 * MiB)
     routes = [("a", "tcp://127.0.1.1:1", "127.0.1.2", 0), ("a", "tcp://127.0.2.1:2", "127.0.2.2", 1)]
     plan = plan_for(obj, "a", "tcp://127.0.1.1:1", routes=routes)
-    assert plan.pinned and [(f.start, f.end, f.route) for f in plan.flows] == [
-        (0, 50, routes[0]), (50, 100, routes[1])]
+    assert plan.pinned and plan.serial
+    assert [(f.start, f.end, f.route) for f in plan.flows] == [
+        (i * MiB, (i + 1) * MiB, routes[i % 2]) for i in range(8)]
     assert plan.routes == routes and plan.senders == [("a", "tcp://127.0.1.1:1"),
                                                       ("a", "tcp://127.0.2.1:2")]
+    small = plan_for(_stored(100), "a", "tcp://127.0.1.1:1", routes=routes)
+    assert [(f.start, f.end, f.route) for f in small.flows] == [(0, 50, routes[0]),
+                                                                (50, 100, routes[1])]
     # several senders: pieces in turn over every route (a queue)
     also = plan_for(obj, "a", "tcp://127.0.1.1:1", also=[("b", "tcp://b:1")],
                     routes=[*routes, ("b", "tcp://b:1", "", -1)])
     assert not also.pinned and len(also.routes) == 3
     # without routes: today's single sub-flow
     single = plan_for(obj, "a", "tcp://127.0.1.1:1")
-    assert [(f.start, f.end, f.local, f.path) for f in single.flows] == [(0, 100, "", -1)]
+    assert [(f.start, f.end, f.local, f.path) for f in single.flows] == [(0, 8 * MiB, "", -1)]
 
 
 # -- the transport: a connection from a chosen port -------------------------------
 
 
 def test_a_connection_starts_from_the_chosen_host_and_port_and_skips_one_in_use():
-    low = int(_free_ports(3).split("-")[0])
+    low = int(free_ports(3).split("-")[0])
 
     async def main() -> None:
         seen: list[str] = []
@@ -340,7 +324,7 @@ def test_a_pull_below_the_threshold_stays_a_single_flow():
     size = 2 * MiB
     value = _value(size)
     sender = Config(node_host="127.0.1.1,127.0.2.1", **_BASE)
-    receiver = Config(node_host="127.0.1.2,127.0.2.2", paths=2, path_ports=_free_ports(4),
+    receiver = Config(node_host="127.0.1.2,127.0.2.2", paths=2, path_ports=free_ports(4),
                       **_BASE)
 
     async def body(directory, a, b):
@@ -374,7 +358,7 @@ def test_pinned_source_ports_are_the_ones_chosen_and_shown_in_object_info():
     sender sees those ports, and object_info names each with its path."""
     size = 8 * MiB
     value = _value(size)
-    ports = _free_ports(6)
+    ports = free_ports(6)
     low = int(ports.split("-")[0])
     sender = Config(**_BASE)
     receiver = Config(paths=2, path_ports=ports, **_BASE)
@@ -385,7 +369,8 @@ def test_pinned_source_ports_are_the_ones_chosen_and_shown_in_object_info():
         await a.put(value, oid)
         got = await b.fetch(oid, 15)
         np.testing.assert_array_equal(np.asarray(got.buffer), value)
-        assert sorted(peers) == [f"127.0.0.1:{low}", f"127.0.0.1:{low + 1}"]
+        # (four pieces of a MiB each, one after another on its connection)
+        assert sorted(peers) == [f"127.0.0.1:{low}"] * 4 + [f"127.0.0.1:{low + 1}"] * 4
         info = await b.query(oid)
         assert sorted((p["local"], p["path"]) for p in info["paths"]) == [
             (f"127.0.0.1:{low}", 0), (f"127.0.0.1:{low + 1}", 1)]
@@ -399,7 +384,7 @@ def test_pinned_source_ports_are_the_ones_chosen_and_shown_in_object_info():
 def test_a_source_port_in_use_is_skipped_for_the_next_of_its_path():
     size = 8 * MiB
     value = _value(size)
-    ports = _free_ports(6)
+    ports = free_ports(6)
     low = int(ports.split("-")[0])
     receiver = Config(paths=2, path_ports=ports, **_BASE)
 
@@ -417,7 +402,7 @@ def test_a_source_port_in_use_is_skipped_for_the_next_of_its_path():
             np.testing.assert_array_equal(np.asarray(got.buffer), value)
         finally:
             taken.close()
-        assert sorted(peers) == [f"127.0.0.1:{low + 1}", f"127.0.0.1:{low + 2}"]
+        assert sorted(set(peers)) == [f"127.0.0.1:{low + 1}", f"127.0.0.1:{low + 2}"]
         info = await b.query(oid)
         assert sorted((p["local"], p["path"]) for p in info["paths"]) == [
             (f"127.0.0.1:{low + 1}", 1), (f"127.0.0.1:{low + 2}", 0)]
@@ -430,7 +415,7 @@ def test_rails_and_paths_together_pin_each_rails_sub_flows_and_keep_the_bytes_wh
     written once (the object's bytes compared whole)."""
     size = 8 * MiB
     value = _value(size)
-    ports = _free_ports(4)
+    ports = free_ports(4)
     low = int(ports.split("-")[0])
     sender = Config(node_host="127.0.1.1,127.0.2.1", **_BASE)
     receiver = Config(node_host="127.0.1.2,127.0.2.2", paths=2, path_ports=ports, **_BASE)
@@ -450,11 +435,11 @@ def test_rails_and_paths_together_pin_each_rails_sub_flows_and_keep_the_bytes_wh
 
 
 def test_a_rail_that_fails_midway_leaves_its_bytes_to_the_other_rail():
-    """The sender's second rail cuts its sub-flow halfway (a NIC going
+    """The sender's second rail cuts its first piece halfway (a NIC going
     down): the pull goes on over the first rail alone, every byte written
-    exactly once, and the directory heard of the failure. (What is left,
-    a quarter, is still worth spreading: the next plan must leave the
-    failed rail out, not meet its failure again.)"""
+    exactly once, and the directory heard of the failure. (What is left is
+    still worth spreading: the next plan must leave the failed rail out,
+    not meet its failure again.)"""
     size = 16 * MiB
     value = _value(size)
     sender = Config(node_host="127.0.1.1,127.0.2.1", **_BASE)
@@ -473,7 +458,8 @@ def test_a_rail_that_fails_midway_leaves_its_bytes_to_the_other_rail():
         got = await b.fetch(oid, 15)
         np.testing.assert_array_equal(np.asarray(got.buffer), value)
         assert (counts == 1).all(), "a byte was written twice, or never"
-        assert cut == [(size // 2, size)] and failed == [a.data_addresses[1]]
+        # (16 MiB in pieces of 2 MiB, dealt: the second rail's first is the second)
+        assert cut == [(2 * MiB, 4 * MiB)] and failed == [a.data_addresses[1]]
         assert not b.pulls.ways.failed_ways  # (the pull's record ended with it)
 
     run_nodes([sender, receiver], body, bound=30)

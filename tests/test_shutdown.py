@@ -92,6 +92,50 @@ def test_ctrl_c_cuts_the_wait_for_pulls_short(held, monkeypatch):
     assert rt.closed, "Ctrl-C during the wait left the runtime open"
 
 
+def test_ctrl_c_as_the_wait_for_pulls_starts_still_closes_the_runtime(held, monkeypatch):
+    """Ctrl-C that landed between the drain's submission to the loop and the
+    wait on it (a slow machine: the drain had begun, the main thread not yet
+    in its `try`) escaped `Runtime._drain` and left the runtime open."""
+    rt = held
+    monkeypatch.setattr(rt.node.server, "serving", lambda oid: True)
+    real = asyncio.run_coroutine_threadsafe
+
+    def submit_then_interrupted(coro, loop):
+        fut = real(coro, loop)
+        if getattr(coro, "__name__", "") == "drain":
+            raise KeyboardInterrupt  # (as a SIGINT handled right after the submission)
+        return fut
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", submit_then_interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        hg.shutdown()
+    assert time.monotonic() - start < 10
+    assert rt.closed, "Ctrl-C as the wait began left the runtime open"
+
+
+def test_ctrl_c_while_the_runtime_closes_still_stops_its_loop(held):
+    """A second Ctrl-C, during the wait for the node and directory to close
+    (`Runtime.close` waited with `fut.result(15)` and caught only
+    Exception), escaped before the loop was stopped: its thread ran on, the
+    calls waiting on it were never cancelled, and the runtime stayed open."""
+    rt = held
+    real = rt._close
+    main = threading.main_thread().ident
+
+    async def close_then_interrupted() -> None:
+        await real()  # (everything closed: nothing is left open by the test)
+        signal.pthread_kill(main, signal.SIGINT)
+        await asyncio.sleep(5)  # the rest of a slow close, cut short
+
+    rt._close = close_then_interrupted
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        hg.shutdown()
+    assert time.monotonic() - start < 5
+    assert rt.closed, "Ctrl-C while the runtime closed left its loop running"
+
+
 def _held_connections(node) -> asyncio.Event:
     """`node`'s pulls wait, before they connect to their sender, until the
     returned event is set."""

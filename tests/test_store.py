@@ -132,6 +132,25 @@ def test_lent_buffers_make_room_oldest_first():
     assert pool.pooled == pool.lent == 0
 
 
+def test_a_buffer_still_read_when_its_object_goes_is_reused_once_let_go():
+    """A dropped object's buffer that a send under way still referred to was
+    let go for good: the pool refused it and never saw it again, so the next
+    object of that size made fresh memory (a training loop under load reused
+    fewer buffers than it should). It is tracked as lent and taken back once
+    the reader lets go; reused only then, and tracked once."""
+    store = ChunkStore(pool_bytes=16 * MiB)
+    obj = store.create(ObjectID.random(), layout(2 * MiB))
+    sending = memoryview(obj.buffer)  # (a send's view)
+    store.remove(obj.oid)
+    assert (store.pool.pooled, store.pool.lent) == (0, 2 * MiB)
+    assert store.pool.acquire(2 * MiB) is not sending.obj, "reused under a live view"
+    base = sending.obj
+    assert not store.pool.release(base)  # (still read: tracked once, not freed)
+    assert store.pool.lent == 2 * MiB
+    first, sending, base = id(sending.obj), None, None
+    assert id(store.pool.acquire(2 * MiB)) == first and store.pool.reclaimed == 1
+
+
 def test_pool_respects_its_budget():
     pool = BufferPool(3 * MiB)
     a, b = pool.acquire(2 * MiB), pool.acquire(2 * MiB)

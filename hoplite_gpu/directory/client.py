@@ -53,11 +53,12 @@ class DirectoryClient:
     async def connect(cls, address: str, *, token: str, node: str, data_address: str,
                       timeout: float, on_push: Callable[[m.Message], None],
                       stall_s: float | None = None, tls: TLS | None = None,
-                      rails: Sequence[str] = ()) -> DirectoryClient:
+                      rails: Sequence[str] = (), rack: str | None = None) -> DirectoryClient:
         """Connect (in TLS, given `tls`), authenticate and register within
         `timeout` seconds in all, with every data address the node listens
-        on where it has several (`rails`, `data_address` first). A directory
-        that then takes no message for `stall_s` seconds is lost."""
+        on where it has several (`rails`, `data_address` first), and its
+        `rack`. A directory that then takes no message for `stall_s`
+        seconds is lost."""
         scheme, _, _ = split_address(address)
         deadline = time.monotonic() + timeout  # one deadline for the whole: connect, handshake, register
         try:
@@ -73,7 +74,8 @@ class DirectoryClient:
             async with asyncio.timeout(left):
                 await client_handshake(stream, token, left)
                 await send_msg(stream, m.Register(node=node, address=data_address,
-                                                  addresses=list(rails) if len(rails) > 1 else []))
+                                                  addresses=list(rails) if len(rails) > 1 else [],
+                                                  rack=rack or ""))
                 answer = raise_for_error(m.read_reply(m.Register, await recv_msg(stream)))
         except (TimeoutError, Timeout) as exc:
             await stream.close()

@@ -205,6 +205,10 @@ class Entry:
     stripes: Trees | None = None
     #: not striped while it has fewer holders than this (`Striping.wanted`)
     unstriped_until: int = 0
+    #: receivers moved to another sender so far (racks.py): the number of
+    #: the latest move's push, which replies after it carry (`seq`), so a
+    #: node takes the newer of the two
+    moves: int = 0
 
     def detach(self, node: NodeId) -> None:
         """`node` stops pulling: free the slots it used at its senders."""

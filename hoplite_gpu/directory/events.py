@@ -16,12 +16,14 @@ Key = bytes  # an ObjectID's 20 raw bytes
 @dataclass(frozen=True)
 class NodeJoined:
     """`node` joined, its data server at `address`; `rails`: every address
-    it listens on, where it has several (`address` among them)."""
+    it listens on, where it has several (`address` among them); `rack`:
+    where it sits in the fabric (None: not said)."""
 
     node: NodeId
     address: str
     now: float = 0.0
     rails: tuple[str, ...] = ()
+    rack: str | None = None
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,15 @@ node is alive (`nodes`); nothing else writes it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .events import Heartbeat, NodeId, NodeJoined, Tick
 
 
 class Leases:
     """The live nodes (node -> address), the addresses of those with several
-    (rails), and when each last renewed its lease."""
+    (rails), the racks of those that said one, and when each last renewed
+    its lease."""
 
     def __init__(self, lease_s: float, tick_s: float | None) -> None:
         self.lease_s = lease_s
@@ -21,6 +24,8 @@ class Leases:
         self.nodes: dict[NodeId, str] = {}
         #: node -> every data address it listens on, for nodes with several
         self.rails: dict[NodeId, tuple[str, ...]] = {}
+        #: node -> its rack, for nodes that said one
+        self.racks: dict[NodeId, str] = {}
         #: node -> when its lease was last renewed
         self.last_seen: dict[NodeId, float] = {}
         #: the last Tick's time (None before the first)
@@ -32,7 +37,19 @@ class Leases:
             self.rails[ev.node] = ev.rails
         else:
             self.rails.pop(ev.node, None)
+        if ev.rack:
+            self.racks[ev.node] = ev.rack
+        else:
+            self.racks.pop(ev.node, None)
         self.last_seen[ev.node] = ev.now
+
+    def rails_of(self, senders: Iterable[NodeId]) -> dict[str, list[str]]:
+        """Every data address of each of `senders` that listens on several
+        (rails): a pull from it may spread over them."""
+        rails = self.rails
+        if not rails:
+            return {}
+        return {node: list(rails[node]) for node in senders if node in rails}
 
     def heartbeat(self, ev: Heartbeat) -> None:
         if ev.node in self.nodes:
@@ -56,4 +73,5 @@ class Leases:
     def lost(self, node: NodeId) -> None:
         self.nodes.pop(node, None)
         self.rails.pop(node, None)
+        self.racks.pop(node, None)
         self.last_seen.pop(node, None)

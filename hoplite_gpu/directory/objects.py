@@ -364,10 +364,12 @@ class Objects:
                              paths=paths)
 
     def path_taken(self, ev: PathTaken, out: list[Command]) -> None:
-        """A holder's pull runs a connection on a rail or path: kept (the
+        """A holder's pull runs a connection on a rail or path, or a pull of
+        a step of the reduce making the object (a step's node): kept (the
         latest EDGES_KEPT of them) for `describe`."""
         entry = self.objects.get(ev.oid)
-        if entry is None or ev.node not in entry.holders:
+        if entry is None or not (ev.node in entry.holders
+                                 or self._reduces.steps_on(ev.oid, ev.node)):
             return
         if entry.paths is None:
             entry.paths = deque(maxlen=EDGES_KEPT)

@@ -26,13 +26,13 @@ MIN_FOLD_STEP = 1 << 18
 FOLD_PIECES = 8
 
 
-def fold_unit(size: int, step: int = FOLD_STEP) -> int:
+def fold_unit(size: int, step: int = FOLD_STEP, pieces: int = FOLD_PIECES) -> int:
     """Bytes per piece that a host reduce step folds and hands on for an
-    object of `size` bytes: `step` (at most), or an eighth of the object down
-    to `MIN_FOLD_STEP`. After the last input every level of a tree adds one
-    piece's time, so a 1 MiB object folded whole pays its full `S/B` per
-    level; in 256 KiB pieces, a quarter of it."""
-    return max(1, min(step, max(MIN_FOLD_STEP, -(-size // FOLD_PIECES))))
+    object of `size` bytes: `step` (at most), or a `pieces`-th of the object
+    (an eighth by default) down to `MIN_FOLD_STEP`. After the last input every
+    level of a tree adds one piece's time, so a 1 MiB object folded whole pays
+    its full `S/B` per level; in 256 KiB pieces, a quarter of it."""
+    return max(1, min(step, max(MIN_FOLD_STEP, -(-size // max(1, pieces)))))
 
 
 @functools.lru_cache(maxsize=4096)

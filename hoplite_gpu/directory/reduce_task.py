@@ -156,16 +156,20 @@ def check_input(task: ReduceTask, oid: Key, entry: Entry, settings: Settings) ->
 
 
 def step_command(task: ReduceTask, pos: int, kids: list[int], addresses: dict[NodeId, str],
-                 final: bool = False) -> m.ReduceStep:
+                 final: bool = False, rails: dict[NodeId, tuple[str, ...]] | None = None
+                 ) -> m.ReduceStep:
     """The command of a step at `pos` folding `kids` (children of it) into
     what the position holds so far: its input, or its last early step's
     output. Final: the position's own output (the target at the root);
-    else the output of a new early step. `addresses`: the live nodes'."""
+    else the output of a new early step. `addresses`: the live nodes';
+    `rails`: every address of those that listen on several."""
     parent, children = inorder_tree(task.k, task.degree)
     sources = []
     for c in kids:
         source = step_id(task.target, c, task.tag) if children[c] else task.slot(c)[0]
-        sources.append(m.StepChild(oid=source, address=addresses.get(task.slot(c)[1], "")))
+        node = task.slot(c)[1]
+        sources.append(m.StepChild(oid=source, address=addresses.get(node, ""), node=node,
+                                   rails=list((rails or {}).get(node, ()))))
     done = task.phases.get(pos, 0)
     is_root = final and parent[pos] is None
     output = (task.target if is_root else step_id(task.target, pos, task.tag) if final

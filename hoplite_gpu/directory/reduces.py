@@ -38,6 +38,8 @@ class Reduces:
         self.settings = settings
         #: the live nodes (`Leases.nodes`, read here, written there only)
         self._nodes = leases.nodes
+        #: the addresses of nodes with several (`Leases.rails`, read here)
+        self._rails = leases.rails
         self._requests = requests
         self._objects = objects
         #: distinguishes this directory's trees from a previous incarnation's
@@ -178,6 +180,11 @@ class Reduces:
         """Whether an unfinished reduce makes `oid`."""
         task = self.reduces.get(oid)
         return task is not None and not (task.done or task.failed)
+
+    def steps_on(self, oid: Key, node: NodeId) -> bool:
+        """Whether the reduce making `oid` has a tree position on `node`."""
+        task = self.reduces.get(oid)
+        return task is not None and any(n == node for _, n in task.slots)
 
     def knows(self, oid: Key) -> bool:
         """Whether a reduce (of any state) was asked to make `oid`."""
@@ -365,14 +372,15 @@ class Reduces:
             if len(fresh) + len(folded) < len(children[pos]):
                 if fresh:  # some arrived, others not: fold these ahead
                     out.append(StartReduceStep(task.slot(pos)[1],
-                                               step_command(task, pos, fresh, self._nodes)))
+                                               step_command(task, pos, fresh, self._nodes,
+                                                            rails=self._rails)))
                     task.folded.setdefault(pos, []).extend(fresh)
                     task.phases[pos] = task.phases.get(pos, 0) + 1
                 continue
             if children[pos] or is_root:
                 task.started.add(pos)
                 out.append(StartReduceStep(task.slot(pos)[1], step_command(
-                    task, pos, fresh, self._nodes, final=True)))
+                    task, pos, fresh, self._nodes, final=True, rails=self._rails)))
             if is_root:
                 self._register_result(task, task.slot(pos)[1], out)
 

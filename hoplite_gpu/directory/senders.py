@@ -23,6 +23,7 @@ from .entry import Entry, Holder
 from .events import Key, NodeId
 from .leases import Leases
 from .objects import _held, _held_body
+from .racks import Racks
 from .reduce_plan import broadcast_fanout
 from .requests import Requests
 from .settings import Settings
@@ -42,13 +43,15 @@ class Senders:
         self.settings = settings
         #: the live nodes (`Leases.nodes`, read here, written there only)
         self._nodes = leases.nodes
-        #: the addresses of nodes with several (`Leases.rails`, read here)
-        self._rails = leases.rails
+        #: the addresses of nodes with several (`Leases.rails_of`)
+        self.rails_of = leases.rails_of
         #: the direct locates (`Requests.direct`, read here)
         self._direct = requests.direct
         self._objects = objects
         #: striped objects' senders
         self.striping = Striping(settings, leases, objects)
+        #: the nodes' racks: a sender in the receiver's rack first
+        self.racks = Racks(settings, leases, objects)
         self._tasks: dict[Key, ReduceTask]
         #: Pick every sender by the scan of `Entry.open` alone, never by the
         #: earliest open complete copy (`Entry.senders`): the reference that
@@ -123,7 +126,8 @@ class Senders:
     def assign(self, oid: Key, entry: Entry, receiver: NodeId, record: bool = True,
                out: list[Command] | None = None) -> m.Location | None:
         """`receiver`'s answer to a locate of `oid` (None: it waits). Pushes
-        the assignment makes (a striped object's receivers moved) go to `out`."""
+        the assignment makes (a striped object's receivers moved, or a
+        receiver of another rack moved below this one: racks.py) go to `out`."""
         task = self._tasks.get(oid)
         reducing = task is not None and not (task.done or task.failed or task.inline)
         tag = task.tag if reducing else None  # (confirm the copy before handing it out)
@@ -152,6 +156,9 @@ class Senders:
         if mine is not None and mine.upstream is not None:
             entry.detach(receiver)  # asked again while pulling: free the old slot
         sender = self.pick_sender(entry, receiver)
+        moved = self._rack_move(oid, entry, receiver, sender, mine, tag, out)
+        if moved is not None:
+            return moved
         if sender is None:
             return None
         if mine is None:
@@ -165,7 +172,7 @@ class Senders:
         if not also:
             mine.also, mine.several = (), False
             return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag,
-                              sender=sender, address=self._nodes[sender],
+                              sender=sender, address=self._nodes[sender], seq=entry.moves,
                               rails=self.rails_of((sender,)))
         for node in also:
             entry.holders[node].serving.add(receiver)
@@ -174,15 +181,22 @@ class Senders:
         return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag, sender=sender,
                           address=self._nodes[sender],
                           also=[m.Source(sender=n, address=self._nodes[n]) for n in also],
-                          rails=self.rails_of((sender, *also)))
+                          seq=entry.moves, rails=self.rails_of((sender, *also)))
 
-    def rails_of(self, senders: tuple[NodeId, ...]) -> dict[str, list[str]]:
-        """Every data address of each of `senders` that listens on several
-        (rails): a pull from it may spread over them."""
-        rails = self._rails
-        if not rails:
-            return {}
-        return {node: list(rails[node]) for node in senders if node in rails}
+    def _rack_move(self, oid: Key, entry: Entry, receiver: NodeId, sender: NodeId | None,
+                   mine: Holder | None, tag: bytes | None,
+                   out: list[Command] | None) -> m.Location | None:
+        """Where `sender` sits in another rack than `receiver` (or there is
+        none): `receiver` in the place of a fresh receiver of another rack
+        below a holder of its own (racks.py). None: no rack, or no such move."""
+        rack = self.racks.of(receiver)
+        if (rack is None or (sender is not None and self.racks.of(sender) == rack)
+                or entry.relay or (mine is not None and (mine.serving or mine.origin))):
+            return None
+        place = self.racks.displaced(entry, receiver, lambda node: self.may_serve(
+            entry, node, receiver, mine, True))
+        return None if place is None else self.racks.take_place(
+            oid, entry, receiver, *place, tag, [] if out is None else out)
 
     def more_sources(self, entry: Entry, receiver: NodeId, sender: NodeId) -> list[NodeId]:
         """Other senders for a pull from `sender`, when the object is large
@@ -253,33 +267,45 @@ class Senders:
         if fanout > entry.open_fanout:  # (holders found full before may have room now)
             entry.reopen_all()
         entry.open_fanout = fanout
+        rack = self.racks.of(receiver)
         if entry.senders.items and not self._scan_only:
             choice = self._earliest_copy(entry, receiver, mine, served, fanout, avoid_failed)
-            if choice is not None:
+            if choice is not None and (rack is None or self.racks.of(choice) == rack):
                 return choice
         # The scan: the best of every open holder that may serve the receiver
-        # (complete first, then the furthest ahead, then the earliest).
-        best: tuple[bool, int, int] | None = None
+        # (one in its rack first, then complete, then the furthest ahead,
+        # then the earliest).
+        best: tuple[bool, bool, int, int] | None = None
         choice: NodeId | None = None
-        nodes = self._nodes
+        racks = self.racks.racks
         for node in list(entry.open):
             holder = entry.holders.get(node)
             if holder is None or len(holder.serving) >= fanout:
                 entry.close(node)  # (reopened when it frees a slot or the fanout grows)
                 continue
-            if (node == receiver or node not in nodes
-                    or (avoid_failed and mine is not None and node in mine.failed_from)
-                    or not (holder.complete or self.can_complete(entry, node))
-                    or (served and self.depends_on(entry, node, receiver))):
+            if not self.may_serve(entry, node, receiver, mine, avoid_failed, served):
                 continue
             if not holder.complete and holder.nbytes < have and not holder.origin:
                 # A partial copy behind ours helps only once it overtakes us; a
                 # complete or further-ahead one is better, so wait for it.
                 continue
-            rank = (holder.complete, holder.nbytes, -holder.seq)
+            rank = (rack is not None and racks.get(node) == rack, holder.complete,
+                    holder.nbytes, -holder.seq)
             if best is None or rank > best:
                 best, choice = rank, node
         return choice
+
+    def may_serve(self, entry: Entry, node: NodeId, receiver: NodeId, mine: Holder | None,
+                  avoid_failed: bool, served: bool = False) -> bool:
+        """Whether holder `node` may serve `receiver` (its holder `mine`;
+        `served`: it serves others): alive, not the receiver itself nor one
+        it failed on (with `avoid_failed`), able to complete, and not
+        pulling from the receiver (no cycle)."""
+        holder = entry.holders[node]
+        return not (node == receiver or node not in self._nodes
+                    or (avoid_failed and mine is not None and node in mine.failed_from)
+                    or not (holder.complete or self.can_complete(entry, node))
+                    or (served and self.depends_on(entry, node, receiver)))
 
     def _earliest_copy(self, entry: Entry, receiver: NodeId, mine: Holder | None,
                        served: bool, fanout: int, avoid_failed: bool) -> NodeId | None:

@@ -252,7 +252,8 @@ class DirectoryServer:
         # (our lease, which the node beats well within, whatever its own settings)
         peer.outbox.post(m.Registered(ok=True, node=node, lease_s=self.state.lease_s,
                                       nodes=len(self.peers) - 1))
-        self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time(), rails))
+        self.apply(state.NodeJoined(node, address, asyncio.get_running_loop().time(), rails,
+                                    hello.rack or None))
         try:
             await self._read_loop(peer)
         except HopliteError as exc:

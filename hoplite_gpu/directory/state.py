@@ -244,6 +244,7 @@ class Directory:
     # ------------------------------------ the parts' tables, for reading ---
     nodes = _table("_leases", "nodes")
     rails = _table("_leases", "rails")
+    racks = _table("_leases", "racks")
     last_seen = _table("_leases", "last_seen")
     last_tick = _table("_leases", "last_tick")
     lease_s = _table("_leases", "lease_s")

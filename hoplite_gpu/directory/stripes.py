@@ -465,6 +465,8 @@ class Striping:
         self.settings = settings
         #: the live nodes (`Leases.nodes`, read here, written there only)
         self._nodes = leases.nodes
+        #: the addresses of nodes with several (`Leases.rails_of`)
+        self._rails_of = leases.rails_of
         self._objects = objects
 
     def wanted(self, entry: Entry, reducing: bool) -> int:
@@ -514,6 +516,7 @@ class Striping:
         origins are the roots, and the receivers pulling it already are
         placed in the trees in the order they came, and told."""
         trees = entry.stripes = Trees(k, entry.size, entry.holders, self._usable(entry))
+        trees.seq = entry.moves  # (numbered after the moves of before: racks.py)
         self._weigh(entry)
         ranked = sorted(entry.holders.items(), key=lambda nh: nh[1].seq)
         pulling = [node for node, holder in ranked if holder.upstream is not None]
@@ -570,7 +573,8 @@ class Striping:
         stripes = self.stripes_of(entry, receiver)
         return m.Location(size=entry.size, layout=entry.layout, reduce_tag=tag,
                           sender=stripes[0].sender, address=stripes[0].address,
-                          stripes=stripes, seq=entry.stripes.seq, piece=self.piece(entry))
+                          stripes=stripes, seq=entry.stripes.seq, piece=self.piece(entry),
+                          rails=self._rails_of(s.sender for s in stripes))
 
     def stripes_of(self, entry: Entry, node: NodeId) -> list[m.Stripe]:
         nodes = self._nodes
@@ -591,6 +595,7 @@ class Striping:
         if moved:
             piece = self.piece(entry)
             for node in moved:
+                stripes = self.stripes_of(entry, node)
                 out.append(PushRestripe(node, oid, m.Restripe(
-                    oid=oid, stripes=self.stripes_of(entry, node), seq=trees.seq,
-                    piece=piece)))
+                    oid=oid, stripes=stripes, seq=trees.seq, piece=piece,
+                    rails=self._rails_of(s.sender for s in stripes))))

@@ -4,8 +4,10 @@ Each sub-flow writes its range in place. A plan of one sub-flow that starts
 at the object's watermark (today's pull) records its bytes in the watermark
 itself, as it always did: no ledger, no task. A plan of several records
 every piece in the object's `Ledger`, whose prefix moves the watermark (so a
-partial copy is relayed as it fills), and runs as a queue: one worker per sender takes the
-next sub-flow whenever it is done with one. A sub-flow that fails is
+partial copy is relayed as it fills), and runs as a queue: one worker per
+route takes the next sub-flow whenever it is done with one (a pinned plan's
+workers start with their own: one sub-flow each, or, dealt over one
+sender's rails and paths, each route its pieces in turn). A sub-flow that fails is
 reported, its sender is out, and what it had not written yet goes back to
 the queue for the others; with none left the failure is the pull's, and the
 caller asks the directory again (the ledger stays with the object, so the
@@ -75,19 +77,24 @@ def plan_for(obj: StoredObject, sender: str, address: str,
     end, sender, address), each stripe's missing bytes from its sender, in
     messages of `piece` bytes (`Plan.striped`). `routes`, where given, are
     the ways to the senders (several per sender: its rails and paths):
-    pieces go to them in turn, and one sender's several routes split the
-    bytes equally, one sub-flow on each, all at once (`Plan.split`)."""
+    pieces go to them in turn, and one sender's several routes share its
+    bytes equally, pieces dealt to them in turn and each route pulling its
+    own one after another, all routes at once (`Plan.dealt`), a stripe's
+    bytes too."""
     missing = None if obj.ledger is None else obj.ledger.missing()
     if stripes:
         return Plan.striped(obj.oid, obj.size, stripes,
-                            [(obj.ready, obj.size)] if missing is None else missing, piece)
+                            [(obj.ready, obj.size)] if missing is None else missing, piece,
+                            routes, piece_size)
     ranges = [(obj.ready, obj.size)] if missing is None else missing
     ways = list(routes) or [as_route(s) for s in [(sender, address), *also]]
+    nbytes = sum(b - a for a, b in ranges)
     if also:
         return Plan.pieces(obj.oid, obj.size, ways, missing=ranges,
-                           piece=piece_size(sum(b - a for a, b in ranges), len(ways)))
+                           piece=piece_size(nbytes, len(ways)))
     if len(ways) > 1:
-        return Plan.split(obj.oid, obj.size, ways, missing=ranges, pinned=True)
+        return Plan.dealt(obj.oid, obj.size, ways, missing=ranges,
+                          piece=piece_size(nbytes, len(ways)))
     if missing is None:
         flow = SubFlow(obj.ready, obj.size, sender, ways[0][1], local=ways[0][2],
                        path=ways[0][3])
@@ -123,10 +130,11 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
     queue = _Queue(plan, obj, obj.ledger, fetch, failed, retry_on)
     try:
         async with asyncio.TaskGroup() as tasks:
-            if plan.pinned:  # each sub-flow from its own route, all at once
-                named = {f.route for f in plan.flows}
-                for flow in queue.take_all():
-                    tasks.create_task(queue.work(flow.route, flow))
+            if plan.pinned:  # each route's own sub-flows from it, all routes at once
+                own = queue.take_all()
+                for route, flows in own:
+                    tasks.create_task(queue.work(route, flows))
+                named = {route for route, _ in own}
                 for route in plan.routes:  # spares: only for what fails
                     if route not in named:
                         tasks.create_task(queue.work(route))
@@ -148,17 +156,21 @@ async def run_plan(plan: Plan, obj: StoredObject, fetch: Fetch, failed: Failed,
 class _Queue:
     """A plan's sub-flows as a queue that one worker per route takes from,
     the next one whenever it is done with one: a faster sender takes more.
-    (A pinned plan's workers start with a sub-flow each, on its own route,
-    and take from the queue only what failed ones left.) A sender that
-    fails, on any of its routes, is out; what its sub-flow had not written
-    goes back to the front of the queue for the others. The workers end when the queue is
-    empty and none is pulling; `error` is the last failure, the pull's if
-    some bytes were left with no sender to take them."""
+    (A pinned plan's workers start with their own sub-flows, on their own
+    routes: one each, or with `serial` all of that route's, one after
+    another; they take from the queue only what failed ones left.) A
+    sender that fails, on any of its routes, is out: what its sub-flow had
+    not written goes back to the front of the queue for the others, and
+    its other routes leave theirs there too once done with the one in
+    hand. The workers end when the queue is empty and none is pulling;
+    `error` is the last failure, the pull's if some bytes were left with
+    no sender to take them."""
 
     def __init__(self, plan: Plan, obj: StoredObject, ledger: Ledger, fetch: Fetch,
                  failed: Failed, retry_on: tuple[type[BaseException], ...]) -> None:
         self.flows = collections.deque(plan.flows)
-        #: whether a worker done with its own sub-flow takes what failed ones left
+        self.serial = plan.serial
+        #: whether a worker done with its own sub-flows takes what failed ones left
         self.spares = plan.spares
         #: who takes what failed ones left all the same (`Plan.backups`)
         self.backups = {(b[0], b[1]) for b in plan.backups}
@@ -169,43 +181,70 @@ class _Queue:
         self.lost: set[str] = set()
         self.changed = asyncio.Condition()
 
-    def take_all(self) -> list[SubFlow]:
-        """Every sub-flow, now each worker's own (a pinned plan): the queue
-        keeps only what failed ones leave, and counts them as pulling."""
+    def take_all(self) -> list[tuple[Route, list[SubFlow]]]:
+        """Every sub-flow, now its route's worker's own (a pinned plan): one
+        worker per sub-flow, or with `serial` per route, its sub-flows in
+        order. The queue keeps only what failed ones leave, and counts the
+        workers as pulling."""
         flows, self.flows = list(self.flows), collections.deque()
-        self.busy = len(flows)
-        return flows
+        if self.serial:
+            own: dict[Route, list[SubFlow]] = {}
+            for flow in flows:
+                own.setdefault(flow.route, []).append(flow)
+            workers = list(own.items())
+        else:
+            workers = [(flow.route, [flow]) for flow in flows]
+        self.busy = len(workers)
+        return workers
 
-    async def work(self, route: Route, own: SubFlow | None = None) -> None:
+    async def work(self, route: Route, own: Sequence[SubFlow] = ()) -> None:
         sender, address, local, path = route
-        while True:
-            if own is not None:  # (counted as pulling by `take_all`)
-                flow, own = own, None
-            elif not self.spares and (sender, address) not in self.backups:
-                return  # (its own sub-flow done: what others leave goes nowhere else)
-            else:
-                async with self.changed:
-                    await self.changed.wait_for(lambda: self.flows or not self.busy)
-                    if not self.flows or sender in self.lost:
-                        return  # (nothing left, and nobody pulling may hand back any)
-                    flow = self.flows.popleft().moved(sender, address, local=local, path=path)
-                    self.busy += 1
+        if own:  # (counted as pulling by `take_all`)
+            mine = collections.deque(own)
             try:
-                await self.fetch(flow, FlowSink(self.obj, self.ledger, flow.start))
-            except self.retry_on as exc:
-                self.failed(flow, exc)
-                self.error = exc
-                self.lost.add(sender)
-                rest = self.ledger.rest(flow)
-                if rest:
-                    log.info("pull %s: bytes %d to %d of %s go back to the other senders",
-                             self.obj.oid.hex(), rest[0].start, rest[-1].end, sender)
-                self.flows.extendleft(reversed(rest))
-                return
+                while mine:
+                    if sender in self.lost:  # (failed on another route: for the others)
+                        self.flows.extend(mine)
+                        break
+                    flow = mine.popleft()
+                    if not await self._pull(flow, sender, mine):
+                        return
             finally:
                 async with self.changed:
                     self.busy -= 1
                     self.changed.notify_all()
+        while self.spares or (sender, address) in self.backups:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.flows or not self.busy)
+                if not self.flows or sender in self.lost:
+                    return  # (nothing left, and nobody pulling may hand back any)
+                flow = self.flows.popleft().moved(sender, address, local=local, path=path)
+                self.busy += 1
+            try:
+                if not await self._pull(flow, sender):
+                    return
+            finally:
+                async with self.changed:
+                    self.busy -= 1
+                    self.changed.notify_all()
+
+    async def _pull(self, flow: SubFlow, sender: str, after: Sequence[SubFlow] = ()) -> bool:
+        """Pull `flow`; False if it failed (its sender is out, and what it
+        had not written goes back to the queue, then the sub-flows `after`
+        it that were its route's own)."""
+        try:
+            await self.fetch(flow, FlowSink(self.obj, self.ledger, flow.start))
+        except self.retry_on as exc:
+            self.failed(flow, exc)
+            self.error = exc
+            self.lost.add(sender)
+            rest = self.ledger.rest(flow)
+            if rest:
+                log.info("pull %s: bytes %d to %d of %s go back to the other senders",
+                         self.obj.oid.hex(), rest[0].start, rest[-1].end, sender)
+            self.flows.extendleft(reversed([*rest, *after]))
+            return False
+        return True
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -12,11 +12,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from hoplite_gpu import messages as m
-from hoplite_gpu.config import Config
+from hoplite_gpu.config import Config, rack_label
 from hoplite_gpu.directory.client import DirectoryClient
 from hoplite_gpu.directory.wire import raise_for_error
 from hoplite_gpu.errors import DirectoryUnavailable, HopliteError, PeerLost, Timeout
 from hoplite_gpu.timers import Expired, until
+from hoplite_gpu.transports import split_address
 from hoplite_gpu.transports.tls import TLS
 
 from .tasks import TaskSet
@@ -55,6 +56,7 @@ class DirectoryLink:
         self._handlers: dict[type, Callable[[m.Message], None]] = {}
         self._data_address = ""
         self._rails: tuple[str, ...] = ()
+        self._rack: str | None = None
         self._tasks = TaskSet()
         self._closed: BaseException | None = None
 
@@ -68,6 +70,8 @@ class DirectoryLink:
         answers (`_join`), and start beating."""
         self._data_address = data_address
         self._rails = tuple(rails)
+        #: the rack this node registers (`config.rack_label`)
+        self._rack = rack_label(self.config.rack, split_address(data_address)[1])
         self.client = await self._join(0, fail=True)
         self.registrations.append((self.address, time.time()))
         self.connected.set()
@@ -108,7 +112,7 @@ class DirectoryLink:
     def _connect(self, address: str):  # (a coroutine: the client once connected)
         return DirectoryClient.connect(
             address, token=self.token, node=self.node_id,
-            data_address=self._data_address, rails=self._rails,
+            data_address=self._data_address, rails=self._rails, rack=self._rack,
             timeout=self.config.connect_timeout_s, on_push=self.on_push,
             stall_s=self.config.stall_timeout_s, tls=self.tls)
 

@@ -129,7 +129,8 @@ class Node:
                            post=lambda msg: self._post(msg),
                            request=lambda msg, timeout: self._request(msg, timeout),
                            make_room=lambda need, what: self.memory.make_room(need, what),
-                           forgot_since=self.forgotten.since)
+                           forgot_since=self.forgotten.since,
+                           pull_child=lambda *args: self.pulls.flows.pull_child(*args))
         #: room in the store under `store_bytes` (evictions, trimming)
         self.memory = Memory(self.store, config, self.node_id,
                              lambda msg: self.link.ask(msg), self._step_reads)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from hoplite_gpu.balance import least_loaded
@@ -100,19 +100,23 @@ class PathTable:
             raise ValueError(f"{self.paths} paths need at least as many ports; "
                              f"got {len(self.ports_range)}")
 
-    def assign(self, rail: str, parts: int, nbytes: float) -> list[int]:
+    def assign(self, rail: str, parts: int, nbytes: float,
+               avoid: Collection[int] = ()) -> list[int]:
         """The paths of a pull's `parts` sub-flows of `nbytes` each from
         `rail`, least loaded first (ties: least carried in all, then the
-        lowest), distinct while the pull has unused ones; each counted as
-        loaded until `ended`."""
+        lowest), distinct while the pull has unused ones, none of `avoid`
+        (paths it failed on); each counted as loaded until `ended`."""
         now = self.active.setdefault(rail, [0.0] * self.paths)
         ever = self.total.setdefault(rail, [0.0] * self.paths)
+        usable = [k for k in range(self.paths) if k not in avoid]
+        if not usable:
+            raise ValueError(f"every one of the {self.paths} paths is to be avoided")
         chosen: list[int] = []
         used: set[int] = set()
         for _ in range(parts):
-            if len(used) == self.paths:
+            if len(used) == len(usable):
                 used.clear()
-            free = [k for k in range(self.paths) if k not in used]
+            free = [k for k in usable if k not in used]
             path = free[least_loaded([now[k] for k in free], lambda j, free=free: ever[free[j]])]
             used.add(path)
             now[path] += nbytes

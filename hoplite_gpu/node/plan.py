@@ -8,9 +8,11 @@ the ECMP path whose source port the connection takes (docs/fabric.md,
 A pull from several (`Plan.pieces`) cuts the bytes into pieces that the
 pull engine (`hoplite_gpu.node.engine`) hands to its routes as a queue, so
 each takes the next piece when done with one (a faster sender takes more);
-a pull from one sender over several rails or paths is `Plan.split`, one
-equal sub-flow per route. When one fails, the `Ledger` says which of its
-bytes are still missing, and those go back to the queue for the others.
+a pull from one sender over several rails or paths is `Plan.dealt`: pieces
+dealt to the routes in turn, each route pulling its own one after another
+(an equal share each, and the written prefix moves as they land). When one
+fails, the `Ledger` says which of its bytes are still missing, and those go
+back to the queue for the others.
 The ledger refuses to record a byte twice, and its `prefix` is the
 watermark the store exposes for relaying.
 
@@ -20,7 +22,8 @@ Pure: no I/O, no clocks, no asyncio.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,6 +100,9 @@ class Plan:
     #: left, at once (each a complete copy that waits on nobody: a
     #: multitree broadcast's root)
     backups: tuple[tuple[str, str], ...] = ()
+    #: (pinned) a route's sub-flows run one after another, in their order
+    #: here, on one connection; else each sub-flow at once on its own
+    serial: bool = False
 
     def __post_init__(self) -> None:
         last = 0
@@ -117,25 +123,30 @@ class Plan:
               pinned: bool = False) -> Plan:
         """The `missing` ranges (all of [0, size) by default) in `parts` equal
         sub-flows (one per sender, or route, by default), the senders taken
-        in turn; `pinned`: each from its own, all at once (Ethereal's split
-        of one flow over paths)."""
+        in turn; `pinned`: each from its own, all at once."""
         if not senders:
             raise ValueError("a plan needs at least one sender")
         routes = [as_route(s) for s in senders]
-        ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
-        total = sum(b - a for a, b in ranges)
-        parts = max(1, min(parts or len(senders), total or 1))
-        flows: list[SubFlow] = []
-        cuts = [total * i // parts for i in range(parts + 1)]  # in missing bytes
-        done = 0  # missing bytes before the current range
-        for a, b in ranges:
-            for i in range(parts):
-                lo = max(a, a + cuts[i] - done)
-                hi = min(b, a + cuts[i + 1] - done)
-                if lo < hi:
-                    flows.append(_flow(lo, hi, routes[i % len(routes)]))
-            done += b - a
-        return cls(oid, size, tuple(flows), tuple(routes), pinned=pinned)
+        ranges = _ranges(size, missing)
+        parts = max(1, min(parts or len(senders), sum(b - a for a, b in ranges) or 1))
+        return cls(oid, size, tuple(_cut(ranges, parts, routes)), tuple(routes), pinned=pinned)
+
+    @classmethod
+    def dealt(cls, oid: Any, size: int, routes: Sequence[tuple[str, str] | Route],
+              missing: Iterable[tuple[int, int]] | None = None, piece: int = 1) -> Plan:
+        """Ethereal's split of one flow over several routes (rails, ECMP
+        paths): the `missing` ranges (all of [0, size) by default) cut into
+        equal pieces of at most `piece` bytes, as many for every route, and
+        dealt to the routes in turn; each route pulls its own in order, all
+        routes at once (`serial`). Each route carries an equal share, and
+        as the pieces land in order the written prefix moves on, so a copy
+        that is still being made (a relay's, a reduce step's output) is
+        pulled as it grows, on every route."""
+        if not routes:
+            raise ValueError("a plan needs at least one route")
+        ways = [as_route(r) for r in routes]
+        return cls(oid, size, tuple(deal(_ranges(size, missing), ways, piece)), tuple(ways),
+                   pinned=True, serial=True)
 
     @classmethod
     def pieces(cls, oid: Any, size: int, senders: Sequence[tuple[str, str] | Route],
@@ -148,7 +159,7 @@ class Plan:
             raise ValueError("a plan needs at least one sender")
         if piece < 1:
             raise ValueError(f"a piece has at least one byte; got {piece}")
-        ranges = [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
+        ranges = _ranges(size, missing)
         routes = [as_route(s) for s in senders]
         flows = [_flow(lo, min(lo + piece, b), routes[i % len(routes)])
                  for i, (lo, b) in enumerate((lo, b) for a, b in ranges
@@ -157,14 +168,30 @@ class Plan:
 
     @classmethod
     def striped(cls, oid: Any, size: int, stripes: Sequence[tuple[int, int, str, str]],
-                missing: Iterable[tuple[int, int]], piece: int = 0) -> Plan:
+                missing: Iterable[tuple[int, int]], piece: int = 0,
+                routes: Sequence[Route] = (), cut: Callable[[int, int], int] | None = None
+                ) -> Plan:
         """A striped pull: of each stripe (start, end, sender, address), what
-        `missing` lacks of it, from that stripe's sender, all at once."""
+        `missing` lacks of it, from that stripe's sender, all at once, in
+        messages of `piece` bytes. Where `routes` give a stripe's sender
+        several (its rails and paths), that stripe's bytes are dealt over
+        them as `dealt` does, in pieces of `cut(bytes, routes)`; the stripes'
+        pieces alternate on a route two of them share."""
         missing = list(missing)
-        flows = tuple(SubFlow(lo, hi, sender, address, piece)
-                      for start, end, sender, address in stripes for a, b in missing
-                      if (lo := max(a, start)) < (hi := min(b, end)))
-        return cls(oid, size, flows, pinned=True, spares=False)
+        dealt: list[list[SubFlow]] = []
+        for start, end, sender, address in stripes:
+            ranges = [(lo, hi) for a, b in missing if (lo := max(a, start)) < (hi := min(b, end))]
+            ways = [r for r in routes if r[0] == sender]
+            if len(ways) != 1 and (len(ways) < 2 or cut is None):
+                ways = [(sender, address, "", -1)]
+            piece_of = cut(sum(b - a for a, b in ranges), len(ways)) if len(ways) > 1 else 0
+            dealt.append([replace(f, piece=piece) for f in (
+                deal(ranges, ways, piece_of) if piece_of else
+                [_flow(lo, hi, ways[0]) for lo, hi in ranges])])
+        flows = tuple(f for turn in itertools.zip_longest(*dealt) for f in turn if f is not None)
+        split = any(f.route != (f.sender, f.address, "", -1) for f in flows)
+        return cls(oid, size, flows, tuple(dict.fromkeys(f.route for f in flows)), pinned=True,
+                   spares=False, serial=split)
 
     @property
     def senders(self) -> list[tuple[str, str]]:
@@ -181,6 +208,37 @@ class Plan:
         for flow in self.flows:
             seen.setdefault(flow.route, None)
         return list(seen)
+
+
+def _ranges(size: int, missing: Iterable[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    return [(0, size)] if missing is None else [(a, b) for a, b in missing if a < b]
+
+
+def deal(ranges: Sequence[tuple[int, int]], routes: Sequence[Route], piece: int) -> list[SubFlow]:
+    """`ranges` cut into equal pieces (within a byte) of at most `piece`
+    bytes, a whole number of them per route, in order, the routes named in
+    turn: route i of n takes pieces i, i + n, ..."""
+    if piece < 1:
+        raise ValueError(f"a piece has at least one byte; got {piece}")
+    n = len(routes)
+    return _cut(ranges, n * max(1, -(-sum(b - a for a, b in ranges) // (n * piece))), routes)
+
+
+def _cut(ranges: Sequence[tuple[int, int]], parts: int, routes: Sequence[Route]) -> list[SubFlow]:
+    """`ranges` in `parts` equal parts (within a byte; one may span several
+    ranges, then a sub-flow each), part i from route i mod len(routes)."""
+    total = sum(b - a for a, b in ranges)
+    cuts = [total * i // parts for i in range(parts + 1)]  # in missing bytes
+    flows: list[SubFlow] = []
+    done = 0  # missing bytes before the current range
+    for a, b in ranges:
+        for i in range(parts):
+            lo = max(a, a + cuts[i] - done)
+            hi = min(b, a + cuts[i + 1] - done)
+            if lo < hi:
+                flows.append(_flow(lo, hi, routes[i % len(routes)]))
+        done += b - a
+    return flows
 
 
 def _flow(start: int, end: int, route: Route) -> SubFlow:

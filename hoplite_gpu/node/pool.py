@@ -121,13 +121,22 @@ class BufferPool:
         nothing but the pool refers to it. Lent buffers count against the
         budget as kept ones do; the oldest is forgotten to make room."""
         n = buffer.nbytes
-        if n < MIN_POOLED or n > self.budget or not _owns_its_memory(buffer):
+        if n < MIN_POOLED or n > self.budget or not _owns_its_memory(buffer) \
+                or not buffer.flags.writeable or any(b is buffer for b in self._lent):
             return
         self._make_room(n)
         if self.pooled + self.lent + n > self.budget:
             return  # (the free buffers fill the budget: they are the surer reuse)
         self._lent.append(buffer)
         self.lent += n
+
+    def _forget_lent(self, buffer: np.ndarray) -> bool:
+        """Stop tracking `buffer` as lent; whether it was."""
+        for i, held in enumerate(self._lent):
+            if held is buffer:
+                self.lent -= self._lent.pop(i).nbytes
+                return True
+        return False
 
     def _make_room(self, nbytes: int) -> None:
         """Forget lent buffers, oldest first, until `nbytes` more fit the budget
@@ -144,9 +153,12 @@ class BufferPool:
     def release(self, buffer: np.ndarray) -> bool:
         """Keep `buffer` for reuse if no one else holds it and the budget allows."""
         n = buffer.nbytes
+        lent = self._forget_lent(buffer)  # (its list's reference is not a holder's)
         # getrefcount counts its own argument and our parameter: 2 means nobody
         # else (no user view, no memoryview being sent) refers to the buffer.
         if n < MIN_POOLED or n > self.budget or sys.getrefcount(buffer) > 3:
+            if lent:
+                self.lend(buffer)
             return False
         if not _owns_its_memory(buffer) or not buffer.flags.writeable or shm.abandoned(buffer):
             return False

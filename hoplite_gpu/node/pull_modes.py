@@ -206,13 +206,18 @@ class Messages(Receiver):
     """The answer in messages of `size` bytes (the last one the rest), each
     straight into the buffer, `POSTED_RECEIVES` posted at once; between them
     frame headers: keepalives, an error frame, and the end (whose length is
-    the bytes sent; over UCX it may pass the last messages). Each wait allows
-    `stall_timeout_s`; a keepalive starts it again. An empty range gets no
-    answer at all."""
+    the bytes sent; over UCX it may pass the last messages). The stall
+    timeout counts from the last thing heard: a keepalive, a message, or
+    (over a byte stream) a step of a message still coming, so a message
+    slower than the stall timeout on a busy link is not taken for a stalled
+    sender. An empty range gets no answer at all."""
 
     async def receive(self) -> bool:
         if self.pos >= self.end:
             return True
+        self._loop = asyncio.get_running_loop()
+        #: when this pull last heard from its sender (loop time)
+        self.heard = self._loop.time()
         start, posted, ended = self.pos, self.pos, False
         flying: collections.deque[tuple[int, int]] = collections.deque()
         step = min(self.size, STEP)
@@ -237,21 +242,36 @@ class Messages(Receiver):
 
     def post(self, at: int, upto: int, step: int) -> None:
         """Post the receive of the message of bytes [at, upto)."""
-        sink = self.sink
-        self.stream.post_message(self.view[at:upto], step=step,
-                                 on_step=lambda n: sink.advance(at + n))
+        sink, hear = self.sink, self.hear
+
+        def on_step(n: int) -> None:
+            hear()
+            sink.advance(at + n)
+
+        self.stream.post_message(self.view[at:upto], step=step, on_step=on_step)
+
+    def hear(self, _n: int = 0) -> None:
+        """Bytes or a frame came from the sender: the stall timeout starts again."""
+        self.heard = self._loop.time()
 
     def arrived(self, at: int, upto: int) -> None:
         """The message of bytes [at, upto) is in."""
 
     async def next(self) -> Head | None:
-        try:
-            async with asyncio.timeout(self.config.stall_timeout_s):
-                return await self.stream.recv_next()
-        except Timeout:
-            raise  # (ours, from the stream)
-        except TimeoutError:
-            raise self.stalled() from None
+        stall = self.config.stall_timeout_s
+        while True:
+            try:
+                # (recv_next keeps what a cancel interrupts: waiting again loses nothing)
+                async with asyncio.timeout_at(self.heard + stall):
+                    got = await self.stream.recv_next()
+            except Timeout:
+                raise  # (ours, from the stream)
+            except TimeoutError:
+                if self._loop.time() >= self.heard + stall:
+                    raise self.stalled() from None
+                continue  # (a step of a message came meanwhile)
+            self.hear()
+            return got
 
     async def on_head(self, head: Head, total: int) -> bool:
         """A frame header: a keepalive (False), the end (True) or an error frame."""
@@ -295,7 +315,8 @@ class Staged(Messages):
     def post(self, at: int, upto: int, step: int) -> None:
         staging = self.free.pop() if self.free else device.staging(self.size)
         self.staged.append(staging)
-        self.stream.post_message(memoryview(staging)[:upto - at])
+        # (its steps count as heard; it lands when uploaded)
+        self.stream.post_message(memoryview(staging)[:upto - at], step=step, on_step=self.hear)
 
     def arrived(self, at: int, upto: int) -> None:
         staging = self.staged.popleft()

@@ -19,20 +19,13 @@ import numpy as np
 from hoplite_gpu import device
 from hoplite_gpu import messages as m
 from hoplite_gpu.config import Config
-from hoplite_gpu.errors import (
-    HopliteError,
-    ObjectNotFound,
-    PeerLost,
-    ProtocolError,
-    Timeout,
-    TransportError,
-)
+from hoplite_gpu.errors import HopliteError, ObjectNotFound, Timeout
 from hoplite_gpu.ids import ObjectID
 from hoplite_gpu.timers import Expired, until
-from hoplite_gpu.transports import Stream
 from hoplite_gpu.values import Layout
 
 from .engine import plan_for, run_plan
+from .flows import PEER_FAILURES, Flows
 from .holdings import complete_msg
 from .plan import Plan, SubFlow
 from .pool import MIN_POOLED
@@ -40,7 +33,7 @@ from .pull_modes import Sink
 from .retry import Retry
 from .store import ChunkStore, StoredObject
 from .tasks import TaskSet
-from .transfer import PeerPool, fetch_range, map_object
+from .transfer import PeerPool, map_object
 from .ways import Ways
 
 log = logging.getLogger("hoplite_gpu.node")
@@ -49,9 +42,6 @@ log = logging.getLogger("hoplite_gpu.node")
 _NOT_AVAILABLE = "nobody has put it yet, or every copy is busy"
 #: How often a pulling node tells the directory how far it got.
 _PROGRESS_EVERY_S = 0.1
-#: What a pull's sender may fail with: the pull reports it and asks again (a
-#: peer that sends what we cannot read is as good as lost).
-PEER_FAILURES = (TransportError, Timeout, ObjectNotFound, PeerLost, ProtocolError)
 
 
 class Pulls:
@@ -104,6 +94,10 @@ class Pulls:
         self._closed: BaseException | None = None
         #: how large pulls reach their senders: rails and ECMP paths
         self.ways = Ways(config)
+        #: sub-flows fetched over them (a reduce step's child pulls too)
+        self.flows = Flows(pool, config, self.ways, post)
+        #: per plan running, what its sub-flows call as bytes land (`_progress`)
+        self._reporting: dict[ObjectID, Callable[[int], None]] = {}
 
     # (read only, for the node's own checks and tests)
     @property
@@ -453,15 +447,16 @@ class Pulls:
         sender, address = reply.sender, reply.address
         also = [(s.sender, s.address) for s in reply.also]
         stripes = [(s.start, s.end, s.sender, s.address) for s in reply.stripes]
-        piece = reply.piece
+        piece, rails = reply.piece, reply.rails
         while not obj.complete:
             newest = self._restripes.get(oid)
             if newest is not None and newest.seq > seq:
-                seq, piece, also = newest.seq, newest.piece, []
+                seq, piece, also, rails = newest.seq, newest.piece, [], newest.rails
                 stripes = [(s.start, s.end, s.sender, s.address) for s in newest.stripes]
             missing = obj.size - (obj.ready if obj.ledger is None else obj.ledger.written)
-            routes, held = ([], []) if stripes else self.ways.routes(
-                oid, missing, [(sender, address), *also], reply.rails)
+            senders = (list(dict.fromkeys((s[2], s[3]) for s in stripes)) if stripes
+                       else [(sender, address), *also])
+            routes, held = self.ways.routes(oid, missing, senders, rails)
             plan = plan_for(obj, sender, address, also, stripes, piece, routes)
             self._planning[oid] = me
             try:
@@ -493,8 +488,18 @@ class Pulls:
         """Fill `obj` (in the store) as `plan` says (`engine.run_plan`): each
         sub-flow's failure is reported to the directory, and its rest moves
         to another of the plan's senders; with none left, this raises."""
-        await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
-                       functools.partial(self._flow_failed, obj), PEER_FAILURES)
+        self._reporting[obj.oid] = self._progress(obj)
+        try:
+            await run_plan(plan, obj, functools.partial(self._fetch_from, obj),
+                           functools.partial(self._flow_failed, obj), PEER_FAILURES)
+        finally:
+            self._reporting.pop(obj.oid, None)
+
+    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
+        """Pull one sub-flow of `obj` (`flows.Flows.fetch`), its progress
+        told as the plan's."""
+        progress = self._reporting.get(obj.oid) or self._progress(obj)
+        await self.flows.fetch(obj, flow, sink, progress)
 
     def _flow_failed(self, obj: StoredObject, flow: SubFlow, exc: BaseException) -> None:
         self.ways.failed(obj.oid, flow)
@@ -503,8 +508,9 @@ class Pulls:
         self._failed_at.setdefault(obj.oid, time.time())
         self._post(m.Failed(oid=obj.oid.binary, sender=flow.sender, have=obj.ready))
 
-    async def _fetch_from(self, obj: StoredObject, flow: SubFlow, sink: Sink) -> None:
-        """Pull one sub-flow of `obj`, telling the directory now and then how
+    def _progress(self, obj: StoredObject) -> Callable[[int], None]:
+        """What a plan's sub-flows call as their bytes land (one for the
+        whole plan, `_reporting`): now and then the directory hears how
         much of the object is ready here (relays may start from it)."""
         last = [time.monotonic()]
 
@@ -517,18 +523,7 @@ class Pulls:
                 last[0] = now
                 self._post(m.Progress(oid=obj.oid.binary, nbytes=obj.ready))
 
-        bind = self.ways.bind(flow)
-        await fetch_range(self.pool, flow.address, obj, flow.end, self.config, progress,
-                          start=flow.start, sink=sink, message=flow.piece, bind=bind,
-                          opened=None if bind is None else functools.partial(
-                              self._opened, obj.oid, flow))
-
-    def _opened(self, oid: ObjectID, flow: SubFlow, stream: Stream) -> None:
-        """A sub-flow on a rail or path has its connection: the directory
-        hears where it runs (once per connection and pull), for `query`."""
-        notice = self.ways.tell(oid, flow, stream)
-        if notice is not None:
-            self._post(notice)
+        return progress
 
     def store_inline(self, oid: ObjectID, layout: Layout, data: bytes) -> StoredObject:
         obj = self.store.get(oid)

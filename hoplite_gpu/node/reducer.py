@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -26,10 +27,15 @@ from hoplite_gpu.values import Layout, numpy_dtype
 from .store import ChunkStore, StoredObject
 from .transfer import PeerPool, fetch_range
 
+#: Pull a child's whole stream into a copy of it (`flows.Flows.pull_child`).
+PullChild = Callable[[m.StepChild, StoredObject], Awaitable[None]]
+
 
 async def run_step(step: m.ReduceStep, store: ChunkStore, pool: PeerPool, config: Config,
-                   timeout: float) -> StoredObject:
-    """Carry out one `reduce_step` command; returns the finished output object."""
+                   timeout: float, pull: PullChild | None = None) -> StoredObject:
+    """Carry out one `reduce_step` command; returns the finished output
+    object. `pull` pulls a remote child (by default one flow from its
+    address)."""
     layout = Layout.from_wire(step.layout)
     dtype = numpy_dtype(layout)
     own = store.get(ObjectID(step.input))
@@ -74,6 +80,7 @@ async def run_step(step: m.ReduceStep, store: ChunkStore, pool: PeerPool, config
             copy = StoredObject(oid, layout, store.alloc(layout))
         kids.append(copy)
         pulls.append(loop.create_task(
+            pull(child, copy) if pull is not None else
             fetch_range(pool, child.address, copy, copy.size, config, lambda _pos: None)))
     try:
         await _fold(own, kids, inplace, out, step.reduce_op, step.count, dtype,

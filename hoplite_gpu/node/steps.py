@@ -4,8 +4,9 @@ asked for, which it asks again of a restarted directory."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from hoplite_gpu import messages as m
@@ -25,12 +26,17 @@ from hoplite_gpu.values import Layout
 from .holdings import complete_msg
 from .reducer import run_step
 from .retry import Retry
-from .store import ChunkStore
+from .store import ChunkStore, StoredObject
 from .tasks import TaskSet
 from .transfer import PeerPool
 
 log = logging.getLogger("hoplite_gpu.node")
 
+#: Pull all of a copy from a sender (its address, its rails) over the node's
+#: ways, told to the directory as a pull of a reduce's target
+#: (`flows.Flows.pull_child`).
+PullOver = Callable[[StoredObject, str, str, Mapping[str, Sequence[str]], ObjectID],
+                    Awaitable[None]]
 #: Reduces this node asked for that it re-asks a restarted directory, at most.
 MAX_REMEMBERED_REDUCES = 4096
 
@@ -47,16 +53,20 @@ class Steps:
     newer step for the same output replaces it), and remembers the reduces
     this node asked for. `post` and `request` reach the directory; `make_room`
     evicts for a step's output; `forgot_since(oid, count)`: whether `oid` was
-    forgotten here after the node's `forgets` was `count`."""
+    forgotten here after the node's `forgets` was `count`; `pull_child`
+    pulls a child's stream over the node's rails and paths
+    (`flows.Flows.pull_child`)."""
 
     def __init__(self, store: ChunkStore, pool: PeerPool, config: Config, node_id: str, *,
                  post: Callable[[m.Message], None],
                  request: Callable[[Any, float], Awaitable[m.Body]],
                  make_room: Callable[[int, str], Awaitable[int]],
-                 forgot_since: Callable[[ObjectID, int], bool]) -> None:
+                 forgot_since: Callable[[ObjectID, int], bool],
+                 pull_child: PullOver | None = None) -> None:
         self.store, self.pool, self.config, self.node_id = store, pool, config, node_id
         self._post, self._request = post, request
         self._make_room, self._forgot_since = make_room, forgot_since
+        self._pull_child = pull_child
         #: reduce steps running here, by the object they produce
         self._steps: dict[ObjectID, _Step] = {}
         #: reduces this node asked for, re-sent to a restarted directory
@@ -197,6 +207,12 @@ class Steps:
         self._steps[out] = _Step(task, msg)
         task.add_done_callback(lambda t, out=out: self._step_done(out, t))
 
+    def _pull(self, target: ObjectID, child: m.StepChild, copy: StoredObject) -> Awaitable[None]:
+        """A child of a step of the reduce making `target`, pulled into `copy`."""
+        sender = child.node or child.address
+        return self._pull_child(copy, sender, child.address,
+                                {sender: child.rails} if child.rails else {}, target)
+
     def _step_done(self, out: ObjectID, task: asyncio.Task) -> None:
         step = self._steps.get(out)
         if step is not None and step.task is task:
@@ -208,7 +224,9 @@ class Steps:
         target = step.target
         try:
             await self._room_for(step)
-            out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s)
+            out = await run_step(step, self.store, self.pool, self.config, self.config.timeout_s,
+                                 None if self._pull_child is None else functools.partial(
+                                     self._pull, ObjectID(step.target)))
         except asyncio.CancelledError:
             raise
         except (TransportError, PeerLost, Timeout, ObjectNotFound, ProtocolError) as exc:

@@ -202,12 +202,15 @@ class ChunkStore:
             self._preparing.discard(nbytes)
 
     def recycle(self, obj: StoredObject) -> None:
-        """Give `obj`'s buffer back to the pool (kept only if nobody else holds it).
-        The object is left with an empty buffer, so a late reader fails loudly
-        instead of seeing another object's bytes."""
+        """Give `obj`'s buffer back to the pool. One still referred to (a
+        send under way, a caller's view) is tracked as lent instead, and taken
+        back once they let go (`BufferPool.acquire`). The object is left with
+        an empty buffer, so a late reader fails loudly instead of seeing
+        another object's bytes."""
         buffer, obj.buffer = obj.buffer, _RELEASED
         if not device.is_device_buffer(buffer):  # CuPy's memory pool reuses device memory
-            self.pool.release(buffer)
+            if not self.pool.release(buffer):
+                self.pool.lend(buffer)
 
     def __contains__(self, oid: ObjectID) -> bool:
         return oid in self._objects

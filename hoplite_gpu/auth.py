@@ -15,7 +15,7 @@ from .ids import encode_text
 from .protocol import SMALL_MESSAGE, recv_msg, send_msg
 from .transports import Stream
 
-PROTOCOL_VERSION = 16  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
+PROTOCOL_VERSION = 17  # 2: reduce_confirm, reduce_tag in locate replies, tag in reduce_step;
 #                       3: a reduce's fanout, same-host pulls (shm, map, copied, kept);
 #                       4: answers in bare messages (a pull's "bare")
 #                       5: direct connections ("attach"), the push "located"
@@ -37,6 +37,7 @@ PROTOCOL_VERSION = 16  # 2: reduce_confirm, reduce_tag in locate replies, tag in
 #                          located push's) "rails", the notice "path", a query's "paths"
 #                      16: a reduce_step child's "node" and "rails", a restripe's "rails", a register's
 #                          "rack", a restripe of a pull not striped, its later locates' "seq"
+#                      17: a drop's "lost"
 _NONCE = 32
 
 

@@ -117,12 +117,15 @@ class Kept(Message, tag="kept"):
 # ------------------------------------------------ the directory to a node ---
 class Drop(Message, tag="drop"):
     """A push: the node's copy or wait for `oid` is void (`reason`); `retry`:
-    ask again; `kind` names the error when it is not ObjectNotFound."""
+    ask again; `kind` names the error when it is not ObjectNotFound; `lost`:
+    the object was declared lost (a complete copy is kept: its `complete`
+    crossed this drop and brings the object back)."""
 
     oid: bytes
     reason: str
     retry: bool
     kind: str | None = None
+    lost: bool = False
 
 
 class StepChild(Struct, omit_defaults=True, kw_only=True):

@@ -351,6 +351,32 @@ def test_a_copy_dropped_for_a_rebuild_while_a_get_returns_it_is_pulled_again(loc
         rt.call(other.close(), 10)
 
 
+def test_a_complete_copy_declared_lost_while_a_get_returns_it_is_kept(local):
+    """Regression (the chaos test's reduce with a kill, worker 7 raising
+    "deleted while this get returned it"): the node holding a reduce's result
+    died as another node's pull of it completed; the directory, hearing of the
+    death before that node's `complete`, declared the result lost and dropped
+    the finished copy under the get returning it. A lost drop now leaves a
+    complete copy alone (its `complete` brings the object back), and the get
+    returns it."""
+    rt = hg.api.runtime()
+    node = rt.node
+    oid = hg.put(np.arange(300_000, dtype=np.int32))
+    real_fetch = node.fetch
+
+    async def fetch_then_lose(o, timeout, asked=None):
+        obj = await real_fetch(o, timeout, asked)
+        node._on_push(m.Drop(oid=o.binary, reason="lost", retry=False, lost=True))
+        return obj
+
+    node.fetch = fetch_then_lose
+    try:
+        assert hg.get(oid, timeout=10)[-1] == 299_999
+        assert node.store.get(oid) is not None
+    finally:
+        node.fetch = real_fetch
+
+
 def test_config_names_the_allreduce_slicing_choices(monkeypatch):
     monkeypatch.setenv("HOPLITE_ALLREDUCE_SLICING", "on")
     with pytest.raises(hg.ConfigError,

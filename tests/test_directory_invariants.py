@@ -13,6 +13,7 @@ from hoplite_gpu.directory.state import (
     Completed,
     Delete,
     Directory,
+    Drop,
     Heartbeat,
     InlineReduce,
     InlineReduced,
@@ -94,6 +95,39 @@ def test_a_put_from_a_lost_node_does_not_keep_the_object_alive():
     out = d.handle(Locate("n1", 2, K))
     assert K not in d.objects or set(d.objects[K].holders) <= set(d.nodes)
     assert replies_to(out, "n1", 2) or K not in d.objects  # (waiting in `pending` is fine)
+
+
+def test_a_pulled_copy_completing_as_its_last_sender_dies_brings_the_lost_object_back():
+    """The chaos test's reduce with a kill: the only complete copy's node dies
+    while another node's pull of it completes, and the directory hears of the
+    death first. It declares the object lost; the puller's `complete`,
+    arriving next, was answered with a drop, so a whole copy was thrown away
+    and the get returning it failed. Now the lost drop tells the holder that
+    the object is lost (a complete copy keeps it), and that `complete` brings
+    the object back with the puller as its holder."""
+    d = make(3)
+    put_complete(d, "n0", K)
+    d.handle(Locate("n1", 1, K))
+    out = d.handle(NodeLost("n0"))
+    drops = [c for c in out if isinstance(c, Drop) and c.node == "n1"]
+    assert len(drops) == 1 and drops[0].lost and "was lost" in drops[0].reason
+    out = d.handle(Completed("n1", K, size=16 * MiB, layout=FLOATS))
+    assert not [c for c in out if isinstance(c, Drop)]
+    assert d.objects[K].holders["n1"].complete
+    out = d.handle(Locate("n2", 2, K))
+    assert [getattr(r.body, "sender", None) for r in replies_to(out, "n2", 2)] == ["n1"]
+
+
+def test_a_deleted_objects_crossing_complete_still_gets_a_drop():
+    """The other side of the rule above: only a lost object comes back from a
+    pulled copy; one deleted while the pull completed does not."""
+    d = make(3)
+    put_complete(d, "n0", K)
+    d.handle(Locate("n1", 1, K))
+    d.handle(Delete("n0", 2, K))
+    out = d.handle(Completed("n1", K, size=16 * MiB, layout=FLOATS))
+    assert [c.retry for c in out if isinstance(c, Drop) and c.node == "n1"] == [True]
+    assert K not in d.objects
 
 
 # ------------------------------------------ requests of a dead node ---

@@ -41,6 +41,9 @@ class Drop:
     retry: bool = False
     #: the error its waiters get (a failed reduce's result: "ReduceFailed")
     kind: str = "ObjectNotFound"
+    #: the object was declared lost: a node whose copy is complete keeps it
+    #: (its `complete` crossed this drop and brings the object back)
+    lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ class Objects:
     def completed(self, ev: Completed, out: list[Command]) -> None:
         entry = self.objects.get(ev.oid)
         if (entry is None and ev.size >= 0 and ev.layout is not None and ev.node in self._nodes
-                and (ev.oid not in self.gone or (self.gone[ev.oid] and ev.own))):
+                and (ev.oid not in self.gone or self.gone[ev.oid])):
             entry = self._recovered(ev, out)
         if entry is not None and entry.fingerprint is None and ev.own and ev.fingerprint:
             entry.fingerprint = ev.fingerprint
@@ -186,8 +186,9 @@ class Objects:
 
     def _recovered(self, ev: Completed, out: list[Command]) -> Entry:
         """Unknown: announced to a restarted directory, whose other holders
-        may announce theirs too (`recovered`). Lost: only this, its putter's
-        own copy, comes back; other copies were told to drop."""
+        may announce theirs too (`recovered`). Lost: a complete copy brings
+        it back (its putter's own, or a pull's whose `complete` crossed the
+        loss: a holder that completed keeps its copy on a lost `drop`)."""
         recovered = self.gone.pop(ev.oid, None) is None
         entry = self.objects[ev.oid] = Entry(ev.size, ev.layout, None, recovered=recovered)
         self.new_holder(ev.oid, entry, ev.node, Holder(origin=ev.own))
@@ -501,7 +502,7 @@ class Objects:
         self.remove_entry(oid, lost=True)
         reason = _lost_reason(oid)
         for node in entry.holders:
-            out.append(Drop(node, oid, reason))
+            out.append(Drop(node, oid, reason, lost=True))
         for node, request in entry.waiting:
             out.append(Reply(node, request, error_body("ObjectNotFound", reason)))
 

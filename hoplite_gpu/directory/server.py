@@ -205,7 +205,8 @@ class DirectoryServer:
             peer.outbox.post(cmd.body)
         else:
             peer.outbox.post(m.Drop(oid=cmd.oid, reason=cmd.reason, retry=cmd.retry,
-                                    kind=None if cmd.kind == "ObjectNotFound" else cmd.kind))
+                                    kind=None if cmd.kind == "ObjectNotFound" else cmd.kind,
+                                    lost=cmd.lost))
 
     async def _serve(self, stream: Stream) -> None:
         authenticated = False

@@ -365,7 +365,8 @@ class Node:
         obj = await self.fetch(oid, timeout, asked)
         while obj.buffer.nbytes != obj.layout.nbytes:  # its buffer was recycled meanwhile
             if not isinstance(obj.removed, _Retry) or time.monotonic() >= deadline:
-                raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it")
+                raise ObjectNotFound(f"object {oid.hex()} was deleted while this get returned it"
+                                     f" ({obj.removed})")
             # dropped because it is being rebuilt (a reduce restarted): ask again
             obj = await self.fetch(oid, deadline - time.monotonic(),
                                    timeout if asked is None else asked)
@@ -544,6 +545,13 @@ class Node:
         if msg.retry and self.puts.making(oid):
             # (a completion of ours that crossed a removal is dropped with
             # `retry`; a put of the id under way here came after it)
+            return
+        if msg.lost and (obj := self.store.get(oid)) is not None and obj.complete:
+            # Declared lost while this copy completed: its `complete`, on its
+            # way, brings the object back; dropped, a get that just returned
+            # it would fail.
+            log.info("object %s declared lost while this node completed it: copy kept",
+                     oid.hex())
             return
         error = (_Retry(text) if msg.retry
                  else ReduceFailed(text) if msg.kind == "ReduceFailed"

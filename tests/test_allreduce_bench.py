@@ -12,6 +12,7 @@ from rich.console import Console
 from benchmarks import allreduce
 
 
+@pytest.mark.slow  # an end-to-end launch of the benchmark
 def test_the_allreduce_benchmark_runs_every_setting_exactly():
     # 12 MiB among 3 ranks: 4 MiB slices, one chunk each, so "auto" slices
     args = argparse.Namespace(ranks=3, size=12, calls=2, rounds=1,

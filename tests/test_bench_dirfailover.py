@@ -11,6 +11,7 @@ import pytest
 import benchmarks.__main__ as entry
 
 
+@pytest.mark.slow  # an end-to-end launch of the benchmark
 def test_a_small_run_kills_each_directory_in_turn_and_saves_every_figure(monkeypatch, tmp_path):
     """The broadcast's kill round kills the first directory, the reduce's the
     second (the first started again is its standby): nodes move both ways."""

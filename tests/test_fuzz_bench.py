@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import fuzz, fuzz_decoders
 from benchmarks import fuzz_inputs as fi
 from hoplite_gpu import messages as m
@@ -22,6 +24,7 @@ def _fuzz(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=90)
 
 
+@pytest.mark.slow  # an end-to-end launch of the benchmark
 def test_a_short_run_of_every_target_reports_what_it_tried(tmp_path):
     proc = _fuzz("--seconds", "1.5", "--workers", "2", "--engine", "mutation", "--seed", "7",
                  "--crashes", str(tmp_path))

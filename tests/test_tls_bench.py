@@ -13,6 +13,7 @@ import benchmarks.__main__ as entry
 pytest.importorskip("cryptography")
 
 
+@pytest.mark.slow  # an end-to-end launch of the benchmark
 @pytest.mark.timeout(90)
 def test_the_tls_benchmark_measures_both_variants(monkeypatch, tmp_path):
     """(About 6 s: two clusters start, one per variant, as in a real run.)"""

@@ -150,12 +150,14 @@ def reduce_worker(name: str, rank: int, size: int, root: int, n: int, delay: flo
 
 
 def _wait_pooled(nbytes: int, seconds: float) -> None:
-    """Until this node's buffer pool holds at least `nbytes` (at most `seconds`)."""
+    """Until this node's buffer pool would reuse a buffer of `nbytes` (at most
+    `seconds`): a free one, or a lent one let go (counting free ones alone
+    waited out `seconds` whenever the buffer to reuse was a lent one)."""
     from hoplite_gpu import api
 
     pool = api.runtime().node.store.pool
     deadline = time.monotonic() + seconds
-    while pool.pooled < nbytes and time.monotonic() < deadline:
+    while not pool.reusable(nbytes) and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

@@ -116,6 +116,24 @@ def test_lent_buffers_come_back_once_nobody_refers_to_them():
     assert pool.pooled == 0 and pool.hits == 1
 
 
+def test_reusable_says_whether_acquire_would_reuse_a_free_or_lent_buffer():
+    """Regression: the training-loop test waited for `pooled` (free buffers
+    only) before each step, so whenever the buffer to reuse was a lent one
+    let go it waited out its whole 15 s; `reusable` counts both."""
+    pool = BufferPool(8 * MiB)
+    assert not pool.reusable(2 * MiB)
+    buf = pool.acquire(2 * MiB)
+    pool.lend(buf)
+    view = buf[1:]
+    del buf
+    assert not pool.reusable(2 * MiB), "a lent buffer under a live view"
+    del view
+    assert pool.reusable(2 * MiB) and not pool.reusable(4 * MiB)
+    again = pool.acquire(2 * MiB)
+    assert pool.reclaimed == 1 and not pool.reusable(2 * MiB)
+    assert pool.release(again) and pool.reusable(2 * MiB)
+
+
 def test_lent_buffers_make_room_oldest_first():
     pool = BufferPool(4 * MiB)
     held = [pool.acquire(2 * MiB) for _ in range(3)]

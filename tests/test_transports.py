@@ -24,6 +24,11 @@ def test_round_trip(scheme, size):
 
 
 @by_scheme
+def test_a_cancelled_receive_nobody_awaits_frees_its_buffer(scheme):
+    run(tc.check_a_cancelled_receive_nobody_awaits_frees_its_buffer, scheme)
+
+
+@by_scheme
 def test_full_duplex(scheme):
     run(tc.check_full_duplex, scheme)
 

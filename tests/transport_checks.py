@@ -12,8 +12,10 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import struct
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
@@ -372,6 +374,32 @@ async def check_cancelled_recv_never_misplaces_a_message(scheme: str) -> None:
             assert client.closed
         else:
             assert bytes(dest) == b"first"
+
+
+@deadline(10)
+async def check_a_cancelled_receive_nobody_awaits_frees_its_buffer(scheme: str) -> None:
+    """Regression (a training loop over UCX whose buffers were not reused
+    within 15 s): a cancelled task keeps its error, whose traceback holds
+    the frames it ran; a transport frame that held its own task made a
+    cycle, so a receive cancelled and not awaited (a reduce step stopped)
+    kept the buffer it was filling, and every object behind it, until the
+    garbage collector's next full pass, which large buffers do not hasten.
+    Freed at once now, by reference counts alone (the collector is off)."""
+    async with connected_pair(scheme) as (client, _server):
+        buf = np.zeros(64 * 1024, np.uint8)
+        freed = weakref.ref(buf)
+        gc.collect()
+        gc.disable()
+        try:
+            task = asyncio.ensure_future(client.recv_into(memoryview(buf)))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            while not task.done():
+                await asyncio.sleep(0.01)
+            del task, buf
+            assert freed() is None, "a cancelled receive's buffer waits for the collector"
+        finally:
+            gc.enable()
 
 
 # -- closing ------------------------------------------------------------------------------------

@@ -372,6 +372,10 @@ class TCPStream(Stream):
             raise self._woken(task, exc, what) from None
         finally:
             self._busy.discard(task)
+            # A cancelled task keeps its error, whose traceback holds this
+            # frame, where the garbage collector does not look: a frame that
+            # also holds the task makes a cycle never freed.
+            del task
 
     def send_nowait(self, data: bytes | memoryview) -> int:
         if self._closed:

@@ -681,6 +681,11 @@ class UCXStream(Stream):
             raise _closed_error(self.peer, what, exc) from exc  # ucxx's UCXError, ValueError
         finally:
             self._busy.discard(task)
+            # A cancelled task keeps its error, whose traceback holds this
+            # frame, where the garbage collector does not look: this frame
+            # must not hold the task too, or that cycle (and every buffer the
+            # frames below name) is never freed.
+            del task
 
     async def close(self) -> None:
         if self._closed:
@@ -805,6 +810,7 @@ class UCXListener(Listener):
             pass
         finally:
             self._tasks.discard(task)
+            del task  # (see `UCXStream._guard`)
             self._streams.discard(stream)
             await stream.close()
 

@@ -115,6 +115,15 @@ class BufferPool:
                 return held.pop(i)
         return host_buffer(nbytes, self.shared)
 
+    def reusable(self, nbytes: int) -> bool:
+        """Whether `acquire(nbytes)` would reuse a buffer now: a free one of
+        that size, or a lent one that nothing but the pool refers to."""
+        if any(not shm.read_elsewhere(b) for b in self._free.get(nbytes, ())):
+            return True
+        # (3: the list's reference, the loop's and getrefcount's argument)
+        return any(b.nbytes == nbytes and sys.getrefcount(b) == 3
+                   and not shm.read_elsewhere(b) for b in self._lent)
+
     def lend(self, buffer: np.ndarray) -> None:
         """Track `buffer`, one of ours handed out for good (an array returned to
         the caller, whose views we cannot see go): `acquire` takes it back once

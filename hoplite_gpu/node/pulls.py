@@ -259,7 +259,12 @@ class Pulls:
         except BaseException as exc:
             self._pull_ended(oid, me, exc)
             raise
-        self._pull_ended(oid, me, result=obj)
+        finally:
+            # (a cancelled task keeps its error, whose traceback holds this
+            # frame: holding the task too would make a cycle the garbage
+            # collector cannot see, keeping the pull's buffer for good)
+            me = None
+        self._pull_ended(oid, asyncio.current_task(), result=obj)
         return obj
 
     def _abandoned(self, oid: ObjectID) -> BaseException:
@@ -443,7 +448,10 @@ class Pulls:
         comes from the newest assignment. (A pull of the whole object from
         one sender may be so told too: the directory stripes an object once
         enough receivers came.)"""
-        oid, seq, me = obj.oid, reply.seq, asyncio.current_task()
+        oid, seq = obj.oid, reply.seq
+        # (the task is looked up where needed, never kept in this frame: a
+        # cancelled task keeps its error, whose traceback holds the frame,
+        # a cycle the garbage collector cannot see)
         sender, address = reply.sender, reply.address
         also = [(s.sender, s.address) for s in reply.also]
         stripes = [(s.start, s.end, s.sender, s.address) for s in reply.stripes]
@@ -458,16 +466,16 @@ class Pulls:
                        else [(sender, address), *also])
             routes, held = self.ways.routes(oid, missing, senders, rails)
             plan = plan_for(obj, sender, address, also, stripes, piece, routes)
-            self._planning[oid] = me
+            self._planning[oid] = asyncio.current_task()
             try:
                 await self.pull_plan(obj, plan)
                 return
             except asyncio.CancelledError:
                 # Stopped by `restripe` alone (not given up from outside as
                 # well): go on. Else the cancel is the pull's.
-                if oid not in self._moving or me.cancelling() > 1:
+                if oid not in self._moving or asyncio.current_task().cancelling() > 1:
                     raise
-                me.uncancel()
+                asyncio.current_task().uncancel()
             finally:
                 self._planning.pop(oid, None)
                 self._moving.discard(oid)

@@ -223,6 +223,11 @@ class DataServer:
             serving.discard(task)
             if not serving and self._serving.get(ask.oid) is serving:
                 del self._serving[ask.oid]
+            # (a cancelled serve's task keeps its error, whose traceback holds
+            # this frame and so `obj`: the frame must not hold the task too,
+            # or that cycle, which the garbage collector cannot see, keeps
+            # the copy's memory for good)
+            del task
 
     async def _find(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject | None:
         """`oid` once it is made here; None (after an error frame) if it is not."""

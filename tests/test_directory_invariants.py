@@ -130,6 +130,61 @@ def test_a_deleted_objects_crossing_complete_still_gets_a_drop():
     assert K not in d.objects
 
 
+def _finished_reduce_read_by_n4(d: Directory) -> str:
+    """A 2-of-3 reduce into T on n1-n3, finished, n4 pulling the result from
+    its root; the root's node."""
+    d.handle(ReduceRequested("n0", 1, T, (oid(1), oid(2), oid(3)), "sum", 2))
+    put_complete(d, "n1", oid(1))
+    put_complete(d, "n2", oid(2))
+    put_complete(d, "n3", oid(3))  # a backup
+    root = next(n for n, h in d.objects[T].holders.items() if h.origin)
+    d.handle(Completed(root, T, tag=d.reduces[T].tag))
+    assert d.reduces[T].done
+    d.handle(Locate("n4", 7, T))
+    return root
+
+
+def test_a_finished_reduces_result_lost_with_its_root_is_made_again():
+    """The chaos test's reduce with a kill: the root's node died after the
+    reduce finished and before the reader's pull of the result was whole;
+    the result was declared lost, and the get failed although enough inputs
+    lived to make it again. Now the reduce runs again from them: the reader
+    is told to retry (not that the object is lost), and the new tree's root
+    steps start on live nodes."""
+    d = make()
+    root = _finished_reduce_read_by_n4(d)
+    out = d.handle(NodeLost(root))
+    assert not [c for c in out if isinstance(c, Drop) and c.lost]
+    assert [c.retry for c in out if isinstance(c, Drop) and c.node == "n4" and c.oid == T] \
+        == [True]
+    assert not d.reduces[T].done and T in d.unfinished
+    steps = [c for c in out if isinstance(c, StartReduceStep)]
+    assert steps and all(c.node != root for c in steps)
+    out = d.handle(Locate("n4", 8, T))
+    assert queued(d, "n4", 8) or replies_to(out, "n4", 8)
+
+
+def test_a_lost_result_whose_inputs_were_told_is_not_made_again():
+    """Not made again once a node heard which inputs the result holds (a new
+    tree may take others), nor with fewer than k inputs left: lost, as any
+    object whose copies died."""
+    d = make()
+    root = _finished_reduce_read_by_n4(d)
+    d.handle(ReducedInputs("n0", 9, T))
+    out = d.handle(NodeLost(root))
+    assert [c.lost for c in out if isinstance(c, Drop) and c.oid == T] == [True]
+    assert T not in d.unfinished
+    d2 = make()
+    d2.handle(ReduceRequested("n0", 1, T, (oid(1), oid(2)), "sum", 2))
+    put_complete(d2, "n1", oid(1))
+    put_complete(d2, "n2", oid(2))
+    root = next(n for n, h in d2.objects[T].holders.items() if h.origin)
+    d2.handle(Completed(root, T, tag=d2.reduces[T].tag))
+    d2.handle(Locate("n4", 7, T))
+    out = d2.handle(NodeLost(root))  # (its own input goes with it: one left of 2)
+    assert [c.lost for c in out if isinstance(c, Drop) and c.oid == T] == [True]
+
+
 # ------------------------------------------ requests of a dead node ---
 def test_a_lost_nodes_reduced_inputs_request_is_not_answered_after_it_rejoins():
     """Requests of a lost node are forgotten (pending, waiting, channel waiters),

@@ -499,6 +499,8 @@ class Objects:
             return
         if self._reduces.making(oid):
             return  # the result of a reduce in flight: the reduce restarts and rebuilds it
+        if self._reduces.remake(oid, out):
+            return  # a finished reduce's result: made again from its inputs
         self.remove_entry(oid, lost=True)
         reason = _lost_reason(oid)
         for node in entry.holders:

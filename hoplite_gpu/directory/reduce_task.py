@@ -51,6 +51,9 @@ class ReduceTask:
     whole: set[int] = field(default_factory=set)
     failed: str | None = None
     done: bool = False
+    #: some node heard which inputs the result holds (`reduced_inputs`): a
+    #: result lost after that is not made again (a new tree may take others)
+    told: bool = False
     restarts: int = 0
     #: names this incarnation of the tree in its partial results' ids
     tag: bytes = b""

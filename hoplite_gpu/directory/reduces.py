@@ -137,6 +137,7 @@ class Reduces:
         elif task.failed:
             out.append(Reply(ev.node, ev.request, error_body("ReduceFailed", task.failed)))
         elif task.done:
+            task.told = True
             out.append(Reply(ev.node, ev.request, m.Inputs(inputs=task.chosen)))
         elif not ev.wait:
             out.append(Reply(ev.node, ev.request, error_body(
@@ -212,6 +213,25 @@ class Reduces:
         if task is not None and not task.done:
             self._finish(task, out)
             self._drop_steps(task, out)
+
+    def remake(self, oid: Key, out: list[Command]) -> bool:
+        """`oid`, a finished tree reduce's result, was lost: its root's node
+        died before any other node held a whole copy. Made again from the
+        inputs that still have a live holder (its readers, told to retry,
+        wait for the new tree), if at least `k` do and nobody has heard which
+        inputs it held (a new tree may take others). Whether it is."""
+        task = self.reduces.get(oid)
+        if task is None or not task.done or task.failed or task.inline or task.told:
+            return False
+        alive = sum(self._objects.ready_holder(i) is not None for i in task.inputs)
+        if alive < task.k:
+            return False
+        task.done = False
+        self.unfinished[oid] = None
+        for i in task.inputs:
+            self.watching.setdefault(i, set()).add(oid)
+        self.restart(task, "its result was lost before any other node held a whole copy", out)
+        return True
 
     def needs_input(self, oid: Key) -> bool:
         """Whether an unfinished reduce waits for input `oid`."""
@@ -410,6 +430,7 @@ class Reduces:
         task.done = True
         self.unfinished.pop(task.target, None)
         self._forget_watch(task)  # (a re-put input must not join a finished reduce)
+        task.told = task.told or bool(task.waiters)
         for waiter, request in task.waiters:
             out.append(Reply(waiter, request, m.Inputs(inputs=task.chosen)))
         task.waiters.clear()

@@ -38,7 +38,12 @@ def pytest_configure(config):
         os.environ[f"HOPLITE_{setting.upper()}"] = path
 
 
+@pytest.hookimpl(tryfirst=True)  # (before `-m` deselects by marker)
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HOPLITE_TRANSPORT") == "ucx":
+        for item in items:
+            if "slow_over_ucx" in item.keywords:
+                item.add_marker(pytest.mark.slow)
     if CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy; none found")

@@ -40,25 +40,17 @@ def broadcast(cluster, name: str, size: int) -> tuple[int, list]:
 
 
 SIZES = [0, 1, 64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1, CHUNK - 1, CHUNK, 10 * CHUNK + 3, 256 << 20]
-#: `make test`'s UCX pass (UCX over TCP on a machine without RDMA) leaves its
-#: largest transfers to the slow set: 256 MiB to the receivers take 18 s
-#: there (3 s through shared memory, 6 s over TCP, both in the passes before);
-#: `HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 pytest -m slow
-#: tests/test_broadcast.py` runs them.
-OVER_UCX = os.environ.get("HOPLITE_TRANSPORT") == "ucx"
 #: Set by every pass of `make test` after the first: a test that pins its own
 #: transport and shared memory runs the same in each, so once is enough
 #: (the TLS pass still runs it: its control connections are then in TLS).
-PASS_AGAIN = OVER_UCX or (os.environ.get("HOPLITE_SHARED_MEMORY") == "0"
-                          and os.environ.get("TEST_IN_TLS") != "1")
+PASS_AGAIN = os.environ.get("HOPLITE_TRANSPORT") == "ucx" or (
+    os.environ.get("HOPLITE_SHARED_MEMORY") == "0" and os.environ.get("TEST_IN_TLS") != "1")
 
 
-def _slow_over_ucx(test):
-    return pytest.mark.slow(test) if OVER_UCX else test
-
-
+# (256 MiB to the receivers take 18 s over UCX over TCP, 3 s through shared
+# memory and 6 s over TCP in the passes before: `slow_over_ucx`)
 @pytest.mark.parametrize("size", [
-    pytest.param(size, marks=[pytest.mark.slow] if OVER_UCX and size >= 64 << 20 else [])
+    pytest.param(size, marks=[pytest.mark.slow_over_ucx] if size >= 64 << 20 else [])
     for size in SIZES], ids=[str(s) for s in SIZES])
 def test_broadcast_is_byte_identical(cluster, size):
     crc, results = broadcast(cluster, f"bcast-{size}", size)
@@ -152,7 +144,7 @@ def test_delete_frees_every_copy(cluster, driver):
     assert outcome == "Timeout"
 
 
-@_slow_over_ucx
+@pytest.mark.slow_over_ucx
 def test_acceptance_cli_directory_six_workers_64mib():
     """A directory from the CLI plus 6 independent workers: 64 MiB, byte-identical, not a star."""
     with LocalCluster(6) as c:

@@ -48,6 +48,7 @@ def test_reduce_staggered_subset(cluster, n, op):
     np.testing.assert_allclose(value.astype(np.float64), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow_over_ucx
 def test_allreduce_six_64mib_arrays(cluster):
     n = (64 << 20) // 4
     got = cluster.map(t.allreduce_worker, [("ar64", r, RANKS, n, 0.1 * r) for r in range(RANKS)],
@@ -64,6 +65,7 @@ def sliced_cluster():
         yield c
 
 
+@pytest.mark.slow_over_ucx
 def test_a_large_allreduce_is_sliced_and_each_slice_relayed_round_the_ranks(sliced_cluster):
     """Slice j is reduced on a chain rooted at rank j, and its result relayed
     from rank j to j+1, j+2, ... as in a ring, whichever rank asks first."""
@@ -85,6 +87,7 @@ def test_a_large_allreduce_is_sliced_and_each_slice_relayed_round_the_ranks(slic
     assert all(before) and not any(after)
 
 
+@pytest.mark.slow_over_ucx
 def test_sliced_results_reuse_dropped_buffers_never_held_ones(sliced_cluster):
     n, steps = (12 << 20) // 4, 5
     got = sliced_cluster.map(t.allreduce_steps, [("sliced-loop", r, RANKS, n, steps, True)

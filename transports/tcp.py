@@ -373,8 +373,8 @@ class TCPStream(Stream):
         finally:
             self._busy.discard(task)
             # A cancelled task keeps its error, whose traceback holds this
-            # frame, where the garbage collector does not look: a frame that
-            # also holds the task makes a cycle never freed.
+            # frame: a frame that also holds the task makes a cycle that only
+            # a full pass of the garbage collector frees (see UCXStream._guard).
             del task
 
     def send_nowait(self, data: bytes | memoryview) -> int:

@@ -682,9 +682,9 @@ class UCXStream(Stream):
         finally:
             self._busy.discard(task)
             # A cancelled task keeps its error, whose traceback holds this
-            # frame, where the garbage collector does not look: this frame
-            # must not hold the task too, or that cycle (and every buffer the
-            # frames below name) is never freed.
+            # frame: this frame must not hold the task too, or that cycle
+            # (and every buffer the frames below name) waits for a full pass
+            # of the garbage collector, which large buffers do not hasten.
             del task
 
     async def close(self) -> None:

@@ -261,8 +261,8 @@ class Pulls:
             raise
         finally:
             # (a cancelled task keeps its error, whose traceback holds this
-            # frame: holding the task too would make a cycle the garbage
-            # collector cannot see, keeping the pull's buffer for good)
+            # frame: holding the task too would make a cycle that keeps the
+            # pull's buffer until a full pass of the garbage collector)
             me = None
         self._pull_ended(oid, asyncio.current_task(), result=obj)
         return obj
@@ -450,8 +450,8 @@ class Pulls:
         enough receivers came.)"""
         oid, seq = obj.oid, reply.seq
         # (the task is looked up where needed, never kept in this frame: a
-        # cancelled task keeps its error, whose traceback holds the frame,
-        # a cycle the garbage collector cannot see)
+        # cancelled task keeps its error, whose traceback holds the frame;
+        # see `_run_pull`)
         sender, address = reply.sender, reply.address
         also = [(s.sender, s.address) for s in reply.also]
         stripes = [(s.start, s.end, s.sender, s.address) for s in reply.stripes]

@@ -225,8 +225,8 @@ class DataServer:
                 del self._serving[ask.oid]
             # (a cancelled serve's task keeps its error, whose traceback holds
             # this frame and so `obj`: the frame must not hold the task too,
-            # or that cycle, which the garbage collector cannot see, keeps
-            # the copy's memory for good)
+            # or that cycle keeps the copy's memory until a full pass of the
+            # garbage collector)
             del task
 
     async def _find(self, stream: Stream, oid: ObjectID, stall: float) -> StoredObject | None:

@@ -55,7 +55,7 @@ test: setup
 	TEST_IN_TLS=1 HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(CORE_TESTS)
 	@if $(BIN)/python -c "import ucxx" 2>/dev/null; then \
 	    echo "== again with HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0"; \
-	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q $(CORE_TESTS) && \
+	    HOPLITE_TRANSPORT=ucx HOPLITE_SHARED_MEMORY=0 $(BIN)/python -m pytest -q -m "not slow" $(CORE_TESTS) && \
 	    echo "== shared memory beside UCX" && \
 	    HOPLITE_TRANSPORT=ucx $(BIN)/python -m pytest -q tests/test_shm.py; \
 	else echo "ucxx not installed: the UCX pass is skipped"; fi

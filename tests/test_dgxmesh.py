@@ -14,24 +14,21 @@ import math
 import subprocess
 
 import pytest
+from namespaces import (
+    check_a_killed_runs_namespaces_are_swept,
+    check_an_error_inside_the_run_tears_it_down,
+    dead_tag,
+    ours,
+)
 
 from benchmarks import dgxmesh, emulated
 from benchmarks.dgxmesh import DgxMesh, sweep_stale
-from benchmarks.emulated import EmulationUnavailable, _alive
+from benchmarks.emulated import EmulationUnavailable
 from hoplite_gpu.topology import fixture, from_json
 
 #: GPUs of the DGX-1V each GPU has a link to
 DGX1V_NEIGHBOURS = {0: {1, 2, 3, 4}, 1: {0, 2, 3, 5}, 2: {0, 1, 3, 6}, 3: {0, 1, 2, 7},
                     4: {0, 5, 6, 7}, 5: {1, 4, 6, 7}, 6: {2, 4, 5, 7}, 7: {3, 4, 5, 6}}
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-
-
-def _ours(mesh: DgxMesh) -> list[str]:
-    return [ns for ns in _namespaces() if ns.startswith(mesh.prefix)]
 
 
 # ---------------------------------------------------- layout, no root needed ---
@@ -122,7 +119,7 @@ def test_builds_shapes_routes_through_one_hop_and_tears_down():
     mesh = DgxMesh(members=[0, 1, 4], unit_bps=400e6)  # ranks 0, 1, 2 on GPUs 0, 1, 4
     try:
         with mesh:
-            assert sorted(_ours(mesh)) == sorted(mesh.ns(i) for i in range(3))
+            assert sorted(ours(mesh)) == sorted(mesh.ns(i) for i in range(3))
             qdiscs = json.loads(subprocess.run(["tc", "-n", mesh.ns(0), "-j", "qdisc", "show"],
                                                capture_output=True, text=True).stdout)
             rates = {q["dev"]: q["options"]["rate"] for q in qdiscs if q["kind"] == "tbf"}
@@ -141,7 +138,7 @@ def test_builds_shapes_routes_through_one_hop_and_tears_down():
             assert [c[0] for c in mesh.link_counters()][2] >= nbytes  # what reached GPU 4
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
-    assert not _ours(mesh)
+    assert not ours(mesh)
 
 
 @pytest.mark.timeout(60)
@@ -198,37 +195,19 @@ def test_a_failed_build_leaves_nothing(monkeypatch, error):
     # (the namespaces of the three ranks; the check's probe is not one)
     assert sum(a[:3] == ("ip", "netns", "add") and not a[3].endswith("probe")
                for a in calls) == 3
-    assert not _ours(mesh)
+    assert not ours(mesh)
 
 
 @pytest.mark.timeout(60)
 def test_an_error_inside_the_run_tears_the_mesh_down():
-    mesh = DgxMesh(members=[0, 3])
-    try:
-        with pytest.raises(ZeroDivisionError), mesh:
-            assert len(_ours(mesh)) == 2
-            raise ZeroDivisionError("an error in the run")
-    except EmulationUnavailable as exc:
-        pytest.skip(str(exc))
-    assert not _ours(mesh)
+    check_an_error_inside_the_run_tears_it_down(DgxMesh(members=[0, 3]), 2)
 
 
 @pytest.mark.timeout(60)
 def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
-    dead = next(t for t in range(99998, 0, -1) if not _alive(t))
-    live = DgxMesh().prefix  # this process's own tag: alive
-    made = []
-    try:
-        for name in (f"dm{dead}x0g0", f"dm{dead}x3probe", f"{live}g9"):
-            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-            if r.returncode:
-                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
-            made.append(name)
-        assert sorted(sweep_stale()) == [f"dm{dead}x0g0", f"dm{dead}x3probe"]
-        assert f"{live}g9" in _namespaces()
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    dead = dead_tag()
+    check_a_killed_runs_namespaces_are_swept(
+        sweep_stale, [f"dm{dead}x0g0", f"dm{dead}x3probe"], f"{DgxMesh().prefix}g9")
 
 
 # ------------------------------------------------ python -m benchmarks dgxmesh ---

@@ -3,17 +3,15 @@ a small broadcast across them. Skips where namespaces cannot be created."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
+from namespaces import (
+    check_a_killed_runs_namespaces_are_swept,
+    dead_tag,
+    namespaces,
+)
 
-from benchmarks.emulated import EmulatedCluster, EmulationUnavailable, _alive, sweep_stale
+from benchmarks.emulated import EmulatedCluster, EmulationUnavailable, sweep_stale
 from benchmarks.netbench import link_timeline, run_launch
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return out.stdout.split()
 
 
 @pytest.mark.timeout(180)
@@ -38,7 +36,7 @@ def test_broadcast_crosses_shaped_links_and_cleans_up():
             assert 1.0 < row["ratio_to_bound"] < 4.0, row
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
-    assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
+    assert not [ns for ns in namespaces() if ns.startswith(cluster.prefix)]
 
 
 @pytest.mark.timeout(180)
@@ -56,7 +54,7 @@ def test_group_calls_in_a_loop_cross_the_shaped_links():
                 assert row["link_bytes_down"] >= row["link_bytes_floor"] > 0
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
-    assert not [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
+    assert not [ns for ns in namespaces() if ns.startswith(cluster.prefix)]
 
 
 @pytest.mark.timeout(120)
@@ -75,23 +73,9 @@ def test_each_host_link_is_shaped_to_its_own_rate():
 
 @pytest.mark.timeout(60)
 def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
-    dead = next(t for t in range(99999, 0, -1) if not _alive(t))
-    live = EmulatedCluster(2).prefix  # this process's own tag: alive
-    made = []
-    try:
-        for name in (f"hg{dead}n0", f"hg{dead}sw", f"{live}n9"):
-            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-            if r.returncode:
-                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
-            made.append(name)
-        swept = sweep_stale()
-        left = _namespaces()
-        assert sorted(swept) == [f"hg{dead}n0", f"hg{dead}sw"]
-        assert f"hg{dead}n0" not in left and f"hg{dead}sw" not in left
-        assert f"{live}n9" in left
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    dead = dead_tag()
+    check_a_killed_runs_namespaces_are_swept(
+        sweep_stale, [f"hg{dead}n0", f"hg{dead}sw"], f"{EmulatedCluster(2).prefix}n9")
 
 
 def test_link_timeline_reports_each_hosts_use():

@@ -12,19 +12,16 @@ import sys
 
 import numpy as np
 import pytest
+from namespaces import (
+    check_a_killed_runs_namespaces_are_swept,
+    check_an_error_inside_the_run_tears_it_down,
+    dead_tag,
+    ours,
+)
 
 from benchmarks import emulated, leafspine
-from benchmarks.emulated import EmulationUnavailable, _alive
+from benchmarks.emulated import EmulationUnavailable
 from benchmarks.leafspine import LeafSpine, spine_that_carried, sweep_stale
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-
-
-def _ours(fabric: LeafSpine) -> list[str]:
-    return [ns for ns in _namespaces() if ns.startswith(fabric.prefix)]
 
 
 def _tiny(**kw) -> LeafSpine:
@@ -92,7 +89,7 @@ def test_builds_routes_over_every_spine_and_tears_down():
     fabric = _tiny(hash_seed=7)
     try:
         with fabric:
-            assert sorted(_ours(fabric)) == sorted(
+            assert sorted(ours(fabric)) == sorted(
                 [fabric.ns(0), fabric.ns(1), *map(fabric.leaf_ns, (0, 1)),
                  *map(fabric.spine_ns, (0, 1))])
             route = subprocess.run(["ip", "-n", fabric.leaf_ns(0), "route", "show",
@@ -118,7 +115,7 @@ def test_builds_routes_over_every_spine_and_tears_down():
             assert down >= leafspine.PROBE_BYTES and up < down
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
-    assert not _ours(fabric)
+    assert not ours(fabric)
 
 
 def _congestion(which: str) -> list[str]:
@@ -149,12 +146,12 @@ def test_the_hosts_get_the_congestion_control_asked_for_and_one_not_allowed_is_r
         with pytest.raises(EmulationUnavailable, match=f"'{barred}'.*allowed: "):
             with refused:
                 pass
-        assert not _ours(refused)
+        assert not ours(refused)
     except EmulationUnavailable as exc:
         if "congestion control" in str(exc):  # (the allowed one refused)
             raise
         pytest.skip(str(exc))
-    assert not _ours(fabric)
+    assert not ours(fabric)
 
 
 @pytest.mark.timeout(60)
@@ -177,7 +174,7 @@ def test_ecmp_spreads_flows_over_both_spines_and_the_ports_decide_the_spine():
     assert sum(spread["flows_per_spine"]) == 16
     assert again == spread["spines"]
     assert reseeded != spread["spines"]  # (all 16 alike by chance: 2 ** -16)
-    assert not _ours(fabric)
+    assert not ours(fabric)
 
 
 def _hold(fabric: LeafSpine, host: int, port: int) -> subprocess.Popen:
@@ -236,7 +233,7 @@ def test_probe_refuses_hosts_on_one_leaf_and_ports_in_use():
         for hold in held:
             hold.kill()
             hold.communicate()
-    assert not _ours(fabric)
+    assert not ours(fabric)
 
 
 @pytest.mark.timeout(60)
@@ -262,38 +259,19 @@ def test_a_failed_build_leaves_nothing(monkeypatch, error):
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert any(a[:3] == ("ip", "netns", "add") for a in calls)
-    assert not _ours(fabric)
+    assert not ours(fabric)
 
 
 @pytest.mark.timeout(60)
 def test_an_error_inside_the_run_tears_the_fabric_down():
-    fabric = _tiny()
-    try:
-        with pytest.raises(ZeroDivisionError), fabric:
-            assert len(_ours(fabric)) == 6
-            raise ZeroDivisionError("an error in the run")
-    except EmulationUnavailable as exc:
-        pytest.skip(str(exc))
-    assert not _ours(fabric)
+    check_an_error_inside_the_run_tears_it_down(_tiny(), 6)
 
 
 @pytest.mark.timeout(60)
 def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
-    dead = next(t for t in range(99998, 0, -1) if not _alive(t))
-    live = _tiny().prefix  # this process's own tag: alive
-    made = []
-    try:
-        for name in (f"ls{dead}x0h0", f"ls{dead}x3s1", f"{live}l9"):
-            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-            if r.returncode:
-                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
-            made.append(name)
-        swept = sweep_stale()
-        assert sorted(swept) == [f"ls{dead}x0h0", f"ls{dead}x3s1"]
-        assert f"{live}l9" in _namespaces()
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    dead = dead_tag()
+    check_a_killed_runs_namespaces_are_swept(
+        sweep_stale, [f"ls{dead}x0h0", f"ls{dead}x3s1"], f"{_tiny().prefix}l9")
 
 
 # ------------------------------------------- python -m benchmarks leafspine ---

@@ -13,21 +13,18 @@ import json
 import subprocess
 
 import pytest
+from namespaces import (
+    check_a_killed_runs_namespaces_are_swept,
+    check_an_error_inside_the_run_tears_it_down,
+    dead_tag,
+    ours,
+)
 
 from benchmarks import emulated, rails
-from benchmarks.emulated import EmulationUnavailable, _alive
+from benchmarks.emulated import EmulationUnavailable
 from benchmarks.rails import RailCluster, sweep_stale
 
 MiB = 1 << 20
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-
-
-def _ours(cluster: RailCluster) -> list[str]:
-    return [ns for ns in _namespaces() if ns.startswith(cluster.prefix)]
 
 
 def _ip(*argv: str) -> str:
@@ -75,7 +72,7 @@ def test_builds_a_switch_per_rail_shapes_every_link_and_tears_down():
     cluster = RailCluster(3, 2, rail_bps=80e6)
     try:
         with cluster:
-            assert sorted(_ours(cluster)) == sorted(
+            assert sorted(ours(cluster)) == sorted(
                 [*map(cluster.ns, range(3)), *map(cluster.switch_ns, range(2))])
             for r in range(2):
                 sw = cluster.switch_ns(r)
@@ -96,7 +93,7 @@ def test_builds_a_switch_per_rail_shapes_every_link_and_tears_down():
             assert "dev eth1" in route and "src 10.66.1.1" in route, route
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
-    assert not _ours(cluster)
+    assert not ours(cluster)
 
 
 @pytest.mark.timeout(60)
@@ -121,37 +118,19 @@ def test_a_failed_build_leaves_nothing(monkeypatch, error):
     except EmulationUnavailable as exc:
         pytest.skip(str(exc))
     assert ("ip", "netns", "add", cluster.switch_ns(1)) in calls
-    assert not _ours(cluster)
+    assert not ours(cluster)
 
 
 @pytest.mark.timeout(60)
 def test_an_error_inside_the_run_tears_the_cluster_down():
-    cluster = RailCluster(2, 2)
-    try:
-        with pytest.raises(ZeroDivisionError), cluster:
-            assert len(_ours(cluster)) == 4
-            raise ZeroDivisionError("an error in the run")
-    except EmulationUnavailable as exc:
-        pytest.skip(str(exc))
-    assert not _ours(cluster)
+    check_an_error_inside_the_run_tears_it_down(RailCluster(2, 2), 4)
 
 
 @pytest.mark.timeout(60)
 def test_namespaces_of_a_killed_run_are_swept_and_live_ones_kept():
-    dead = next(t for t in range(99998, 0, -1) if not _alive(t))
-    live = RailCluster(2, 2).prefix  # this process's own tag: alive
-    made = []
-    try:
-        for name in (f"rl{dead}x0h0", f"rl{dead}x2r1", f"{live}h9"):
-            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-            if r.returncode:
-                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
-            made.append(name)
-        assert sorted(sweep_stale()) == [f"rl{dead}x0h0", f"rl{dead}x2r1"]
-        assert f"{live}h9" in _namespaces()
-    finally:
-        for name in made:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    dead = dead_tag()
+    check_a_killed_runs_namespaces_are_swept(
+        sweep_stale, [f"rl{dead}x0h0", f"rl{dead}x2r1"], f"{RailCluster(2, 2).prefix}h9")
 
 
 @pytest.mark.timeout(60)
@@ -174,7 +153,7 @@ def test_a_pull_between_two_hosts_carries_half_on_each_rail():
     got = [a[1][0] - b[1][0] for a, b in zip(after, before, strict=True)]  # host 1, downlink
     assert row["crc"] is not None and sum(got) >= 4 * MiB
     assert all(0.4 * 4 * MiB <= g <= 0.6 * 4 * MiB + 256 * 1024 for g in got), got
-    assert not _ours(cluster)
+    assert not ours(cluster)
 
 
 # ------------------------------------------------ python -m benchmarks rails ---

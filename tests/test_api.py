@@ -110,7 +110,7 @@ def test_gets_of_one_object_share_a_pull_that_outlives_each_of_them(local):
     async def cut_short():
         gets = [asyncio.ensure_future(node.get(other, 20, "numpy")) for _ in range(2)]
         await asyncio.sleep(0)  # the gets joined a pull that has not run yet
-        node._cancel_pull(other, hg.PeerLost("the test cut it short"))
+        node.pulls.cancel(other, hg.PeerLost("the test cut it short"))
         return await asyncio.gather(*gets, return_exceptions=True)
 
     outcomes = rt.call(cut_short(), 10)

@@ -109,7 +109,7 @@ def test_a_put_of_an_id_being_pulled_here_keeps_the_value_it_was_given():
 
 
 def test_a_given_up_pull_leaves_no_error_behind():
-    """`_cancel_pull` records why a pull was stopped, for its waiters; nothing
+    """`Pulls.cancel` records why a pull was stopped, for its waiters; nothing
     removes that record when the pull ends, so every id whose get was given
     up (or dropped while pulled) stays in `_pull_errors` for good."""
 

@@ -453,7 +453,7 @@ class Node:
         self.steps.forget(oid, reason)
         self.store.remove(oid, reason)
         self._stop_serving(oid)
-        self._cancel_pull(oid, reason)
+        self.pulls.cancel(oid, reason)
 
     def _stop_serving(self, oid: ObjectID) -> None:
         """`oid` left the store: a pull of it being served stops at its next
@@ -547,19 +547,11 @@ class Node:
             # `retry`; a put of the id under way here came after it)
             return
         if msg.lost and (obj := self.store.get(oid)) is not None and obj.complete:
-            # Declared lost while this copy completed: its `complete`, on its
-            # way, brings the object back; dropped, a get that just returned
-            # it would fail.
-            log.info("object %s declared lost while this node completed it: copy kept",
-                     oid.hex())
-            return
+            return  # lost as this copy completed: its `complete`, on its way, brings it back
         error = (_Retry(text) if msg.retry
                  else ReduceFailed(text) if msg.kind == "ReduceFailed"
                  else ObjectNotFound(text))
         self._forget(oid, error)
-
-    def _cancel_pull(self, oid: ObjectID, reason: BaseException) -> None:
-        self.pulls.cancel(oid, reason)
 
 
 def directory_addresses(address: str) -> list[str]:

@@ -259,11 +259,8 @@ class Pulls:
         except BaseException as exc:
             self._pull_ended(oid, me, exc)
             raise
-        finally:
-            # (a cancelled task keeps its error, whose traceback holds this
-            # frame: holding the task too would make a cycle that keeps the
-            # pull's buffer until a full pass of the garbage collector)
-            me = None
+        finally:  # (no cycle task -> error -> traceback -> this frame -> task:
+            me = None  # it would keep the buffer until the collector's full pass)
         self._pull_ended(oid, asyncio.current_task(), result=obj)
         return obj
 
@@ -448,10 +445,7 @@ class Pulls:
         comes from the newest assignment. (A pull of the whole object from
         one sender may be so told too: the directory stripes an object once
         enough receivers came.)"""
-        oid, seq = obj.oid, reply.seq
-        # (the task is looked up where needed, never kept in this frame: a
-        # cancelled task keeps its error, whose traceback holds the frame;
-        # see `_run_pull`)
+        oid, seq = obj.oid, reply.seq  # (the task is never kept in this frame: `_run_pull`)
         sender, address = reply.sender, reply.address
         also = [(s.sender, s.address) for s in reply.also]
         stripes = [(s.start, s.end, s.sender, s.address) for s in reply.stripes]
